@@ -1,0 +1,116 @@
+"""What an environment is: a dataset, a prompt renderer, a reward, and (optionally) a turn loop.
+
+The dispatcher only calls `run` (one trajectory) or `run_group` (all of a group's trajectories in
+one request, sharing the prompt's prefill). Both return `Trajectory` objects; the dispatcher turns
+them into `Rollout`s and stamps versions, servers and timings.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from beam_rl.types import Turn
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 32
+    temperature: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Completion:
+    """One choice of a completions response, exactly as the server returned it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+class CompletionClient(Protocol):
+    """The slice of the inference client an environment uses (see beam_rl.inference.client)."""
+
+    async def complete(
+        self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1
+    ) -> list[Completion]: ...
+
+
+@dataclass
+class Trajectory:
+    turns: list[Turn] = field(default_factory=list)
+    reward: float = 0.0
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` rendered with the tokenizer's chat template, ready for the assistant.
+
+    transformers 5 returns a BatchEncoding by default; the dispatcher needs a plain list of ints.
+    Control-token text inside messages (a dataset row containing "<|im_end|>") is encoded as plain
+    text, so data can never forge a turn boundary.
+    """
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False, sanitize_control_tokens=True
+    )
+    if isinstance(encoded, Mapping):
+        encoded = encoded["input_ids"]
+    return [int(token_id) for token_id in encoded]
+
+
+class Environment(abc.ABC):
+    """Base class of every environment; subclasses register themselves in beam_rl.envs."""
+
+    name: str = ""
+    multi_turn: bool = False
+
+    def __init__(self, tokenizer: Any, max_turns: int = 4) -> None:
+        self.tokenizer = tokenizer
+        self.max_turns = max_turns
+
+    @abc.abstractmethod
+    def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
+        """The dataset rows for a split ("train" or "eval")."""
+
+    @abc.abstractmethod
+    def render_prompt(self, row: dict[str, Any]) -> list[int]:
+        """The prompt's token ids, rendered with the tokenizer's chat template."""
+
+    @abc.abstractmethod
+    def reward(self, row: dict[str, Any], completion_text: str) -> float:
+        """Score one (final) answer."""
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The completion's text up to its first EOS: what a model writes after EOS is not its answer."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None and eos in token_ids:
+            token_ids = token_ids[: token_ids.index(eos)]
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    async def run(
+        self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int], sampling: SamplingParams
+    ) -> Trajectory:
+        """One trajectory. Single-turn default: one completion, scored by `reward`."""
+        (completion,) = await client.complete(prompt_ids, sampling, n=1)
+        return self._single_turn(row, completion)
+
+    async def run_group(
+        self,
+        client: CompletionClient,
+        row: dict[str, Any],
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        n: int,
+    ) -> list[Trajectory]:
+        """All `n` trajectories of a group in one request (`n` choices share one prefill)."""
+        if self.multi_turn:
+            raise NotImplementedError(f"{self.name} is multi-turn: run it one rollout per call")
+        completions = await client.complete(prompt_ids, sampling, n=n)
+        return [self._single_turn(row, c) for c in completions]
+
+    def _single_turn(self, row: dict[str, Any], completion: Completion) -> Trajectory:
+        turn = Turn(completion.token_ids, completion.logprobs, completion.finish_reason)
+        return Trajectory([turn], self.reward(row, self.decode(completion.token_ids)))

@@ -1,0 +1,151 @@
+"""The RL vocabulary every layer speaks: group requests, rollouts, training samples, train batches.
+
+Plain dataclasses, no Beam and no I/O, so the domain stays testable in milliseconds and the
+Beam layer can carry these objects between stages unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class RolloutStatus(str, enum.Enum):
+    OK = "ok"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+def make_group_id(epoch: int, index: int) -> str:
+    """A group's stable identity: the dataset row it came from in a given epoch."""
+    return f"e{epoch}-i{index}"
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One prompt to run `group_size` times; emitted by the prompt source."""
+
+    group_id: str
+    epoch: int
+    index: int  # row offset in the environment's dataset
+    env_name: str
+    group_size: int
+    row: dict[str, Any]  # the dataset row the environment renders and scores
+    policy_version: int = 0  # the policy version when the group was admitted
+
+
+@dataclass
+class Turn:
+    """One model generation inside a trajectory.
+
+    `env_ids` are the tokens the environment appended before this generation (empty for the first
+    turn, whose context is the rollout's prompt); they are context, never trained on.
+    `completion_ids` are the exact ids the server returned, EOS/stop tokens included.
+    """
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+    env_ids: list[int] = field(default_factory=list)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class Rollout:
+    """One attempt at a group's prompt, from dispatch to scoring."""
+
+    group_id: str
+    env_name: str
+    attempt: int  # index within the group, 0..group_size-1
+    group_size: int
+    prompt_ids: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    reward: float = 0.0
+    status: RolloutStatus = RolloutStatus.OK
+    errors: list[str] = field(default_factory=list)
+    policy_version_start: int = 0
+    policy_version_end: int = 0
+    server: str | None = None
+    t_start: float = 0.0
+    t_end: float = 0.0
+    # Filled by the train sink:
+    advantage: float = 0.0
+    filtered: str | None = None  # name of the filter that flagged it; None = clean
+    temperature: float = 1.0
+    epoch: int = 0
+    index: int = 0
+    is_eval: bool = False
+
+    @property
+    def rollout_id(self) -> str:
+        return f"{self.group_id}/{self.attempt}"
+
+    @property
+    def ok(self) -> bool:
+        return self.status is RolloutStatus.OK
+
+    @property
+    def truncated(self) -> bool:
+        return bool(self.turns) and self.turns[-1].truncated
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(t.completion_ids) for t in self.turns)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + sum(len(t.env_ids) + len(t.completion_ids) for t in self.turns)
+
+    def capture_error(self, error: BaseException | str) -> None:
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.errors.append(text)
+        self.status = RolloutStatus.ERROR
+
+
+@dataclass
+class Sample:
+    """One flat training sequence: a whole trajectory's tokens with per-token training data."""
+
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # bool [T], True where the model generated the token
+    logprobs: np.ndarray  # float32 [T], inference logprobs (0 on context tokens)
+    advantages: np.ndarray  # float32 [T], 0 on context tokens
+    temperatures: np.ndarray  # float32 [T]
+    rollout_id: str
+    group_id: str
+    policy_version: int  # version the rollout started on
+    reward: float = 0.0
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class MicroBatch:
+    """Samples concatenated into one row of at most `seq_len` tokens (no padding)."""
+
+    samples: list[Sample]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.samples)
+
+
+@dataclass
+class TrainBatch:
+    """What one trainer step consumes: micro-batches per data-parallel rank, plus the window."""
+
+    step: int
+    micro_batches: list[list[MicroBatch]]  # [rank][micro_batch]
+    group_ids: list[str]  # groups whose samples this batch trains on
+    window: dict[str, Any]  # observation-window statistics of all rollouts since the last batch

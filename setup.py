@@ -1,0 +1,37 @@
+"""beam-rl: the rollout side of LLM reinforcement learning as an Apache Beam streaming pipeline."""
+
+from setuptools import find_packages, setup
+
+# One Beam version everywhere: the Python SDK, the Prism binary (built from the Go module at this
+# version) and the Flink job server (assembled from the Maven artifacts at this version) must match.
+# 2.62.0 is the newest release whose Flink runner artifacts resolve from the Maven registry reachable
+# here (see README, "Runners").
+BEAM_VERSION = "2.62.0"
+
+setup(
+    name="beam-rl",
+    version="0.1.0",
+    description="RL rollout orchestration for LLMs as an Apache Beam streaming pipeline",
+    python_requires=">=3.10",
+    packages=find_packages(include=["beam_rl*", "transforms*", "runners*", "schemas*"]),
+    package_data={"beam_rl": ["envs/data/*.jsonl", "configs/*.toml"]},
+    install_requires=[
+        f"apache-beam=={BEAM_VERSION}",
+        "pyarrow>=14,<17",  # the range apache-beam 2.62 supports
+        "numpy>=1.26,<2.3",
+        "pydantic>=2.6,<3",
+        "httpx>=0.27",
+        "aiohttp>=3.9",
+        "rich>=13",
+        "transformers>=4.45",
+        "tokenizers>=0.20",
+        "safetensors>=0.4",
+        "torch>=2.3",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "vllm": ["vllm"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+    entry_points={"console_scripts": ["beam-rl=beam_rl.cli:main"]},
+)
