@@ -149,3 +149,4 @@ class TrainBatch:
     micro_batches: list[list[MicroBatch]]  # [rank][micro_batch]
     group_ids: list[str]  # groups whose samples this batch trains on
     window: dict[str, Any]  # observation-window statistics of all rollouts since the last batch
+    rollouts: list[Rollout] = field(default_factory=list)  # the window itself, errored and filtered too

@@ -1,0 +1,154 @@
+"""Batch packing: when a batch is full, and how its samples become micro-batches per trainer rank.
+
+Samples are never split and never padded: a micro-batch is samples laid end to end, and position
+ids restart at 0 for each sample so the trainer can keep attention within a sample.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from beam_rl.types import MicroBatch, Rollout, Sample
+
+
+def pack_micro_batches(samples: Sequence[Sample], seq_len: int) -> list[MicroBatch]:
+    """First-fit-decreasing: longest sample first, into the first micro-batch with room for it."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    for s in samples:
+        if len(s) == 0:
+            raise ValueError(f"sample of rollout {s.rollout_id} has no tokens")
+        if len(s) > seq_len:
+            raise ValueError(
+                f"sample of rollout {s.rollout_id} has {len(s)} tokens, more than seq_len={seq_len}: "
+                f"raise seq_len or lower the prompt/completion token limits"
+            )
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
+    room = np.zeros(len(samples), dtype=np.int64)  # free tokens per open micro-batch
+    bins: list[list[Sample]] = []
+    for i in order:
+        need = len(samples[i])
+        fits = np.flatnonzero(room[: len(bins)] >= need)
+        if fits.size:
+            b = int(fits[0])
+        else:
+            b = len(bins)
+            bins.append([])
+            room[b] = seq_len
+        bins[b].append(samples[i])
+        room[b] -= need
+    return [MicroBatch(b) for b in bins]
+
+
+def balance_across_ranks(micro_batches: Sequence[MicroBatch], ranks: int) -> list[list[MicroBatch]]:
+    """Greedy by tokens: the largest micro-batch goes to the rank with the fewest tokens so far.
+
+    Rank totals then differ by at most one micro-batch's tokens. With fewer micro-batches than
+    ranks, the largest multi-sample micro-batches are halved first (by tokens, never splitting a
+    sample) until every rank can get one; if there are fewer samples than ranks, the ranks left
+    over get an empty list, and the trainer must still step them (with no data).
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    pieces = list(micro_batches)
+    while len(pieces) < ranks:
+        splittable = [i for i, mb in enumerate(pieces) if len(mb.samples) > 1]
+        if not splittable:
+            break
+        largest = max(splittable, key=lambda i: pieces[i].num_tokens)
+        pieces[largest : largest + 1] = [MicroBatch(half) for half in _lpt(pieces[largest].samples, 2)]
+    return [[pieces[i] for i in rank] for rank in _lpt_indices([mb.num_tokens for mb in pieces], ranks)]
+
+
+def pack_for_ranks(samples: Sequence[Sample], seq_len: int, ranks: int) -> list[list[MicroBatch]]:
+    """Balance samples across ranks greedily by tokens, then pack each rank's samples with FFD.
+
+    Balancing whole samples (not micro-batches) keeps rank totals within one sample's tokens of
+    each other; ranks may end up with different numbers of micro-batches.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    return [pack_micro_batches(rank_samples, seq_len) for rank_samples in _lpt(samples, ranks)]
+
+
+def position_ids(mb: MicroBatch) -> np.ndarray:
+    """Positions 0..len-1 for each sample in turn (int32)."""
+    lengths = np.array([len(s) for s in mb.samples], dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    return (np.arange(lengths.sum()) - np.repeat(starts, lengths)).astype(np.int32)
+
+
+def flatten(mb: MicroBatch) -> dict[str, np.ndarray]:
+    """The micro-batch as one row of concatenated arrays, plus `seq_lens` to recover the samples."""
+    columns = {
+        "input_ids": np.int32,
+        "loss_mask": np.bool_,
+        "advantages": np.float32,
+        "logprobs": np.float32,
+        "temperatures": np.float32,
+    }
+    flat = {
+        name: np.concatenate([getattr(s, name) for s in mb.samples]).astype(dtype, copy=False)
+        if mb.samples
+        else np.zeros(0, dtype=dtype)
+        for name, dtype in columns.items()
+    }
+    flat["position_ids"] = position_ids(mb)
+    flat["seq_lens"] = np.array([len(s) for s in mb.samples], dtype=np.int32)
+    return flat
+
+
+@dataclass(frozen=True)
+class BatchCutter:
+    """When a batch is full: at `rollouts_per_step` clean rollouts or `token_budget` tokens, whichever first.
+
+    Batches are cut on whole groups, so a batch holds at least the target and overshoots it by
+    less than one group.
+    """
+
+    rollouts_per_step: int | None = None
+    token_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rollouts_per_step is None and self.token_budget is None:
+            raise ValueError("BatchCutter needs rollouts_per_step or token_budget")
+        for name in ("rollouts_per_step", "token_budget"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"BatchCutter: {name} must be >= 1, got {value}")
+
+    def is_full(self, num_rollouts: int, num_tokens: int) -> bool:
+        return (self.rollouts_per_step is not None and num_rollouts >= self.rollouts_per_step) or (
+            self.token_budget is not None and num_tokens >= self.token_budget
+        )
+
+    def cut(self, groups: Sequence[Sequence[Rollout]]) -> int:
+        """How many leading groups of clean rollouts make a full batch; 0 while not full."""
+        num_rollouts = num_tokens = 0
+        for taken, group in enumerate(groups, start=1):
+            num_rollouts += len(group)
+            num_tokens += sum(r.num_tokens for r in group)
+            if self.is_full(num_rollouts, num_tokens):
+                return taken
+        return 0
+
+
+def _lpt(samples: Sequence[Sample], bins: int) -> list[list[Sample]]:
+    """Longest-processing-time split of samples into `bins` lists with near-equal token totals."""
+    return [[samples[i] for i in b] for b in _lpt_indices([len(s) for s in samples], bins)]
+
+
+def _lpt_indices(sizes: Sequence[int], bins: int) -> list[list[int]]:
+    # Each item goes to the lightest bin; ties go to the bin with fewer items, then the lower index,
+    # so empty bins fill first and the result is deterministic.
+    heap = [(0, 0, b) for b in range(bins)]
+    out: list[list[int]] = [[] for _ in range(bins)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        load, count, b = heapq.heappop(heap)
+        out[b].append(i)
+        heapq.heappush(heap, (load + sizes[i], count + 1, b))
+    return out

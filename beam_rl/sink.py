@@ -1,0 +1,159 @@
+"""The train sink, synchronous and Beam-free: score complete groups, then cut them into train batches.
+
+`score_group` is the article's process_group; `BatchBuilder` is its process_batch plus packing.
+The Beam transforms call these and keep a BatchBuilder in their state.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from beam_rl.advantages import AdvantageAlgorithm
+from beam_rl.filters import FilterCounts, RolloutFilter, apply_filters
+from beam_rl.packing import BatchCutter, pack_for_ranks
+from beam_rl.samples import trace_to_samples
+from beam_rl.types import MicroBatch, Rollout, RolloutStatus, Sample, TrainBatch
+
+
+@dataclass
+class ScoredGroup:
+    """One complete group after scoring: every rollout (to measure), the clean ones and their samples (to train)."""
+
+    group_id: str
+    algorithm: AdvantageAlgorithm
+    rollouts: list[Rollout]  # all of the group, errored, cancelled and filtered included
+    clean: list[Rollout]  # ok and not filtered, in arrival order
+    samples: list[Sample]  # trace_to_samples of `clean`
+    counts: FilterCounts = field(default_factory=FilterCounts)
+
+
+def score_group(
+    rollouts: Sequence[Rollout],
+    algorithm: AdvantageAlgorithm,
+    pre_filters: Sequence[RolloutFilter],
+    temperature: float,
+) -> ScoredGroup:
+    """Drop errored and cancelled, score the survivors, stamp the temperature, filter, tokenize the clean."""
+    if not rollouts:
+        raise ValueError("score_group needs at least one rollout")
+    group_ids = {r.group_id for r in rollouts}
+    if len(group_ids) != 1:
+        raise ValueError(f"score_group got rollouts of several groups: {sorted(group_ids)}")
+    survivors = [r for r in rollouts if r.ok]
+    # Advantages use every survivor's reward, including those a filter is about to flag.
+    algorithm.finalize_group(survivors)
+    for r in survivors:
+        r.temperature = temperature
+    counts = apply_filters(pre_filters, survivors)
+    clean = [r for r in survivors if r.filtered is None]
+    samples = [s for r in clean for s in trace_to_samples(r)]
+    return ScoredGroup(group_ids.pop(), algorithm, list(rollouts), clean, samples, counts)
+
+
+class BatchBuilder:
+    """Collects scored groups and cuts them, whole, into numbered train batches.
+
+    Every rollout seen since the last batch (errored and filtered too) forms the next batch's
+    observation window. A batch whose rollouts the post-batch filters all reject is not emitted
+    and does not take a step number; its rollouts stay in the window of the next batch.
+    """
+
+    def __init__(
+        self,
+        cutter: BatchCutter,
+        seq_len: int,
+        ranks: int,
+        post_filters: Sequence[RolloutFilter] = (),
+        next_step: int = 1,
+    ) -> None:
+        if seq_len < 1 or ranks < 1:
+            raise ValueError(f"BatchBuilder needs seq_len >= 1 and ranks >= 1, got {seq_len}, {ranks}")
+        self.cutter = cutter
+        self.seq_len = seq_len
+        self.ranks = ranks
+        self.post_filters = list(post_filters)
+        self.next_step = next_step
+        self._pending: list[ScoredGroup] = []  # groups with clean rollouts, waiting for a batch
+        self._window: list[Rollout] = []
+        self._window_groups: list[str] = []
+        self._window_counts = FilterCounts()
+
+    @property
+    def pending_rollouts(self) -> int:
+        return sum(len(g.clean) for g in self._pending)
+
+    def add(self, group: ScoredGroup) -> list[TrainBatch]:
+        """Take one scored group; return the batches it completed (usually none or one)."""
+        self._window.extend(group.rollouts)
+        self._window_groups.append(group.group_id)
+        self._window_counts = self._window_counts + group.counts
+        if group.clean:
+            self._pending.append(group)
+        batches = []
+        while taken := self.cutter.cut([g.clean for g in self._pending]):
+            cohort, self._pending = self._pending[:taken], self._pending[taken:]
+            batch = self._build(cohort)
+            if batch is not None:
+                batches.append(batch)
+        return batches
+
+    def flush(self) -> TrainBatch | None:
+        """A final, partial batch of whatever is pending (end of run); None if nothing is trainable."""
+        cohort, self._pending = self._pending, []
+        return self._build(cohort) if cohort else None
+
+    def _build(self, cohort: list[ScoredGroup]) -> TrainBatch | None:
+        step = self.next_step
+        rollouts = [r for g in cohort for r in g.clean]
+        self._window_counts = self._window_counts + apply_filters(self.post_filters, rollouts, step=step)
+        kept = {r.rollout_id for r in rollouts if r.filtered is None}
+        by_algorithm: dict[Any, tuple[AdvantageAlgorithm, list[Sample]]] = {}
+        group_ids = []
+        for g in cohort:
+            samples = [s for s in g.samples if s.rollout_id in kept]
+            if samples:
+                group_ids.append(g.group_id)
+                by_algorithm.setdefault(g.algorithm.key, (g.algorithm, []))[1].extend(samples)
+        if not group_ids:
+            return None
+        # Batch-level normalisation (REINFORCE++ whitening) is per algorithm: envs may mix them.
+        for algorithm, algorithm_samples in by_algorithm.values():
+            algorithm.batch_normalize(algorithm_samples)
+        samples = [s for _, algorithm_samples in by_algorithm.values() for s in algorithm_samples]
+        micro_batches = pack_for_ranks(samples, self.seq_len, self.ranks)
+        window = self._window_stats(step, kept, samples, micro_batches)
+        self.next_step += 1
+        observed = self._window
+        self._window, self._window_groups, self._window_counts = [], [], FilterCounts()
+        return TrainBatch(step=step, micro_batches=micro_batches, group_ids=group_ids, window=window,
+                          rollouts=observed)
+
+    def _window_stats(
+        self, step: int, kept: set[str], samples: list[Sample], micro_batches: list[list[MicroBatch]]
+    ) -> dict[str, Any]:
+        window = self._window
+        ok = [r for r in window if r.ok]
+        versions = np.array([r.policy_version_start for r in window], dtype=np.int64)
+        return {
+            "step": step,
+            "rollouts": len(window),
+            "status": {s.value: sum(r.status is s for r in window) for s in RolloutStatus},
+            "errored": sum(r.status is RolloutStatus.ERROR for r in window),
+            "filtered": dict(Counter(r.filtered for r in window if r.filtered is not None)),
+            "flagged": self._window_counts.as_dict(),
+            "trained_rollouts": len(kept),
+            "reward_mean": float(np.mean([r.reward for r in ok])) if ok else None,
+            "completion_tokens_mean": float(np.mean([r.completion_tokens for r in ok])) if ok else None,
+            "policy_version_min": int(versions.min()) if versions.size else None,
+            "policy_version_max": int(versions.max()) if versions.size else None,
+            "staleness_max": int((step - 1) - versions.min()) if versions.size else None,
+            "samples": len(samples),
+            "tokens": int(sum(len(s) for s in samples)),
+            "micro_batches": [len(rank) for rank in micro_batches],
+            "group_ids": list(self._window_groups),
+        }

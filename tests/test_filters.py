@@ -1,0 +1,128 @@
+"""Rollout filters: each detection rule on hand-made rollouts, and monitor vs enforce accounting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from beam_rl.filters import (
+    FilterCounts,
+    GibberishFilter,
+    OverlongFilter,
+    RepetitionFilter,
+    StaleFilter,
+    ZeroAdvantageFilter,
+    apply_filters,
+    make_filter,
+)
+from beam_rl.types import Rollout, RolloutStatus, Turn
+
+
+def _rollout(
+    attempt: int = 0,
+    reward: float = 0.0,
+    ids: list[int] | None = None,
+    logprobs: list[float] | None = None,
+    group_id: str = "e0-i0",
+    **kw,
+) -> Rollout:
+    ids = [5, 6] if ids is None else ids
+    logprobs = [-1.0] * len(ids) if logprobs is None else logprobs
+    turns = kw.pop("turns", [Turn(ids, logprobs, finish_reason=kw.pop("finish_reason", "stop"))])
+    return Rollout(group_id, "echo", attempt, 4, prompt_ids=[1], turns=turns, reward=reward, **kw)
+
+
+def test_zero_advantage_monitor_counts_without_flagging():
+    group = [_rollout(i, reward=1.0) for i in range(3)]
+    counts = apply_filters([ZeroAdvantageFilter(mode="monitor")], group)
+    assert counts.monitored == {"zero_advantage": 3} and not counts.enforced
+    assert [r.filtered for r in group] == [None, None, None]
+
+
+def test_zero_advantage_enforce_flags_only_flat_groups():
+    flat = [_rollout(i, reward=0.5, group_id="e0-i0") for i in range(2)]
+    mixed = [_rollout(i, reward=float(i), group_id="e0-i1") for i in range(2)]
+    counts = apply_filters([ZeroAdvantageFilter(mode="enforce")], flat + mixed)
+    assert counts.enforced == {"zero_advantage": 2}
+    assert [r.filtered for r in flat + mixed] == ["zero_advantage", "zero_advantage", None, None]
+
+
+def test_gibberish_needs_a_rare_id_and_a_surprising_logprob():
+    f = GibberishFilter(vocab_size=1000, mode="enforce")
+    # id threshold 0.9 * 1000 = 900; logprob threshold -log(1000) - 2 = -6.9078 - 2 = -8.9078
+    assert f.detect(_rollout(ids=[3, 950], logprobs=[-0.1, -9.0]))
+    assert not f.detect(_rollout(ids=[3, 950], logprobs=[-0.1, -8.5]))  # rare but not surprising
+    assert not f.detect(_rollout(ids=[3, 850], logprobs=[-0.1, -12.0]))  # surprising but common
+    assert not f.detect(_rollout(ids=[900], logprobs=[-12.0]))  # id must be above the threshold
+    second_turn = _rollout(turns=[Turn([3], [-0.1]), Turn([999], [-20.0], env_ids=[7])])
+    assert f.detect(second_turn)
+    assert GibberishFilter(vocab_size=1000, token_id_frac=0.75, logprob_offset=0.0).detect(
+        _rollout(ids=[751], logprobs=[-7.0])  # 751 > 750 and -7.0 < -6.9078
+    )
+
+
+def test_repetition_needs_a_long_enough_streak_of_near_certain_tokens():
+    f = RepetitionFilter(window=4)
+    certain = -0.001  # exp(-0.001) = 0.999 > 0.99
+    assert f.detect(_rollout(ids=[1] * 5, logprobs=[-2.0] + [certain] * 4))
+    assert not f.detect(_rollout(ids=[1] * 7, logprobs=[certain] * 3 + [-0.5] + [certain] * 3))
+    # exactly p = 0.99 is not "above" it
+    assert not f.detect(_rollout(ids=[1] * 4, logprobs=[math.log(0.99)] * 4))
+    # a streak does not run through environment tokens
+    split = _rollout(turns=[Turn([1, 1], [certain] * 2), Turn([1, 1], [certain] * 2, env_ids=[9])])
+    assert not f.detect(split)
+    assert RepetitionFilter().window == 1000 and RepetitionFilter().prob_threshold == 0.99
+    assert (RepetitionFilter().mode, ZeroAdvantageFilter().mode) == ("monitor", "enforce")
+
+
+def test_overlong_flags_truncated_rollouts():
+    f = OverlongFilter(mode="enforce")
+    assert f.detect(_rollout(finish_reason="length"))
+    assert not f.detect(_rollout(finish_reason="stop"))
+
+
+def test_stale_is_always_enforced_and_needs_the_step():
+    f = StaleFilter(max_off_policy_steps=1)
+    assert f.mode == "enforce"
+    # step 5 trains policy 4; oldest allowed start version = 5 - 1 - 1 = 3
+    old, ok = _rollout(0, policy_version_start=2), _rollout(1, policy_version_start=3)
+    counts = apply_filters([f], [old, ok], step=5)
+    assert counts.enforced == {"stale": 1}
+    assert (old.filtered, ok.filtered) == ("stale", None)
+    with pytest.raises(ValueError, match="needs the step"):
+        apply_filters([f], [ok])
+
+
+def test_off_mode_is_skipped_and_errored_rollouts_are_not_inspected():
+    truncated = _rollout(finish_reason="length")
+    assert apply_filters([OverlongFilter(mode="off")], [truncated]) == FilterCounts()
+    errored = _rollout(finish_reason="length", status=RolloutStatus.ERROR)
+    assert apply_filters([OverlongFilter(mode="enforce")], [errored]) == FilterCounts()
+    assert errored.filtered is None
+
+
+def test_each_rule_counts_and_the_first_enforced_reason_sticks():
+    r = _rollout(ids=[999], logprobs=[-20.0], finish_reason="length")
+    filters = [GibberishFilter(vocab_size=1000, mode="enforce"), OverlongFilter(mode="enforce"),
+               RepetitionFilter(window=1, prob_threshold=0.5, mode="monitor")]
+    counts = apply_filters(filters, [r])
+    assert counts.enforced == {"gibberish": 1, "overlong": 1}
+    assert counts.monitored == {}  # exp(-20) is not above 0.5
+    assert r.filtered == "gibberish"
+    total = counts + FilterCounts(monitored={"repetition": 2}, enforced={"overlong": 1})
+    assert total.as_dict() == {"monitored": {"repetition": 2}, "enforced": {"gibberish": 1, "overlong": 2}}
+
+
+def test_make_filter_and_validation():
+    assert make_filter("gibberish", vocab_size=50, mode="enforce") == GibberishFilter(vocab_size=50, mode="enforce")
+    with pytest.raises(ValueError, match="unknown filter 'junk'"):
+        make_filter("junk")
+    with pytest.raises(ValueError, match="mode 'strict'"):
+        make_filter("overlong", mode="strict")
+    with pytest.raises(ValueError, match="filter stale"):
+        make_filter("stale", max_off_policy_steps=1, mode="monitor")
+    with pytest.raises(ValueError, match="token_id_frac"):
+        GibberishFilter(vocab_size=50, token_id_frac=1.5)
+    with pytest.raises(ValueError, match="rollout e0-i0/0 turn 0: 1 logprobs for 2"):
+        GibberishFilter(vocab_size=50).detect(_rollout(ids=[1, 2], logprobs=[-1.0]))

@@ -1,0 +1,154 @@
+"""The train sink: scoring complete groups and cutting them, whole, into numbered train batches."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from beam_rl.advantages import get_algorithm
+from beam_rl.filters import OverlongFilter, StaleFilter, ZeroAdvantageFilter
+from beam_rl.packing import BatchCutter
+from beam_rl.sink import BatchBuilder, score_group
+from beam_rl.types import Rollout, RolloutStatus, Turn
+
+DR_GRPO = get_algorithm("dr_grpo")
+
+
+def _rollout(group: str, attempt: int, reward: float, completion: int = 3, version: int = 0, **kw) -> Rollout:
+    finish = kw.pop("finish_reason", "stop")
+    turn = Turn(list(range(10, 10 + completion)), [-0.5] * completion, finish_reason=finish)
+    return Rollout(group, "echo", attempt, 4, prompt_ids=[1, 2], turns=[turn], reward=reward,
+                   policy_version_start=version, **kw)
+
+
+def _group(group: str, rewards: list[float], **kw) -> list[Rollout]:
+    return [_rollout(group, i, r, **kw) for i, r in enumerate(rewards)]
+
+
+def test_score_group_drops_errored_and_cancelled_then_scores_survivors():
+    rollouts = _group("e0-i0", [1.0, 0.0, 5.0, 5.0])
+    rollouts[2].capture_error("TimeoutError: server 0")
+    rollouts[3].status = RolloutStatus.CANCELLED
+    scored = score_group(rollouts, DR_GRPO, [], temperature=0.7)
+    # survivors [1, 0]: mean 0.5 -> advantages [0.5, -0.5]; the errored rewards play no part
+    assert [r.advantage for r in rollouts] == [0.5, -0.5, 0.0, 0.0]
+    assert [r.temperature for r in rollouts[:2]] == [0.7, 0.7]
+    assert scored.group_id == "e0-i0" and scored.rollouts == rollouts and scored.clean == rollouts[:2]
+    assert [s.rollout_id for s in scored.samples] == ["e0-i0/0", "e0-i0/1"]
+    np.testing.assert_allclose(scored.samples[1].advantages, [0, 0, -0.5, -0.5, -0.5])
+    np.testing.assert_allclose(scored.samples[0].temperatures, [0.7] * 5, rtol=1e-6)
+
+
+def test_filtered_rollouts_keep_their_reward_in_the_baseline():
+    rollouts = _group("e0-i0", [1.0, 0.0, 0.0])
+    rollouts[0].turns[0].finish_reason = "length"
+    scored = score_group(rollouts, DR_GRPO, [OverlongFilter(mode="enforce")], temperature=1.0)
+    # mean over all three survivors = 1/3 -> [2/3, -1/3, -1/3]; the truncated one is not trained on
+    assert rollouts[0].filtered == "overlong" and scored.counts.enforced == {"overlong": 1}
+    assert scored.clean == rollouts[1:]
+    for sample in scored.samples:
+        np.testing.assert_allclose(sample.advantages[sample.loss_mask], [-1 / 3] * 3, rtol=1e-6)
+
+
+def test_score_group_rejects_mixed_or_empty_groups():
+    with pytest.raises(ValueError, match="several groups"):
+        score_group(_group("a", [1.0]) + _group("b", [0.0]), DR_GRPO, [], 1.0)
+    with pytest.raises(ValueError, match="at least one rollout"):
+        score_group([], DR_GRPO, [], 1.0)
+
+
+def _builder(**kw) -> BatchBuilder:
+    kw.setdefault("cutter", BatchCutter(rollouts_per_step=4))
+    kw.setdefault("seq_len", 16)
+    kw.setdefault("ranks", 2)
+    return BatchBuilder(**kw)
+
+
+def _scored(group: str, rewards: list[float], pre_filters=(), algorithm=DR_GRPO, **kw):
+    return score_group(_group(group, rewards, **kw), algorithm, list(pre_filters), temperature=1.0)
+
+
+def test_batches_are_cut_on_whole_groups_and_numbered():
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=4), next_step=7)
+    assert builder.add(_scored("g0", [1, 0, 1])) == []
+    (batch,) = builder.add(_scored("g1", [0, 1, 1]))  # 6 >= 4: both groups, whole
+    assert batch.step == 7 and batch.group_ids == ["g0", "g1"]
+    assert len(batch.micro_batches) == 2
+    trained = sorted(s.rollout_id for rank in batch.micro_batches for mb in rank for s in mb.samples)
+    assert trained == [f"g{g}/{i}" for g in range(2) for i in range(3)]
+    assert all(mb.num_tokens <= 16 for rank in batch.micro_batches for mb in rank)
+    assert builder.add(_scored("g2", [1, 0])) == [] and builder.next_step == 8
+    assert builder.pending_rollouts == 2
+
+
+def test_window_counts_every_rollout_since_the_last_batch():
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=3))
+    errored = _group("g-err", [0.0, 0.0])
+    for r in errored:
+        r.capture_error("HTTPError: 500")
+    assert builder.add(score_group(errored, DR_GRPO, [], 1.0)) == []
+    flat = _scored("g-flat", [1.0, 1.0], pre_filters=[ZeroAdvantageFilter(mode="enforce")], version=2)
+    assert builder.add(flat) == []
+    monitored = _scored("g-mon", [1.0, 1.0], pre_filters=[ZeroAdvantageFilter(mode="monitor")], version=3)
+    assert builder.add(monitored) == []  # 2 clean rollouts pending
+    (batch,) = builder.add(_scored("g-ok", [1.0, 0.0], completion=5, version=4))
+    w = batch.window
+    assert batch.step == 1 and batch.group_ids == ["g-mon", "g-ok"]
+    assert w["group_ids"] == ["g-err", "g-flat", "g-mon", "g-ok"]
+    assert w["rollouts"] == 8 and w["status"] == {"ok": 6, "error": 2, "cancelled": 0} and w["errored"] == 2
+    assert w["filtered"] == {"zero_advantage": 2}
+    assert w["flagged"] == {"monitored": {"zero_advantage": 2}, "enforced": {"zero_advantage": 2}}
+    assert w["trained_rollouts"] == 4 and w["samples"] == 4
+    # ok rewards [1, 1, 1, 1, 1, 0] -> 5/6; completion tokens [3, 3, 3, 3, 5, 5] -> 22/6
+    assert w["reward_mean"] == pytest.approx(5 / 6) and w["completion_tokens_mean"] == pytest.approx(22 / 6)
+    # versions [0, 0, 2, 2, 3, 3, 4, 4]; step 1 trains policy 0, the oldest started at 0
+    assert (w["policy_version_min"], w["policy_version_max"], w["staleness_max"]) == (0, 4, 0)
+    assert w["tokens"] == 2 * 5 + 2 * 7  # prompt 2 + completion 3 or 5
+    # the next batch starts a fresh window
+    (nxt,) = builder.add(_scored("g-next", [0.0, 1.0, 0.5]))
+    assert nxt.window["rollouts"] == 3 and nxt.window["group_ids"] == ["g-next"] and nxt.step == 2
+
+
+def test_post_filters_get_the_step_and_a_fully_filtered_batch_takes_no_step():
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=2), post_filters=[StaleFilter(max_off_policy_steps=0)],
+                       next_step=3)
+    # step 3 trains policy 2; with no off-policy slack the oldest allowed start version is 2
+    assert builder.add(_scored("old", [1.0, 0.0], version=1)) == []
+    assert builder.next_step == 3
+    (batch,) = builder.add(_scored("fresh", [1.0, 0.0], version=2))
+    assert batch.step == 3 and batch.group_ids == ["fresh"]
+    assert batch.window["filtered"] == {"stale": 2}
+    assert batch.window["flagged"]["enforced"] == {"stale": 2}
+    assert batch.window["group_ids"] == ["old", "fresh"] and batch.window["staleness_max"] == 1
+
+
+def test_reinforce_pp_is_whitened_over_the_batch():
+    algorithm = get_algorithm("reinforce_plus_plus_baseline")
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=4))
+    builder.add(_scored("a", [1.0, 0.0], algorithm=algorithm, completion=1))
+    (batch,) = builder.add(_scored("b", [3.0, 1.0], algorithm=algorithm, completion=1))
+    # group step: a -> [0.5, -0.5], b -> [1, -1]; one trainable token each: [0.5, -0.5, 1, -1]
+    # mean 0; Bessel var = (0.25 + 0.25 + 1 + 1) / 3 = 5/6; sqrt(5/6) = 0.9128709
+    by_id = {s.rollout_id: s.advantages[s.loss_mask][0] for rank in batch.micro_batches for mb in rank
+             for s in mb.samples}
+    expected = {"a/0": 0.5477226, "a/1": -0.5477226, "b/0": 1.0954451, "b/1": -1.0954451}
+    assert by_id == pytest.approx(expected, rel=1e-6)
+
+
+def test_flush_returns_the_partial_batch_once():
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=100))
+    assert builder.flush() is None
+    builder.add(_scored("g0", [1.0, 0.0]))
+    batch = builder.flush()
+    assert batch is not None and batch.step == 1 and batch.group_ids == ["g0"]
+    assert builder.flush() is None and builder.next_step == 2
+
+
+def test_builder_and_scored_groups_pickle():
+    builder = _builder()
+    builder.add(_scored("g0", [1.0, 0.0]))
+    restored = pickle.loads(pickle.dumps(builder))
+    (batch,) = restored.add(_scored("g1", [1.0, 0.0]))
+    assert batch.group_ids == ["g0", "g1"]
