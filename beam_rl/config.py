@@ -1,0 +1,308 @@
+"""The run configuration: one pydantic model, loaded from TOML, that every layer reads its settings from."""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+FilterMode = Literal["off", "monitor", "enforce"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; `problems` holds (key path, message) pairs."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = [f"invalid config {source}:"]
+        lines += [f"  {path}: {msg}" if path else f"  {msg}" for path, msg in problems]
+        super().__init__("\n".join(lines))
+
+
+class _Section(BaseModel):
+    # Unknown keys are almost always typos of a real key; silently ignoring them runs the wrong job.
+    # Strict: TOML has real types, so `seq_len = "1024"` or `seed = true` is a mistake, not a value.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+class RunSection(_Section):
+    dir: Path = Field(Path("runs/tiny"), strict=False)  # TOML and config.json give a string
+    seed: int = 0
+    max_steps: int = Field(10, gt=0)
+    bad_rows: Literal["fail", "skip"] = "fail"  # a malformed dataset row: stop the run, or skip and count it
+
+
+class ModelSection(_Section):
+    name: str = Field("tiny", min_length=1)  # "tiny" (built in) or a local Hugging Face model directory
+    max_context: int = Field(512, gt=0)  # prompt + every turn of a trajectory must fit
+
+
+class InferenceSection(_Section):
+    urls: list[str] = Field(default_factory=list)  # vLLM base URLs; empty = start embedded servers
+    embedded_servers: int = Field(2, ge=0)
+    embedded_max_num_seqs: int = Field(64, gt=0)
+    embedded_mode: Literal["model", "instant"] = "model"
+    max_inflight: int = Field(128, gt=0)  # permits: the hard cap on in-flight rollouts
+    request_timeout_s: float = Field(60.0, gt=0)
+    max_retries: int = Field(2, ge=0)
+    retry_backoff_s: float = Field(0.2, ge=0)
+    max_tokens: int = Field(24, gt=0)
+    temperature: float = Field(1.0, ge=0)
+
+    @field_validator("urls")
+    @classmethod
+    def _http_base_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) base URL")
+        # Clients append "/v1/completions"; a trailing slash would double it.
+        return [url.rstrip("/") for url in urls]
+
+
+class EnvConfig(_Section):
+    name: str = Field(min_length=1)
+    group_size: int = Field(8, ge=1)
+    algorithm: str = Field("grpo", min_length=1)
+    algorithm_args: dict[str, Any] = Field(default_factory=dict)
+    args: dict[str, Any] = Field(default_factory=dict)  # passed to the environment's constructor
+    mode: Literal["group", "rollout"] = "group"  # group: one request with n=group_size; rollout: one per attempt
+    epochs: int = Field(1, ge=1)
+    max_turns: int = Field(4, ge=1)
+    split: str = Field("train", min_length=1)
+
+
+class BatchSection(_Section):
+    rollouts_per_step: int = Field(64, gt=0)
+    token_budget: int | None = Field(None, gt=0)  # cut a batch by trainable tokens instead of rollouts
+    seq_len: int = Field(1024, gt=0)  # tokens per micro-batch
+    trainer_ranks: int = Field(1, ge=1)
+
+
+class ZeroAdvantageFilter(_Section):
+    mode: FilterMode = "enforce"
+
+
+class GibberishFilter(_Section):
+    """arXiv 2510.02387 sec. 5.2: id > token_id_frac * vocab_size and logprob < -log(vocab_size) - logprob_offset.
+
+    0.9 keeps to "near the top of the vocabulary"; prime-rl's absolute 100_000 is 0.66 of Qwen's vocab.
+    """
+
+    mode: FilterMode = "monitor"
+    token_id_frac: float = Field(0.9, gt=0, lt=1)
+    logprob_offset: float = Field(2.0, ge=0)
+
+
+class RepetitionFilter(_Section):
+    """arXiv 2506.13585 sec. 3.2: `window` consecutive sampled tokens each with probability > prob_threshold."""
+
+    mode: FilterMode = "monitor"
+    window: int = Field(1000, ge=1)
+    prob_threshold: float = Field(0.99, gt=0, lt=1)
+
+
+class OverlongFilter(_Section):
+    mode: FilterMode = "monitor"
+
+
+class FiltersSection(_Section):
+    zero_advantage: ZeroAdvantageFilter = Field(default_factory=ZeroAdvantageFilter)
+    gibberish: GibberishFilter = Field(default_factory=GibberishFilter)
+    repetition: RepetitionFilter = Field(default_factory=RepetitionFilter)
+    overlong: OverlongFilter = Field(default_factory=OverlongFilter)
+
+
+class OffPolicySection(_Section):
+    max_async_level: int = Field(1, ge=0)  # how many steps the source may run ahead of the trainer
+    max_off_policy_steps: int = Field(2, ge=0)  # hard staleness bound checked before packing
+
+
+class RunnerSection(_Section):
+    name: Literal["direct", "flink-local", "flink"] = "direct"
+    flink_master: str | None = None  # host:port of a Flink cluster's REST endpoint
+    parallelism: int = Field(1, ge=1)
+    checkpointing_interval_ms: int | None = Field(None, gt=0)
+    state_backend: Literal["rocksdb", "hashmap", "filesystem"] | None = None  # Beam's FlinkPipelineOptions values
+    state_backend_storage_path: str | None = None
+
+
+class TrainerSection(_Section):
+    kind: Literal["reference", "none"] = "reference"  # none: an external trainer reads the run directory
+    lr: float = Field(1e-3, gt=0)  # AdamW, constant
+    weight_decay: float = Field(0.0, ge=0)
+    # The PPO ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high]; DAPO's clip-higher raises only the top.
+    clip_eps_low: float = Field(0.2, gt=0, lt=1)
+    clip_eps_high: float = Field(0.2, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)  # global gradient-norm clip before each optimizer step
+
+
+class EvalSection(_Section):
+    every_steps: int = Field(0, ge=0)  # 0 = no evaluation
+
+
+class _CrossFieldErrors(ValueError):
+    """Raised by RunConfig's model validator so each problem keeps its own key path."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{p}: {m}" for p, m in problems))
+
+
+class RunConfig(_Section):
+    """The whole run. Defaults describe the tiny CPU run.
+
+    Relative paths (`run.dir`, a local `model.name`) are relative to the current working directory, not
+    to the config file, so a config run from the repo root writes under `./runs/`, like every other
+    path given on the command line. `model_dump(mode="json")` is what the run directory stores.
+    """
+
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    inference: InferenceSection = Field(default_factory=InferenceSection)
+    envs: list[EnvConfig] = Field(min_length=1)
+    batch: BatchSection = Field(default_factory=BatchSection)
+    filters: FiltersSection = Field(default_factory=FiltersSection)
+    off_policy: OffPolicySection = Field(default_factory=OffPolicySection)
+    runner: RunnerSection = Field(default_factory=RunnerSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        problems: list[tuple[str, str]] = []
+        batch, inference = self.batch, self.inference
+        seen: dict[str, int] = {}
+        for i, env in enumerate(self.envs):
+            if env.name in seen:
+                problems.append((f"envs[{i}].name", f"duplicate {env.name!r} (also envs[{seen[env.name]}])"))
+            seen.setdefault(env.name, i)
+            # Batches are cut on whole groups, so a step must hold a whole number of every env's groups.
+            if batch.rollouts_per_step % env.group_size:
+                problems.append((
+                    "batch.rollouts_per_step",
+                    f"{batch.rollouts_per_step} is not a multiple of envs[{i}].group_size "
+                    f"({env.group_size}, env {env.name!r})",
+                ))
+            # A group-mode request holds group_size permits at once; fewer permits would never admit it.
+            if env.mode == "group" and env.group_size > inference.max_inflight:
+                problems.append((
+                    "inference.max_inflight",
+                    f"{inference.max_inflight} permits cannot admit a group of envs[{i}].group_size "
+                    f"({env.group_size}) in group mode",
+                ))
+        off = self.off_policy
+        if off.max_off_policy_steps < off.max_async_level:
+            problems.append((
+                "off_policy.max_off_policy_steps",
+                f"{off.max_off_policy_steps} is below off_policy.max_async_level ({off.max_async_level}): "
+                "every rollout the source runs ahead would be dropped as stale",
+            ))
+        if not inference.urls and inference.embedded_servers == 0:
+            problems.append(("inference.embedded_servers", "0 with no inference.urls leaves no server to generate"))
+        if inference.max_tokens >= self.model.max_context:
+            problems.append((
+                "inference.max_tokens",
+                f"{inference.max_tokens} leaves no room for a prompt in model.max_context ({self.model.max_context})",
+            ))
+        # A sample is a whole trajectory (up to max_context tokens) and is never split across micro-batches.
+        if batch.seq_len < self.model.max_context:
+            problems.append((
+                "batch.seq_len",
+                f"{batch.seq_len} is below model.max_context ({self.model.max_context}): "
+                "a long trajectory could not be packed",
+            ))
+        runner = self.runner
+        if runner.name == "flink" and not runner.flink_master:
+            problems.append(("runner.flink_master", 'required when runner.name = "flink" (host:port of the cluster)'))
+        if runner.name == "flink" and runner.flink_master == "[local]":
+            problems.append(("runner.flink_master", '"[local]" is an embedded Flink: use runner.name = "flink-local"'))
+        if runner.state_backend and not runner.state_backend_storage_path:
+            problems.append((
+                "runner.state_backend_storage_path", f"required when runner.state_backend = {runner.state_backend!r}"
+            ))
+        if problems:
+            raise _CrossFieldErrors(problems)
+        return self
+
+    def env(self, name: str) -> EnvConfig:
+        for env in self.envs:
+            if env.name == name:
+                return env
+        raise KeyError(f"no environment {name!r} in config (have {[e.name for e in self.envs]})")
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read and validate a TOML run config; any problem raises ConfigError naming the file and key."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(str(path), [("", "file not found")]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), [("", f"not valid TOML: {exc}")]) from None
+    return config_from_dict(data, source=str(path))
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    """Validate an already-parsed config (e.g. a run directory's config.json, or a test's dict)."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, _problems(exc)) from None
+
+
+def _problems(exc: ValidationError) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    for err in exc.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, _CrossFieldErrors):
+            problems.extend(cause.problems)
+            continue
+        loc = err["loc"]
+        path = _key_path(loc)
+        if err["type"] == "extra_forbidden":
+            problems.append((path, _unknown_key_message(loc)))
+        elif err["type"] == "missing":
+            problems.append((path, "required key is missing"))
+        else:
+            problems.append((path, f"{err['msg']} (got {err['input']!r})"))
+    return problems
+
+
+def _key_path(loc: tuple[str | int, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _unknown_key_message(loc: tuple[str | int, ...]) -> str:
+    allowed = _allowed_keys(loc[:-1])
+    msg = "unknown key"
+    if allowed:
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        msg += f" (did you mean {close[0]!r}?)" if close else f" (allowed: {', '.join(allowed)})"
+    return msg
+
+
+def _allowed_keys(parent: tuple[str | int, ...]) -> list[str]:
+    """The field names of the section at `parent`, found by walking RunConfig's annotations."""
+    model: Any = RunConfig
+    for part in parent:
+        if isinstance(part, int):
+            continue  # an index into a list: the element model was already resolved below
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        if get_origin(annotation) is list:
+            annotation = get_args(annotation)[0]
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)

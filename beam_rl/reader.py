@@ -1,0 +1,133 @@
+"""The trainer-side reader: waits for a committed step and hands out its micro-batches as numpy or torch."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from beam_rl.rundir import RunDir, StepNotCommittedError
+from schemas.train_batch import TOKEN_COLUMNS, TRAIN_BATCH_SCHEMA, SchemaError, check_schema
+
+MicroBatchArrays = dict[str, Any]
+
+
+class StepReader:
+    """Reads one data-parallel rank's share of each step from a run directory.
+
+    Each micro-batch is a dict: the per-token arrays of TOKEN_COLUMNS concatenated over its samples
+    (`loss_mask` as bool), `cu_seqlens` [n+1] (sample boundaries, flash-attention's varlen layout),
+    per-sample `seq_lens`, `policy_versions`, `rewards`, `rollout_ids`, `group_ids`, and `micro_batch`.
+
+    Arrays are zero-copy views of the memory-mapped Arrow file: read-only, valid as long as they are
+    referenced. Move them to the device (`.to("cuda")` copies) or pass `copy=True` before writing in
+    place: an in-place write into a read-only mapping would crash the process.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str] | RunDir, rank: int = 0) -> None:
+        self.run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        self.rank = rank
+
+    def wait_for_step(
+        self, step: int, timeout_s: float | None = None, poll_s: float = 0.02, max_poll_s: float = 1.0
+    ) -> dict[str, Any]:
+        """Block until `step` is committed; returns its commit record or raises TimeoutError.
+
+        Polls the commit file with exponential backoff from `poll_s` to `max_poll_s`: a stat call per
+        poll, cheap enough without inotify, and prompt when steps arrive back to back.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        delay = poll_s
+        while not self.run.is_committed(step):
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise TimeoutError(f"{self.run.path}: step {step} not committed within {timeout_s} s")
+            time.sleep(delay if deadline is None else min(delay, deadline - now))
+            delay = min(delay * 2, max_poll_s)
+        return self.run.read_commit(step)
+
+    def read_step(self, step: int, *, as_torch: bool = False, copy: bool = False) -> list[MicroBatchArrays]:
+        """This rank's micro-batches of a committed step, in order."""
+        commit = self.run.read_commit(step)  # raises StepNotCommittedError: never read a half-written step
+        ranks = commit["counts"]["ranks"]
+        if self.rank >= ranks:
+            raise ValueError(
+                f"{self.run.step_dir(step)}: rank {self.rank} requested, step {step} was written for {ranks} ranks"
+            )
+        path = self.run.rank_path(step, self.rank)
+        source = str(path)
+        # The mapping outlives this `with`: Arrow buffers (and the numpy views on them) keep it referenced.
+        with pa.memory_map(source, "r") as mapped:
+            reader = pa.ipc.open_file(mapped)
+            check_schema(reader.schema, TRAIN_BATCH_SCHEMA, source)
+            count = reader.num_record_batches
+            micro_batches = [_micro_batch_arrays(reader.get_batch(i), source) for i in range(count)]
+        if copy:
+            micro_batches = [_copied(mb) for mb in micro_batches]
+        if as_torch:
+            micro_batches = [_to_torch(mb) for mb in micro_batches]
+        return micro_batches
+
+    def iter_steps(
+        self, start: int, end: int | None = None, timeout_s: float | None = None, **read_kwargs: Any
+    ) -> Iterator[tuple[int, list[MicroBatchArrays]]]:
+        """(step, micro_batches) for start, start+1, ... (up to `end`, exclusive), waiting for each."""
+        step = start
+        while end is None or step < end:
+            self.wait_for_step(step, timeout_s=timeout_s)
+            yield step, self.read_step(step, **read_kwargs)
+            step += 1
+
+
+def _micro_batch_arrays(record_batch: pa.RecordBatch, source: str) -> MicroBatchArrays:
+    index = record_batch.column("micro_batch").to_numpy()
+    if len(index) and not np.all(index == index[0]):
+        mixed = sorted(set(index.tolist()))
+        raise SchemaError(f"{source}: a record batch mixes micro-batches {mixed}; one per record batch expected")
+    seq_lens = record_batch.column("seq_len").to_numpy()
+    arrays: MicroBatchArrays = {"micro_batch": int(index[0]) if len(index) else -1}
+    cu_seqlens = None
+    for name, dtype in TOKEN_COLUMNS.items():
+        column: pa.ListArray = record_batch.column(name)
+        offsets = column.offsets.to_numpy()
+        # `.values` is the whole child array, even for a sliced list; the offsets say which part is ours.
+        values = column.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
+        if values.dtype != dtype:
+            raise SchemaError(f"{source}: column {name!r} holds {values.dtype}, expected {dtype}")
+        if cu_seqlens is None:
+            cu_seqlens = offsets if offsets[0] == 0 else offsets - offsets[0]
+            if not np.array_equal(np.diff(cu_seqlens), seq_lens):
+                raise SchemaError(f"{source}: seq_len disagrees with the length of {name!r}")
+        elif not np.array_equal(np.diff(offsets), seq_lens):
+            raise SchemaError(f"{source}: column {name!r} disagrees with seq_len on some sample's token count")
+        arrays[name] = values.view(np.bool_) if name == "loss_mask" else values
+    arrays["cu_seqlens"] = cu_seqlens
+    arrays["seq_lens"] = seq_lens
+    arrays["policy_versions"] = record_batch.column("policy_version").to_numpy()
+    arrays["rewards"] = record_batch.column("reward").to_numpy()
+    arrays["rollout_ids"] = record_batch.column("rollout_id").to_pylist()
+    arrays["group_ids"] = record_batch.column("group_id").to_pylist()
+    return arrays
+
+
+def _copied(arrays: MicroBatchArrays) -> MicroBatchArrays:
+    return {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
+
+
+def _to_torch(arrays: MicroBatchArrays) -> MicroBatchArrays:
+    import torch  # lazily: a trainer that wants numpy should not pay torch's import
+
+    with warnings.catch_warnings():
+        # Tensors share the read-only mapped pages by design (see StepReader's docstring).
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
+
+
+__all__ = ["MicroBatchArrays", "StepNotCommittedError", "StepReader"]
