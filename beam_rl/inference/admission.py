@@ -1,0 +1,71 @@
+"""First-come-first-served admission of sequences under a `max_num_seqs` cap, like vLLM's scheduler.
+
+Requests that do not fit wait in arrival order; their sequences count as waiting until admitted.
+Single event loop only (no locks): every method must be called from the loop that owns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+
+class Admission:
+    def __init__(self, max_num_seqs: int) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, not {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs
+        self.running = 0
+        self.max_running = 0  # high-water mark, for tests and metrics
+        self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._drained: asyncio.Event | None = None
+
+    @property
+    def waiting(self) -> int:
+        return sum(n for n, _ in self._queue)
+
+    def _fits(self, n: int) -> bool:
+        # A request larger than the cap still runs, alone, rather than waiting forever.
+        return self.running == 0 or self.running + n <= self.max_num_seqs
+
+    def _take(self, n: int) -> None:
+        self.running += n
+        self.max_running = max(self.max_running, self.running)
+
+    async def acquire(self, n: int) -> None:
+        """Wait until `n` sequences may run; FIFO, so a big request is not starved by small ones."""
+        if not self._queue and self._fits(n):
+            self._take(n)
+            return
+        entry = (n, asyncio.get_running_loop().create_future())
+        self._queue.append(entry)
+        try:
+            await entry[1]
+        except asyncio.CancelledError:
+            if entry[1].done() and not entry[1].cancelled():
+                self.release(n)  # admitted just as the client gave up: hand the slots on
+            else:
+                self._queue.remove(entry)
+                self._admit()  # the head may have been blocking smaller requests behind it
+            raise
+
+    def release(self, n: int) -> None:
+        self.running -= n
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._queue and self._fits(self._queue[0][0]):
+            n, future = self._queue.popleft()
+            self._take(n)
+            future.set_result(None)
+        if self.running == 0 and not self._queue and self._drained is not None:
+            self._drained.set()
+
+    async def drained(self) -> None:
+        """Return once nothing is running or waiting."""
+        if self.running == 0 and not self._queue:
+            return
+        if self._drained is None:
+            self._drained = asyncio.Event()
+        self._drained.clear()
+        await self._drained.wait()

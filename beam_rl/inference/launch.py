@@ -1,0 +1,52 @@
+"""Start the embedded server as a subprocess (`python -m beam_rl.inference.server`) and wait until
+it prints `READY <url>`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+
+def start_subprocess_server(
+    model_dir: str | os.PathLike | None = None,
+    *,
+    mode: str = "model",
+    max_num_seqs: int | None = None,
+    extra_args: tuple[str, ...] | list[str] = (),
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 120.0,
+) -> tuple[subprocess.Popen, str]:
+    """Returns (process, base url). The caller owns the process: terminate() and wait() it.
+
+    `extra_args` are more server flags, e.g. ("--latency-s", "0.1", "--served-model-name", "m").
+    """
+    cmd = [sys.executable, "-m", "beam_rl.inference.server", "--port", "0", "--mode", mode]
+    if model_dir is not None:
+        cmd += ["--model-dir", str(model_dir)]
+    if max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(max_num_seqs)]
+    cmd += list(extra_args)
+    child_env = dict(os.environ if env is None else env)
+    # Make this checkout importable in the child even when beam_rl is not pip-installed.
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=child_env)
+    assert proc.stdout is not None
+    first_line: list[str] = []
+    # readline() has no timeout; a reader thread lets a server that never gets ready fail cleanly.
+    reader = threading.Thread(target=lambda: first_line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(ready_timeout_s)
+    line = first_line[0].strip() if first_line else ""
+    if not line.startswith("READY "):
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(
+            f"inference server not ready within {ready_timeout_s:g}s (exit code {proc.returncode}, "
+            f"first line {line!r}); command: {' '.join(cmd)}"
+        )
+    return proc, line.split(" ", 1)[1]

@@ -1,0 +1,473 @@
+"""The embedded vLLM-compatible server, over real loopback HTTP: completions, metrics, admission,
+weight reloads, pause/resume, fault injection, instant mode and the subprocess launcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file, save_file
+
+from beam_rl.inference.server import EmbeddedServer, start_subprocess_server
+from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
+from beam_rl.tokenizer import load_tokenizer
+
+PROMPT = [1, 396, 201, 19, 20, 264, 223, 25, 2, 201, 1, 67, 474, 201]  # a short ChatML-ish prompt
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def model_dir(cache_dir):
+    return tiny_model_dir(0, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with EmbeddedServer(model_dir) as s:
+        yield s
+
+
+@pytest.fixture
+def make_server(model_dir):
+    """Servers whose state a test may change (faults, pause, weights); stopped afterwards."""
+    started = []
+
+    def make(**kwargs) -> EmbeddedServer:
+        s = EmbeddedServer(kwargs.pop("model_dir", model_dir), **kwargs)
+        s.start()
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.stop()
+
+
+def post(s: EmbeddedServer, path: str = "/v1/completions", timeout: float = 30, **payload) -> httpx.Response:
+    return httpx.post(s.url + path, json=payload, timeout=timeout)
+
+
+def complete(s: EmbeddedServer, **payload) -> dict:
+    payload = {"prompt": PROMPT, "max_tokens": 8, "logprobs": 0, "return_token_ids": True, **payload}
+    response = post(s, **payload)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def tokens_of(body: dict) -> list[list[int]]:
+    return [c["token_ids"] for c in body["choices"]]
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def wait_for_metrics(url: str, predicate, deadline_s: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until `predicate` holds (a generous deadline, never a timing assertion)."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            text = (await client.get(url + "/metrics")).text
+            snapshot = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+            if predicate(snapshot):
+                return snapshot
+            await asyncio.sleep(0.01)
+    raise AssertionError("metrics never reached the expected state")
+
+
+def slow_steps(s: EmbeddedServer, seconds: float) -> None:
+    """Make every decode step take a while, so a request is reliably observed mid-generation."""
+    step = s.generator.step
+
+    def slow(state):
+        time.sleep(seconds)
+        step(state)
+
+    s.generator.step = slow
+
+
+def reference_logprobs(model_dir, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """Logprobs of `tokens` from one full forward pass, with no KV cache: an independent check."""
+    model = load_tiny_model(model_dir)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    logprobs = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    return logprobs, logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+
+
+# -- completions -------------------------------------------------------------------------------
+
+
+def test_completion_shape_and_logprobs_alignment(server):
+    body = complete(server, n=1, temperature=1.0, seed=11, ignore_eos=True)
+    assert body["object"] == "text_completion" and body["model"] == server.served_model_name
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == 8
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == 8
+    assert lp["top_logprobs"] is None
+    assert all(v <= 0 for v in lp["token_logprobs"])
+    tokenizer = load_tokenizer("tiny")
+    assert choice["text"] == tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    assert choice["prompt_token_ids"] == PROMPT
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 8, "total_tokens": len(PROMPT) + 8}
+
+
+def test_sampled_logprobs_match_a_full_forward_pass(server, model_dir):
+    choice = complete(server, temperature=0.7, seed=5, ignore_eos=True)["choices"][0]
+    _, expected = reference_logprobs(model_dir, PROMPT, choice["token_ids"], 0.7)
+    assert torch.allclose(torch.tensor(choice["logprobs"]["token_logprobs"]), expected, atol=1e-4)
+
+
+def test_greedy_picks_argmax_and_reports_unscaled_logprobs(server, model_dir):
+    choice = complete(server, temperature=0.0, ignore_eos=True)["choices"][0]
+    all_logprobs, expected = reference_logprobs(model_dir, PROMPT, choice["token_ids"], 0.0)
+    assert choice["token_ids"] == all_logprobs.argmax(dim=-1).tolist()
+    assert torch.allclose(torch.tensor(choice["logprobs"]["token_logprobs"]), expected, atol=1e-4)
+
+
+def test_top_logprobs_include_the_sampled_token(server):
+    choice = complete(server, logprobs=3, seed=2)["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["top_logprobs"]) == len(choice["token_ids"])
+    for token, logprob, alternatives in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert alternatives[token] == pytest.approx(logprob)
+        assert 1 <= len(alternatives) <= 4
+
+
+def test_same_seed_same_tokens_different_seed_different(server):
+    a = complete(server, n=2, seed=123, max_tokens=12)
+    b = complete(server, n=2, seed=123, max_tokens=12)
+    c = complete(server, n=2, seed=124, max_tokens=12)
+    assert tokens_of(a) == tokens_of(b)
+    assert [x["logprobs"]["token_logprobs"] for x in a["choices"]] == [x["logprobs"]["token_logprobs"] for x in b["choices"]]
+    assert tokens_of(a) != tokens_of(c)
+
+
+def test_n_choices_are_distinct_samples(server):
+    body = complete(server, n=4, seed=9, max_tokens=8)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert len({tuple(t) for t in tokens_of(body)}) == 4
+    assert body["usage"]["completion_tokens"] == sum(len(t) for t in tokens_of(body))
+
+
+def test_stop_token_ends_choice_and_is_kept(server):
+    first = complete(server, temperature=0.0, max_tokens=4)["choices"][0]["token_ids"]
+    stop_at = first[2]
+    choice = complete(server, temperature=0.0, max_tokens=4, stop_token_ids=[stop_at])["choices"][0]
+    cut = first.index(stop_at) + 1
+    assert choice["token_ids"] == first[:cut]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop_at
+
+
+def test_eos_stops_unless_ignored(make_server):
+    s = make_server()
+    first = complete(s, temperature=0.0, max_tokens=4)["choices"][0]["token_ids"][0]
+    s.generator.eos_token_ids = frozenset({first})  # pretend the greedy first token is EOS
+    choice = complete(s, temperature=0.0, max_tokens=4)["choices"][0]
+    assert (choice["token_ids"], choice["finish_reason"], choice["stop_reason"]) == ([first], "stop", None)
+    ignored = complete(s, temperature=0.0, max_tokens=4, ignore_eos=True)["choices"][0]
+    assert len(ignored["token_ids"]) == 4 and ignored["finish_reason"] == "length"
+
+
+def test_defaults_follow_vllm(server):
+    response = post(server, prompt=PROMPT, seed=1, ignore_eos=True)
+    choice = response.json()["choices"][0]
+    assert choice["token_ids"] is None and choice["logprobs"] is None  # only when asked for
+    assert response.json()["usage"]["completion_tokens"] == 16  # max_tokens defaults to 16
+
+
+def test_text_prompt_is_tokenized(server):
+    text = "<|im_start|>user\nhi<|im_end|>\n"
+    body = complete(server, prompt=text, max_tokens=2)
+    assert body["usage"]["prompt_tokens"] == len(load_tokenizer("tiny").encode(text))
+
+
+@pytest.mark.parametrize(
+    "payload, fragment",
+    [
+        ({"prompt": [1, 512]}, "outside [0, 512)"),
+        ({"prompt": []}, "empty"),
+        ({"prompt": [5] * 1020, "max_tokens": 8}, "maximum context length is 1024"),
+        ({"prompt": PROMPT, "n": 0}, "invalid completion request"),
+        ({"prompt": PROMPT, "stream": True}, "not supported"),
+        ({"prompt": PROMPT, "top_p": 0.5}, "not supported"),
+        ({"prompt": "x", "max_tokens": "many"}, "invalid completion request"),
+    ],
+)
+def test_bad_requests_are_400(server, payload, fragment):
+    response = post(server, **payload)
+    assert response.status_code == 400
+    assert fragment in response.json()["error"]["message"]
+
+
+def test_model_name_enforced_only_when_given(make_server, server):
+    assert post(server, prompt=PROMPT, max_tokens=1, model="anything").status_code == 200
+    strict = make_server(served_model_name="policy")
+    assert post(strict, prompt=PROMPT, max_tokens=1, model="policy").status_code == 200
+    response = post(strict, prompt=PROMPT, max_tokens=1, model="other")
+    assert response.status_code == 404 and "does not exist" in response.json()["error"]["message"]
+    assert httpx.get(strict.url + "/v1/models").json()["data"][0]["id"] == "policy"
+
+
+# -- metrics and admission ---------------------------------------------------------------------
+
+
+def test_metrics_while_a_request_is_in_flight(make_server):
+    s = make_server(kv_cache_tokens=160)  # 10 blocks of 16 tokens
+    slow_steps(s, 0.02)
+    prompt = list(range(3, 23))  # 20 tokens: 2 blocks per sequence until 12 generated, then 3
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=30) as client:
+            request = asyncio.create_task(
+                client.post(s.url + "/v1/completions", json={"prompt": prompt, "n": 2, "max_tokens": 16, "ignore_eos": True})
+            )
+            during = await wait_for_metrics(s.url, lambda m: m["vllm:kv_cache_usage_perc"] > 0)
+            assert (await request).status_code == 200
+            return during
+
+    during = asyncio.run(scenario())
+    assert during["vllm:num_requests_running"] == 2  # sequences: n=2
+    assert during["vllm:num_requests_waiting"] == 0
+    assert during["vllm:kv_cache_usage_perc"] in (pytest.approx(0.4), pytest.approx(0.6))
+    after = metrics(s.url)
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+    assert after["beam_rl:requests_total"] == 1
+    assert after["beam_rl:max_concurrent_requests"] == 2
+    assert after["vllm:generation_tokens_total"] == 32 and after["vllm:prompt_tokens_total"] == 20
+
+
+def test_prefix_cache_counts_repeated_prompts(make_server):
+    s = make_server()
+    complete(s, max_tokens=1)
+    complete(s, max_tokens=1, n=3)
+    complete(s, max_tokens=1, prompt=PROMPT[:5])
+    m = metrics(s.url)
+    assert m["vllm:prefix_cache_queries_total"] == 2 * len(PROMPT) + 5
+    assert m["vllm:prefix_cache_hits_total"] == len(PROMPT)  # only the second request was seen before
+
+
+def test_requests_beyond_max_num_seqs_wait(make_server):
+    s = make_server(max_num_seqs=2, latency_s=0.5)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=30) as client:
+            requests = [
+                asyncio.create_task(client.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}))
+                for _ in range(5)
+            ]
+            queued = await wait_for_metrics(s.url, lambda m: m["vllm:num_requests_waiting"] > 0)
+            return queued, await asyncio.gather(*requests)
+
+    queued, responses = asyncio.run(scenario())
+    assert queued["vllm:num_requests_running"] == 2
+    assert all(r.status_code == 200 for r in responses)
+    after = metrics(s.url)
+    assert after["beam_rl:max_concurrent_requests"] == 2
+    assert after["vllm:num_requests_waiting"] == 0 and after["beam_rl:requests_total"] == 5
+
+
+# -- weights and pause -------------------------------------------------------------------------
+
+
+def reload(s: EmbeddedServer, path) -> httpx.Response:
+    return post(s, "/collective_rpc", method="reload_weights", kwargs={"weights_path": str(path)})
+
+
+def test_reload_weights_changes_generations(make_server, cache_dir):
+    s = make_server()
+    # Seeded sampling, not greedy: a random-init tied-embedding model greedily repeats its last token.
+    sampled = {"temperature": 1.0, "seed": 3, "max_tokens": 8, "ignore_eos": True}
+    before = tokens_of(complete(s, **sampled))
+    other = tiny_model_dir(1, cache_dir=cache_dir)
+    response = reload(s, other)
+    assert response.status_code == 200 and response.json()["results"][0]["weights_version"] == 1
+    after = tokens_of(complete(s, **sampled))
+    assert after != before
+    assert after == tokens_of(complete(make_server(model_dir=other), **sampled))  # same as serving seed 1
+    assert httpx.get(s.url + "/v1/models").json()["data"][0]["weights_version"] == 1
+    assert metrics(s.url)["beam_rl:weights_version"] == 1
+
+
+def test_bad_checkpoints_are_refused_and_model_untouched(make_server, model_dir, tmp_path):
+    s = make_server()
+    sampled = {"temperature": 1.0, "seed": 3, "max_tokens": 6, "ignore_eos": True}
+    before = complete(s, **sampled)["choices"][0]["logprobs"]["token_logprobs"]
+    tensors = load_file(str(model_dir / "model.safetensors"))
+
+    def checkpoint(name: str, mutate) -> str:
+        directory = tmp_path / name
+        directory.mkdir()
+        changed = dict(tensors)
+        mutate(changed)
+        save_file(changed, str(directory / "model.safetensors"))
+        return directory
+
+    wrong_shape = checkpoint("shape", lambda t: t.update({"model.norm.weight": torch.ones(64)}))
+    missing = checkpoint("missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    extra = checkpoint("extra", lambda t: t.update({"model.layers.9.bogus": torch.zeros(2)}))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    cases = {
+        wrong_shape: "model.norm.weight: shape (64,) != expected (128,)",
+        missing: "missing tensor model.layers.1.mlp.up_proj.weight",
+        extra: "unexpected tensor model.layers.9.bogus",
+        corrupt: "cannot read checkpoint",
+        tmp_path / "nowhere": "no *.safetensors files",
+    }
+    for path, fragment in cases.items():
+        response = reload(s, path)
+        assert response.status_code == 400, path
+        assert fragment in response.json()["error"]["message"]
+    after = complete(s, **sampled)["choices"][0]["logprobs"]["token_logprobs"]
+    assert after == before  # the model was never touched
+    assert httpx.get(s.url + "/v1/models").json()["data"][0]["weights_version"] == 0
+    bad_rpc = post(s, "/collective_rpc", method="sleep", kwargs={"weights_path": "x"})
+    assert bad_rpc.status_code == 400 and "unsupported" in bad_rpc.json()["error"]["message"]
+
+
+def test_pause_rejects_new_requests_until_resume(make_server):
+    s = make_server()
+    assert post(s, "/pause?mode=keep").status_code == 200
+    assert httpx.get(s.url + "/health").status_code == 503
+    assert httpx.get(s.url + "/is_paused").json() == {"is_paused": True}
+    response = post(s, prompt=PROMPT, max_tokens=2)
+    assert response.status_code == 503 and "paused" in response.json()["error"]["message"]
+    assert post(s, "/resume").status_code == 200
+    assert httpx.get(s.url + "/health").status_code == 200
+    assert post(s, prompt=PROMPT, max_tokens=2).status_code == 200
+
+
+def _pause_during_generation(s: EmbeddedServer, mode: str):
+    slow_steps(s, 0.02)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=30) as client:
+            payload = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "return_token_ids": True}
+            request = asyncio.create_task(client.post(s.url + "/v1/completions", json=payload))
+            await wait_for_metrics(s.url, lambda m: m["vllm:kv_cache_usage_perc"] > 0)  # mid-generation
+            await client.post(s.url + f"/pause?mode={mode}")
+            in_flight_after_pause = not request.done()
+            await client.post(s.url + "/resume")
+            return in_flight_after_pause, await request
+
+    return asyncio.run(scenario())
+
+
+def test_pause_keep_freezes_and_resume_finishes(make_server):
+    in_flight, response = _pause_during_generation(make_server(), "keep")
+    assert in_flight
+    assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 12
+
+
+def test_pause_abort_drops_in_flight_requests(make_server):
+    s = make_server()
+    _, response = _pause_during_generation(s, "abort")
+    assert response.status_code == 503 and "aborted" in response.json()["error"]["message"]
+    assert metrics(s.url)["vllm:num_requests_running"] == 0
+    assert post(s, prompt=PROMPT, max_tokens=2).status_code == 200
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+def test_error_fault(make_server):
+    s = make_server(error_rate=1.0)
+    response = post(s, prompt=PROMPT, max_tokens=2)
+    assert response.status_code == 500 and response.json()["error"]["type"] == "InternalServerError"
+
+
+def test_drop_fault_closes_the_connection(make_server):
+    s = make_server(drop_rate=1.0)
+    with pytest.raises(httpx.RemoteProtocolError):
+        post(s, prompt=PROMPT, max_tokens=2)
+    post(s, "/faults", drop_rate=0.0)
+    assert post(s, prompt=PROMPT, max_tokens=2).status_code == 200
+
+
+def test_hang_fault_never_answers(make_server):
+    s = make_server()
+    post(s, "/faults", hang_rate=1.0)
+    with pytest.raises(httpx.ReadTimeout):
+        post(s, prompt=PROMPT, max_tokens=2, timeout=0.3)
+    post(s, "/faults", hang_rate=0.0)
+    assert post(s, prompt=PROMPT, max_tokens=2).status_code == 200
+    assert metrics(s.url)["vllm:num_requests_running"] == 0  # the hung request held no slot
+
+
+def test_empty_fault_returns_no_tokens(make_server):
+    s = make_server(empty_rate=1.0)
+    body = complete(s, n=2)
+    assert [(c["token_ids"], c["logprobs"]["token_logprobs"], c["text"]) for c in body["choices"]] == [([], [], "")] * 2
+    assert body["usage"]["completion_tokens"] == 0
+
+
+def test_faults_are_seeded_and_validated(make_server):
+    s = make_server()
+
+    def statuses() -> list[int]:
+        post(s, "/faults", error_rate=0.5, seed=7)
+        return [post(s, prompt=PROMPT, max_tokens=1).status_code for _ in range(12)]
+
+    first = statuses()
+    assert first == statuses()
+    assert set(first) == {200, 500}
+    assert post(s, "/faults", error_rate=2.0).status_code == 400
+    assert post(s, "/faults", typo_rate=0.1).status_code == 400
+    assert httpx.get(s.url + "/faults").json()["error_rate"] == 0.5
+
+
+# -- instant mode and the subprocess launcher --------------------------------------------------
+
+
+def test_instant_mode(make_server):
+    s = make_server(model_dir=None, mode="instant")
+    body = complete(s, n=3, max_tokens=10, seed=4)
+    for choice in body["choices"]:
+        assert len(choice["token_ids"]) == 10 and choice["finish_reason"] == "length"
+        assert choice["logprobs"]["token_logprobs"] == [-1.0] * 10
+        assert not {0, 1, 2} & set(choice["token_ids"])  # never a special token
+    assert len({tuple(t) for t in tokens_of(body)}) == 3
+    assert tokens_of(complete(s, n=3, max_tokens=10, seed=4)) == tokens_of(body)
+    assert tokens_of(complete(s, n=3, max_tokens=10, seed=5)) != tokens_of(body)
+
+
+def test_subprocess_server(model_dir):
+    proc, url = start_subprocess_server(
+        model_dir, max_num_seqs=4, extra_args=("--served-model-name", "policy"), ready_timeout_s=60
+    )
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "policy"
+        response = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "return_token_ids": True}, timeout=30)
+        assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) <= 3
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0  # SIGTERM is a clean shutdown
+
+
+def test_start_stop_lifecycle(model_dir):
+    s = EmbeddedServer(model_dir, mode="instant")
+    url = s.start()
+    with pytest.raises(RuntimeError, match="already started"):
+        s.start()
+    s.stop()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=5)
+    with pytest.raises(RuntimeError, match="stopped"):
+        s.start()
