@@ -1,0 +1,353 @@
+"""The dispatcher: starts rollouts on inference servers under a permit cap and emits each exactly once.
+
+Every rule has one home: permits (`_schedule_group_rollout`), group affinity (`_pin_server`), open
+groups first (`_try_schedule`), version stamps (`_schedule_group_rollout` / `_on_finished`) and
+exactly-once emission (`_on_finished`, `_cancel_group`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
+from typing import Literal
+
+from beam_rl.dispatch.ledger import DispatchCounters, Launch, OpenGroup, rollout_seed
+from beam_rl.dispatch.permits import Permits
+from beam_rl.dispatch.server_pool import Server, ServerPool
+from beam_rl.envs.base import CompletionClient, Environment, SamplingParams, Trajectory
+from beam_rl.types import GroupRequest, Rollout, RolloutStatus
+
+log = logging.getLogger(__name__)
+
+EnvMode = Literal["rollout", "group"]
+ENV_MODES: tuple[str, ...] = ("rollout", "group")
+
+
+class Dispatcher:
+    """Keeps the inference servers as busy as permits allow; finished rollouts leave via `wait_completed`."""
+
+    def __init__(
+        self,
+        pool: ServerPool,
+        envs: Mapping[str, Environment],
+        env_modes: Mapping[str, EnvMode],
+        sampling: Mapping[str, SamplingParams],
+        max_inflight: int,
+        policy_version: Callable[[], int],
+        next_group: Callable[[], GroupRequest | None],
+        seed: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        for name, env in envs.items():
+            mode = env_modes.get(name, "rollout")
+            if mode not in ENV_MODES:
+                raise ValueError(f"env {name!r}: mode must be one of {ENV_MODES}, got {mode!r}")
+            if mode == "group" and env.multi_turn:
+                raise ValueError(f"env {name!r} is multi-turn: it cannot run in 'group' mode")
+            if name not in sampling:
+                raise ValueError(f"env {name!r} has no SamplingParams")
+        self.pool = pool
+        self.envs = dict(envs)
+        self.env_modes = {name: env_modes.get(name, "rollout") for name in envs}
+        self.sampling = dict(sampling)
+        self.seed = seed
+        self.counters = DispatchCounters()
+        self._permits = Permits(max_inflight)
+        self._policy_version = policy_version
+        self._next_group = next_group
+        self._clock = clock
+        self._groups: dict[str, OpenGroup] = {}  # insertion order = admission order
+        self._inflight: dict[asyncio.Task, Launch] = {}
+        self._completed: collections.deque[Rollout] = collections.deque()
+        self._wakeup = asyncio.Event()
+
+    # -- introspection --------------------------------------------------------------------------
+
+    @property
+    def max_inflight(self) -> int:
+        return self._permits.capacity
+
+    @property
+    def inflight(self) -> int:
+        """Rollouts running now (= permits taken)."""
+        return self._permits.in_use
+
+    @property
+    def open_groups(self) -> list[str]:
+        """Admitted groups with rollouts still to start or still running, in admission order."""
+        return list(self._groups)
+
+    # -- schedule side ----------------------------------------------------------------------------
+
+    async def fill(self) -> int:
+        """Start rollouts until no permit is free or there is no work; returns how many started."""
+        started = 0
+        while self._permits.available > 0:
+            launched = self._try_schedule()
+            if not launched:
+                break
+            started += launched
+        return started
+
+    def _try_schedule(self) -> int:
+        # Rule: open groups first. Continuing a group reuses its pinned server's cached prompt,
+        # and strict admission order keeps a big group-mode group from being starved by small ones.
+        group = next((g for g in self._groups.values() if g.rollouts_to_schedule > 0), None)
+        if group is None:
+            if self.pool.select() is None:
+                return 0  # no healthy server: leave fresh work in the source
+            group = self._admit_fresh_group()
+            if group is None:
+                return 0
+        return self._schedule_group_rollout(group)
+
+    def _admit_fresh_group(self) -> OpenGroup | None:
+        while (request := self._next_group()) is not None:
+            if request.group_id in self._groups:
+                raise ValueError(f"group {request.group_id} is already open in this dispatcher")
+            self.counters.groups_admitted += 1
+            group = self._open(request)
+            if group is not None:
+                return group
+        return None
+
+    def _open(self, request: GroupRequest) -> OpenGroup | None:
+        """The group ready to schedule, or None after emitting it as errors (it cannot run)."""
+        try:
+            env = self.envs[request.env_name]
+        except KeyError:
+            return self._reject(request, f"UnknownEnvironment: {request.env_name!r} (known: {sorted(self.envs)})")
+        mode = self.env_modes[request.env_name]
+        if mode == "group" and request.group_size > self.max_inflight:
+            return self._reject(request, f"GroupTooLarge: group_size {request.group_size} > max_inflight {self.max_inflight}")
+        try:
+            prompt_ids = list(env.render_prompt(request.row))
+        except Exception as exc:
+            return self._reject(
+                request, f"PromptRenderError: env {request.env_name!r} row {request.index} (epoch {request.epoch}): {type(exc).__name__}: {exc}"
+            )
+        group = OpenGroup(request, env, mode, self.sampling[request.env_name], prompt_ids)
+        self._groups[request.group_id] = group
+        return group
+
+    def _reject(self, request: GroupRequest, error: str) -> None:
+        log.error("group %s cannot run: %s", request.group_id, error)
+        version, now = self._policy_version(), self._clock()
+        for attempt in range(request.group_size):
+            rollout = self._placeholder(request, attempt, [], version, version, None, now, now)
+            rollout.capture_error(error)
+            self._emit(rollout)
+
+    def _schedule_group_rollout(self, group: OpenGroup) -> int:
+        request = group.request
+        # Rule: permits. A rollout-mode launch holds one; a group-mode call of n holds n.
+        needed = request.group_size if group.mode == "group" else 1
+        if self._permits.available < needed:
+            return 0
+        server = self._pin_server(group)
+        if server is None:
+            return 0
+        attempts = range(group.next_attempt, group.next_attempt + needed)
+        group.next_attempt += needed
+        # Rule: version stamps (start). The group's version is the one its first rollout started on.
+        version = self._policy_version()
+        if group.version_start is None:
+            group.version_start = version
+        sampling = replace(group.sampling, seed=rollout_seed(self.seed, request.group_id, attempts[0]))
+        self._permits.take(needed)
+        self.pool.started(server, needed)
+        task = asyncio.create_task(
+            _run_env(group.env, group.mode, server.client, request.row, group.prompt_ids, sampling, needed),
+            name=f"rollout {request.group_id}/{attempts[0]}",
+        )
+        self._inflight[task] = Launch(group, attempts, server, version, self._clock())
+        group.tasks.add(task)
+        task.add_done_callback(self._on_finished)
+        self.counters.started += needed
+        return needed
+
+    def _pin_server(self, group: OpenGroup) -> Server | None:
+        # Rule: group affinity. The first attempt picks the least-loaded server; later attempts go
+        # to the same one so the shared prompt hits its prefix cache. A pinned server that turned
+        # unhealthy has no cache worth keeping, so the group moves.
+        if group.server is None or not group.server.healthy:
+            group.server = self.pool.select()
+        return group.server
+
+    # -- collect side -----------------------------------------------------------------------------
+
+    def _on_finished(self, task: asyncio.Task) -> None:
+        # Rule: exactly-once emission. This callback runs once per task; popping the ledger entry
+        # makes any second look a no-op.
+        launch = self._inflight.pop(task, None)
+        if launch is None:
+            return
+        group, request = launch.group, launch.group.request
+        group.tasks.discard(task)
+        self._permits.give_back(launch.permits)
+        self.pool.finished(launch.server, launch.permits)
+        # Rule: version stamps (end).
+        version_end, t_end = self._policy_version(), self._clock()
+
+        rollouts = [
+            self._placeholder(
+                request, a, group.prompt_ids, launch.version_start, version_end, launch.server.url, launch.t_start, t_end
+            )
+            for a in launch.attempts
+        ]
+        if launch.cancel_requested or task.cancelled():
+            for rollout in rollouts:
+                rollout.status = RolloutStatus.CANCELLED
+        elif (error := task.exception()) is not None:
+            if getattr(error, "server_fault", False):
+                self.pool.record_failure(launch.server, error)
+            for rollout in rollouts:
+                rollout.capture_error(error)
+        else:
+            self.pool.record_success(launch.server)
+            try:
+                for rollout, trajectory in zip(rollouts, task.result(), strict=True):
+                    rollout.turns, rollout.reward = list(trajectory.turns), float(trajectory.reward)
+            except Exception as exc:  # a malformed trajectory must not lose the rollout
+                for rollout in rollouts:
+                    rollout.turns, rollout.reward = [], 0.0
+                    rollout.capture_error(f"BadTrajectory: {type(exc).__name__}: {exc}")
+            for rollout in rollouts:
+                if rollout.ok and (rollout.num_turns == 0 or rollout.completion_tokens == 0):
+                    rollout.capture_error(
+                        f"EmptyTrajectory: {rollout.num_turns} turns, {rollout.completion_tokens} completion tokens"
+                    )
+        for rollout in rollouts:
+            self._emit(rollout)
+        self._close_if_finished(group)
+
+    def _placeholder(
+        self,
+        request: GroupRequest,
+        attempt: int,
+        prompt_ids: list[int],
+        version_start: int,
+        version_end: int,
+        server: str | None,
+        t_start: float,
+        t_end: float,
+    ) -> Rollout:
+        sampling = self.sampling.get(request.env_name, SamplingParams())
+        return Rollout(
+            group_id=request.group_id,
+            env_name=request.env_name,
+            attempt=attempt,
+            group_size=request.group_size,
+            prompt_ids=list(prompt_ids),
+            policy_version_start=version_start,
+            policy_version_end=version_end,
+            server=server,
+            t_start=t_start,
+            t_end=t_end,
+            temperature=sampling.temperature,
+            epoch=request.epoch,
+            index=request.index,
+        )
+
+    def _emit(self, rollout: Rollout) -> None:
+        if rollout.status is RolloutStatus.OK:
+            self.counters.ok += 1
+        elif rollout.status is RolloutStatus.ERROR:
+            self.counters.errored += 1
+        else:
+            self.counters.cancelled += 1
+        self._completed.append(rollout)
+        self._wakeup.set()
+
+    def _close_if_finished(self, group: OpenGroup) -> None:
+        if group.finished:
+            self._groups.pop(group.group_id, None)
+
+    async def wait_completed(self, timeout: float | None) -> list[Rollout]:
+        """Rollouts finished since the last call; waits up to `timeout` for one (or for `wake`)."""
+        if not self._completed:
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+                pass
+        # Cleared after waiting, not before: a wake() that came while the caller was busy in
+        # fill() must still make this call return at once.
+        self._wakeup.clear()
+        finished = list(self._completed)
+        self._completed.clear()
+        return finished
+
+    def wake(self) -> None:
+        """Make a pending `wait_completed` return now (e.g. new groups to admit)."""
+        self._wakeup.set()
+
+    # -- cancellation -----------------------------------------------------------------------------
+
+    def cancel_groups(self, group_ids: Iterable[str]) -> list[str]:
+        """Cancel open groups; returns the ids that were open. Their rollouts all leave as CANCELLED."""
+        cancelled = []
+        for group_id in group_ids:
+            group = self._groups.get(group_id)
+            if group is not None:
+                self._cancel_group(group)
+                cancelled.append(group_id)
+        return cancelled
+
+    def cancel_stale(self, min_version: int) -> list[str]:
+        """Cancel groups whose first rollout started on a policy version older than `min_version`."""
+        stale = [
+            g.group_id for g in self._groups.values() if g.version_start is not None and g.version_start < min_version
+        ]
+        return self.cancel_groups(stale)
+
+    def cancel_request(self, request: GroupRequest) -> None:
+        """Emit a group that was never admitted as CANCELLED, so it still completes downstream."""
+        version, now = self._policy_version(), self._clock()
+        for attempt in range(request.group_size):
+            rollout = self._placeholder(request, attempt, [], version, version, None, now, now)
+            rollout.status = RolloutStatus.CANCELLED
+            self._emit(rollout)
+
+    def _cancel_group(self, group: OpenGroup) -> None:
+        for task in list(group.tasks):
+            # A task already done keeps its real result: its callback is queued and emits it.
+            if task.cancel():
+                self._inflight[task].cancel_requested = True
+        # Attempts never started leave now, as CANCELLED, so the group still reaches group_size
+        # downstream. Running ones leave from _on_finished once their task has unwound, which is
+        # also when their permits come back: the cap holds for real HTTP calls.
+        version, now = self._policy_version(), self._clock()
+        server = group.server.url if group.server else None
+        for attempt in range(group.next_attempt, group.request.group_size):
+            rollout = self._placeholder(group.request, attempt, group.prompt_ids, version, version, server, now, now)
+            rollout.status = RolloutStatus.CANCELLED
+            self._emit(rollout)
+        group.next_attempt = group.request.group_size
+        self._close_if_finished(group)
+
+    async def aclose(self) -> None:
+        """Cancel everything in flight, wait for it to unwind, close the clients."""
+        self.cancel_groups(list(self._groups))
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+        await self.pool.aclose()
+
+
+async def _run_env(
+    env: Environment,
+    mode: str,
+    client: CompletionClient,
+    row: dict,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    n: int,
+) -> list[Trajectory]:
+    if mode == "group":
+        trajectories = list(await env.run_group(client, row, list(prompt_ids), sampling, n=n))
+        if len(trajectories) != n:
+            raise RuntimeError(f"env {env.name!r} run_group returned {len(trajectories)} trajectories for n={n}")
+        return trajectories
+    return [await env.run(client, row, list(prompt_ids), sampling)]

@@ -1,0 +1,76 @@
+"""The dispatcher's ledger: open groups, calls in flight, counters, and per-attempt sampling seeds."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field
+
+from beam_rl.dispatch.server_pool import Server
+from beam_rl.envs.base import Environment, SamplingParams
+from beam_rl.types import GroupRequest
+
+
+def rollout_seed(run_seed: int, group_id: str, attempt: int) -> int:
+    """A sampling seed distinct per (run, group, attempt) and stable across restarts.
+
+    Stable so a re-dispatched group samples the same tokens; 31 bits so every server accepts it.
+    """
+    digest = hashlib.blake2b(f"{run_seed}/{group_id}/{attempt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & 0x7FFF_FFFF
+
+
+@dataclass
+class DispatchCounters:
+    started: int = 0  # rollouts launched (permits taken)
+    ok: int = 0
+    errored: int = 0
+    cancelled: int = 0  # launched ones cancelled plus attempts cancelled before they started
+    groups_admitted: int = 0
+
+    @property
+    def emitted(self) -> int:
+        return self.ok + self.errored + self.cancelled
+
+
+@dataclass(eq=False)
+class OpenGroup:
+    """A group admitted from the source whose rollouts have not all been emitted yet."""
+
+    request: GroupRequest
+    env: Environment
+    mode: str
+    sampling: SamplingParams
+    prompt_ids: list[int]
+    next_attempt: int = 0
+    server: Server | None = None  # the pinned server
+    version_start: int | None = None  # policy version its first rollout started on
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def group_id(self) -> str:
+        return self.request.group_id
+
+    @property
+    def rollouts_to_schedule(self) -> int:
+        return self.request.group_size - self.next_attempt
+
+    @property
+    def finished(self) -> bool:
+        return self.rollouts_to_schedule == 0 and not self.tasks
+
+
+@dataclass(eq=False)
+class Launch:
+    """One `env.run` (one attempt) or `env.run_group` (all attempts) call in flight."""
+
+    group: OpenGroup
+    attempts: range
+    server: Server
+    version_start: int
+    t_start: float
+    cancel_requested: bool = False
+
+    @property
+    def permits(self) -> int:
+        return len(self.attempts)

@@ -1,0 +1,105 @@
+"""The inference servers a dispatcher may use: their in-flight counts, polled load and health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from beam_rl.inference.client import ServerLoad
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Server:
+    """One inference server as the dispatcher sees it."""
+
+    client: Any  # a CompletionClient; InferenceClient adds load() and health()
+    order: int  # position in the pool: the tie-breaker of least-loaded selection
+    url: str
+    inflight: int = 0  # rollouts this dispatcher has running on it (a group call of n counts n)
+    consecutive_failures: int = 0
+    healthy: bool = True
+    unhealthy_since: float = 0.0
+    load: ServerLoad | None = None  # last polled /metrics; None until polled
+
+    def load_key(self) -> tuple[float, float, int]:
+        # Our own in-flight count is exact and current; the polled queue also sees other
+        # dispatchers sharing the server but lags, so it only breaks ties.
+        return (self.inflight, self.load.queued if self.load else 0.0, self.order)
+
+
+class ServerPool:
+    """Least-loaded selection over healthy servers; servers failing repeatedly are skipped until re-probed."""
+
+    def __init__(
+        self,
+        clients: Sequence[Any],
+        unhealthy_after: int = 3,
+        reprobe_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not clients:
+            raise ValueError("a server pool needs at least one inference client")
+        if unhealthy_after < 1:
+            raise ValueError(f"unhealthy_after must be at least 1, got {unhealthy_after}")
+        self.servers = [
+            Server(client, i, str(getattr(client, "base_url", f"server-{i}"))) for i, client in enumerate(clients)
+        ]
+        self.unhealthy_after = unhealthy_after
+        self.reprobe_s = reprobe_s
+        self._clock = clock
+
+    def healthy(self) -> list[Server]:
+        return [s for s in self.servers if s.healthy]
+
+    def select(self) -> Server | None:
+        """The least-loaded healthy server (in-flight count, then polled queue, then pool order)."""
+        return min(self.healthy(), key=Server.load_key, default=None)
+
+    def started(self, server: Server, rollouts: int) -> None:
+        server.inflight += rollouts
+
+    def finished(self, server: Server, rollouts: int) -> None:
+        server.inflight -= rollouts
+
+    def record_success(self, server: Server) -> None:
+        server.consecutive_failures = 0
+
+    def record_failure(self, server: Server, error: BaseException) -> None:
+        """Count a failure that says the server is sick; enough in a row take it out of selection."""
+        server.consecutive_failures += 1
+        if server.healthy and server.consecutive_failures >= self.unhealthy_after:
+            server.healthy = False
+            server.unhealthy_since = self._clock()
+            log.warning("server %s marked unhealthy after %d failures in a row: %s", server.url, server.consecutive_failures, error)
+
+    async def refresh(self) -> None:
+        """Poll the load of healthy servers and re-probe unhealthy ones whose wait is over."""
+        await asyncio.gather(*(self._refresh_one(s) for s in self.servers))
+
+    async def _refresh_one(self, server: Server) -> None:
+        if server.healthy:
+            if hasattr(server.client, "load"):
+                try:
+                    server.load = await server.client.load()
+                except Exception as exc:  # load is advisory: a failed scrape changes nothing
+                    log.debug("polling load of %s failed: %s", server.url, exc)
+            return
+        if self._clock() - server.unhealthy_since < self.reprobe_s or not hasattr(server.client, "health"):
+            return
+        if await server.client.health():
+            server.healthy = True
+            server.consecutive_failures = 0
+            log.info("server %s is healthy again", server.url)
+        else:
+            server.unhealthy_since = self._clock()
+
+    async def aclose(self) -> None:
+        for server in self.servers:
+            if hasattr(server.client, "aclose"):
+                await server.client.aclose()

@@ -1,0 +1,318 @@
+"""InferenceClient against an in-test aiohttp stub of vLLM's HTTP API (loopback only)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from beam_rl.envs.base import SamplingParams
+from beam_rl.inference.client import (
+    InferenceBadResponse,
+    InferenceClient,
+    InferenceConnectionError,
+    InferenceHTTPError,
+    InferenceTimeout,
+    ServerLoad,
+    parse_server_load,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 600.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 400.0
+vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 150.0
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 100.0
+# HELP vllm:e2e_request_latency_seconds Histogram of end to end request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="m"} 2.0
+vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="m"} 3.0
+vllm:e2e_request_latency_seconds_count{model_name="m"} 3.0
+vllm:e2e_request_latency_seconds_sum{model_name="m"} 1.5
+"""
+
+
+class StubVLLM:
+    """Answers like vLLM; `plan` scripts the next answers to /v1/completions ("ok", a status, "drop", "hang")."""
+
+    def __init__(self) -> None:
+        self.plan: list[str | int] = []
+        self.completions: list[dict[str, Any]] = []  # request bodies, in arrival order
+        self.posts: list[tuple[str, dict[str, Any], dict[str, str]]] = []  # (path, body, query) of control calls
+        self.concurrent = 0
+        self.peak_concurrent = 0
+        self.delay_s = 0.0
+        self.barrier: tuple[int, asyncio.Event] | None = None  # hold requests until N are in at once
+        self.healthy = True
+        self.metrics = METRICS
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        for path in ("/collective_rpc", "/pause", "/resume"):
+            app.router.add_post(path, self._control)
+        return app
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.completions.append(body)
+        step = self.plan.pop(0) if self.plan else "ok"
+        if step == "drop":
+            request.transport.close()
+            return web.Response()
+        if step == "hang":
+            await asyncio.sleep(30)
+        if isinstance(step, int):
+            return web.json_response({"error": f"scripted {step}"}, status=step)
+        self.concurrent += 1
+        self.peak_concurrent = max(self.peak_concurrent, self.concurrent)
+        try:
+            if self.barrier is not None:
+                size, released = self.barrier
+                if self.concurrent >= size:
+                    released.set()
+                await released.wait()
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.concurrent -= 1
+        if step == "mismatch":
+            choices = [{"index": 0, "token_ids": [1, 2, 3], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "stop"}]
+            return web.json_response({"choices": choices})
+        # Choice i returns ids [10*i+1, 10*i+2] with logprobs [-(i+1)/10, -0.5]; sent in reverse
+        # order so the client must sort by `index`.
+        choices = [
+            {
+                "index": i,
+                "text": "ignored",
+                "token_ids": [10 * i + 1, 10 * i + 2],
+                "logprobs": {"token_logprobs": [-(i + 1) / 10, -0.5], "tokens": ["a", "b"]},
+                "finish_reason": "length" if i == 0 else "stop",
+            }
+            for i in reversed(range(body["n"]))
+        ]
+        return web.json_response({"id": "cmpl-1", "choices": choices})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics, content_type="text/plain")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _control(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        self.posts.append((request.path, body, dict(request.query)))
+        return web.json_response({"status": "ok"})
+
+
+@asynccontextmanager
+async def serve(stub: StubVLLM) -> AsyncIterator[str]:
+    runner = web.AppRunner(stub.app(), shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def run_with_stub(test: Callable[[StubVLLM, str], Awaitable[None]]) -> StubVLLM:
+    stub = StubVLLM()
+
+    async def main() -> None:
+        async with serve(stub) as url:
+            await test(stub, url)
+
+    asyncio.run(main())
+    return stub
+
+
+SAMPLING = SamplingParams(max_tokens=7, temperature=0.8, seed=1234, stop_token_ids=(2, 99))
+
+
+def test_complete_sends_token_in_token_out_request_and_orders_choices_by_index():
+    async def test(stub: StubVLLM, url: str) -> None:
+        async with InferenceClient(url, model="policy") as client:
+            completions = await client.complete([5, 6, 7], SAMPLING, n=3)
+        assert [c.token_ids for c in completions] == [[1, 2], [11, 12], [21, 22]]
+        assert [c.logprobs for c in completions] == [[-0.1, -0.5], [-0.2, -0.5], [-0.3, -0.5]]
+        assert [c.finish_reason for c in completions] == ["length", "stop", "stop"]
+
+    stub = run_with_stub(test)
+    (body,) = stub.completions
+    assert body == {
+        "model": "policy",
+        "prompt": [5, 6, 7],
+        "n": 3,
+        "max_tokens": 7,
+        "temperature": 0.8,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "stop_token_ids": [2, 99],
+        "seed": 1234,
+    }
+
+
+def test_complete_without_seed_omits_it_but_still_sends_max_tokens():
+    async def test(stub: StubVLLM, url: str) -> None:
+        async with InferenceClient(url) as client:
+            (completion,) = await client.complete([1], SamplingParams())
+        assert completion.token_ids == [1, 2]
+
+    (body,) = run_with_stub(test).completions
+    assert "seed" not in body
+    assert body["max_tokens"] == 32
+
+
+def test_retries_500_503_and_a_dropped_connection_then_succeeds():
+    async def test(stub: StubVLLM, url: str) -> None:
+        stub.plan = [500, 503, "drop"]
+        async with InferenceClient(url, max_retries=3, backoff_s=0.001) as client:
+            completions = await client.complete([1, 2], SAMPLING, n=2)
+        assert [c.token_ids for c in completions] == [[1, 2], [11, 12]]
+
+    assert len(run_with_stub(test).completions) == 4
+
+
+def test_gives_up_after_max_retries_with_an_error_naming_server_and_status():
+    async def test(stub: StubVLLM, url: str) -> None:
+        stub.plan = [503, 503, 503, 503]
+        async with InferenceClient(url, max_retries=2, backoff_s=0.001) as client:
+            with pytest.raises(InferenceHTTPError) as info:
+                await client.complete([1], SAMPLING)
+        assert info.value.status == 503
+        assert info.value.server_fault and info.value.retryable
+        assert url in str(info.value) and "503" in str(info.value) and "3 attempts" in str(info.value)
+
+    assert len(run_with_stub(test).completions) == 3
+
+
+def test_never_retries_a_4xx():
+    async def test(stub: StubVLLM, url: str) -> None:
+        stub.plan = [400]
+        async with InferenceClient(url, max_retries=5, backoff_s=0.001) as client:
+            with pytest.raises(InferenceHTTPError) as info:
+                await client.complete([1], SAMPLING)
+        assert info.value.status == 400 and not info.value.retryable and not info.value.server_fault
+        assert "scripted 400" in str(info.value)
+
+    assert len(run_with_stub(test).completions) == 1
+
+
+def test_timeout_is_typed_and_retried_within_the_bound():
+    async def test(stub: StubVLLM, url: str) -> None:
+        stub.plan = ["hang", "hang"]
+        async with InferenceClient(url, timeout_s=0.2, max_retries=1, backoff_s=0.001) as client:
+            with pytest.raises(InferenceTimeout) as info:
+                await client.complete([1], SAMPLING)
+        assert url in str(info.value)
+
+    assert len(run_with_stub(test).completions) == 2
+
+
+def test_connection_refused_is_a_typed_connection_error():
+    with socket.socket() as s:  # a port nothing listens on once the socket closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main() -> None:
+        async with InferenceClient(f"http://127.0.0.1:{port}", max_retries=1, backoff_s=0.001) as client:
+            with pytest.raises(InferenceConnectionError, match=f"127.0.0.1:{port}"):
+                await client.complete([1], SAMPLING)
+            assert await client.health() is False
+
+    asyncio.run(main())
+
+
+def test_mismatched_ids_and_logprobs_is_a_bad_response():
+    async def test(stub: StubVLLM, url: str) -> None:
+        stub.plan = ["mismatch"]
+        async with InferenceClient(url) as client:
+            with pytest.raises(InferenceBadResponse, match="3 token ids but 1 logprobs"):
+                await client.complete([1], SAMPLING)
+
+    run_with_stub(test)
+
+
+def test_wrong_number_of_choices_is_a_bad_response():
+    from beam_rl.inference.client import parse_completions
+
+    body = {"choices": [{"index": 0, "token_ids": [1], "logprobs": {"token_logprobs": [-1.0]}}]}
+    with pytest.raises(InferenceBadResponse, match="n=2"):
+        parse_completions(body, "http://x", n=2)
+    with pytest.raises(InferenceBadResponse, match="token_ids"):
+        parse_completions({"choices": [{"index": 0, "logprobs": {"token_logprobs": []}}]}, "http://x", n=1)
+
+
+def test_load_parses_vllm_metrics_summing_over_engines():
+    async def test(stub: StubVLLM, url: str) -> None:
+        async with InferenceClient(url) as client:
+            load = await client.load()
+        assert load == ServerLoad(running=5.0, waiting=4.0, kv_cache_usage=0.5, prefix_cache_hits=250.0, prefix_cache_queries=1000.0)
+        assert load.queued == 9.0
+        assert load.prefix_cache_hit_rate == 0.25
+
+    run_with_stub(test)
+
+
+def test_missing_metrics_read_as_zero_counts_and_none_fractions():
+    load = parse_server_load("# TYPE other gauge\nother 1.0\n")
+    assert load == ServerLoad(running=0.0, waiting=0.0, kv_cache_usage=None, prefix_cache_hits=None, prefix_cache_queries=None)
+    assert load.prefix_cache_hit_rate is None
+
+
+def test_health_and_control_endpoints():
+    async def test(stub: StubVLLM, url: str) -> None:
+        async with InferenceClient(url) as client:
+            assert await client.health() is True
+            stub.healthy = False
+            assert await client.health() is False
+            await client.pause()
+            await client.reload_weights("/runs/r/weights/step_3")
+            await client.resume()
+
+    stub = run_with_stub(test)
+    assert stub.posts == [
+        ("/pause", {}, {"mode": "keep"}),
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/runs/r/weights/step_3"}}, {}),
+        ("/resume", {}, {}),
+    ]
+
+
+def test_hundreds_of_concurrent_requests_share_one_client():
+    # The stub holds every request until 256 are inside it at once: this only completes if the
+    # client's connection pool lets them all through together (httpx's default allows 100).
+    async def test(stub: StubVLLM, url: str) -> None:
+        stub.barrier = (256, asyncio.Event())
+        async with InferenceClient(url, timeout_s=30) as client:
+            results = await asyncio.gather(*(client.complete([i], SAMPLING) for i in range(256)))
+        assert len(results) == 256
+
+    stub = run_with_stub(test)
+    assert stub.peak_concurrent == 256
