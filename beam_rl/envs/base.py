@@ -10,8 +10,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic import BaseModel
+
+from beam_rl.datasets import BadRows, DatasetError, read_dataset
 from beam_rl.types import Turn
 
 
@@ -83,6 +87,11 @@ class Environment(abc.ABC):
     def reward(self, row: dict[str, Any], completion_text: str) -> float:
         """Score one (final) answer."""
 
+    def stop_token_ids(self) -> list[int]:
+        """Generation stops at the end of the assistant's message (the tokenizer's eos)."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return [eos] if eos is not None else []
+
     def decode(self, token_ids: list[int]) -> str:
         """The completion's text up to its first EOS: what a model writes after EOS is not its answer."""
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -114,3 +123,36 @@ class Environment(abc.ABC):
     def _single_turn(self, row: dict[str, Any], completion: Completion) -> Trajectory:
         turn = Turn(completion.token_ids, completion.logprobs, completion.finish_reason)
         return Trajectory([turn], self.reward(row, self.decode(completion.token_ids)))
+
+
+class DatasetEnvironment(Environment):
+    """An environment whose rows come from a dataset validated by `row_model`.
+
+    `dataset=None` reads the bundled `<data_dir>/<data_name>_<split>.jsonl`; otherwise `dataset` is a
+    directory of splits (see beam_rl.datasets.read_dataset). `bad_rows="skip"` drops malformed rows
+    instead of failing; the ones dropped per split are kept in `skipped_rows` for metrics.
+    """
+
+    row_model: type[BaseModel]
+    data_dir: Path
+    data_name: str = ""
+
+    def __init__(
+        self, tokenizer: Any, max_turns: int = 1, *, dataset: str | Path | None = None, bad_rows: BadRows = "fail"
+    ) -> None:
+        super().__init__(tokenizer, max_turns)
+        self.dataset = dataset
+        self.bad_rows = bad_rows
+        self.skipped_rows: dict[str, list[DatasetError]] = {}
+
+    def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
+        if self.dataset is None:
+            loaded = read_dataset(self.data_dir / f"{self.data_name}_{split}.jsonl", self.row_model, bad_rows=self.bad_rows)
+        else:
+            loaded = read_dataset(self.dataset, self.row_model, split=split, bad_rows=self.bad_rows)
+        self.skipped_rows[split] = loaded.skipped
+        return self.select_rows(loaded.rows)
+
+    def select_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Hook for a subset of the validated rows (a curriculum level); all of them by default."""
+        return rows

@@ -1,0 +1,47 @@
+"""Reverse a short text: a dense reward (string similarity) that a tiny model can climb from zero."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from beam_rl.datasets import PromptText
+from beam_rl.envs import register_env
+from beam_rl.envs.base import DatasetEnvironment, chat_prompt_ids
+
+
+class ReverseTextRow(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    text: PromptText
+
+
+def similarity(predicted: str, target: str) -> float:
+    """difflib's ratio 2*M/T in [0, 1]: M matched characters, T the two lengths summed."""
+    return difflib.SequenceMatcher(None, predicted, target).ratio()
+
+
+@register_env
+class ReverseText(DatasetEnvironment):
+    """Single-turn: reward = similarity(completion up to its first EOS, stripped, row["text"][::-1]).
+
+    Every right character in the right order earns something, and so does stopping at the right
+    length, so rewards differ within a group even for a random-init model.
+    """
+
+    name = "reverse_text"
+    row_model = ReverseTextRow
+    data_dir = Path(__file__).resolve().parent / "data"
+    data_name = "reverse_text"
+    PROMPT = "Reverse the text: {text}"
+
+    def render_prompt(self, row: dict[str, Any]) -> list[int]:
+        content = self.PROMPT.format(text=row["text"])
+        return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": content}])
+
+    def reward(self, row: dict[str, Any], completion_text: str) -> float:
+        # Surrounding whitespace is formatting (a newline after the assistant header), not content.
+        return similarity(completion_text.strip(), row["text"][::-1])
