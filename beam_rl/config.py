@@ -73,6 +73,7 @@ class EnvConfig(_Section):
     epochs: int = Field(1, ge=1)
     max_turns: int = Field(4, ge=1)
     split: str = Field("train", min_length=1)
+    limit: int | None = Field(None, gt=0)  # use only the first `limit` rows of the split
 
 
 class BatchSection(_Section):

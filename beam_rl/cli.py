@@ -1,0 +1,96 @@
+"""The `beam-rl` command: run rollouts, inspect a run directory, (soon) run the whole RL loop."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from beam_rl.config import ConfigError, load_config
+from beam_rl.rundir import RunDir
+
+console = Console()
+
+
+def inspect_table(run_dir: RunDir) -> Table:
+    table = Table(title=f"run {run_dir.path}")
+    for column in ("step", "rollouts", "trained", "tokens", "reward mean", "errored", "filtered", "lag max"):
+        table.add_column(column, justify="right")
+    for step in run_dir.committed_steps():
+        commit = run_dir.read_commit(step)
+        window, counts = commit["window"], commit["counts"]
+        filtered = window.get("filtered", {})
+        table.add_row(
+            str(step),
+            str(window.get("rollouts", 0)),
+            str(window.get("trained_rollouts", counts.get("samples", 0))),
+            str(counts.get("tokens", 0)),
+            f"{window.get('reward_mean') or 0.0:.3f}",
+            str(window.get("errored", 0)),
+            ", ".join(f"{k}={v}" for k, v in sorted(filtered.items())) or "0",
+            str(window.get("staleness_max", "")),
+        )
+    return table
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    run_dir = RunDir(args.run_dir)
+    if not run_dir.path.is_dir():
+        console.print(f"[red]no run directory at {run_dir.path}[/red]")
+        return 2
+    console.print(inspect_table(run_dir))
+    return 0
+
+
+def _cmd_rollouts(args: argparse.Namespace) -> int:
+    from beam_rl.servers import inference_servers
+    from runners.pipeline import run_rollouts
+
+    config = load_config(args.config)
+    if args.run_dir:
+        config = config.model_copy(update={"run": config.run.model_copy(update={"dir": Path(args.run_dir)})})
+    run_dir = RunDir(config.run.dir)
+    started = time.monotonic()
+    with console.status("starting inference servers"), inference_servers(config) as urls:
+        console.print(f"inference servers: {', '.join(urls)}")
+        console.print(f"running the rollout pipeline on [bold]{config.runner.name}[/bold] -> {run_dir.path}")
+        run_rollouts(config, urls, with_trainer=False)
+    console.print(inspect_table(run_dir))
+    console.print(f"done in {time.monotonic() - started:.1f}s; Arrow files under {run_dir.rollouts_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="beam-rl", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    rollouts = sub.add_parser("rollouts", help="run the rollout pipeline (no trainer) into a run directory")
+    rollouts.add_argument("--config", required=True, help="a TOML run config (see configs/)")
+    rollouts.add_argument("--run-dir", help="override run.dir")
+    rollouts.set_defaults(func=_cmd_rollouts)
+
+    inspect = sub.add_parser("inspect", help="print a table of a run directory's committed steps")
+    inspect.add_argument("run_dir")
+    inspect.set_defaults(func=_cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Builds the domain components of a run from its RunConfig: the one place that wires them together.
+
+Beam DoFns call these in `setup` on the worker, so what travels in the pipeline graph is only the
+config (a pydantic model) and the inference server URLs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from beam_rl.advantages import AdvantageAlgorithm, get_algorithm
+from beam_rl.config import RunConfig
+from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
+from beam_rl.envs import make_env
+from beam_rl.envs.base import Environment, SamplingParams
+from beam_rl.filters import RolloutFilter, make_filter
+from beam_rl.inference.client import InferenceClient
+from beam_rl.packing import BatchCutter
+from beam_rl.schedule import EnvSchedule, PromptSchedule
+from beam_rl.sink import BatchBuilder
+from beam_rl.tinymodel import tiny_model_dir
+from beam_rl.tokenizer import load_tokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_for(model_name: str) -> Any:
+    return load_tokenizer(model_name)
+
+
+def model_dir(config: RunConfig) -> Path:
+    """The Hugging Face directory of the policy model (the tiny one is built offline on first use)."""
+    if config.model.name == "tiny":
+        return tiny_model_dir(config.run.seed)
+    return Path(config.model.name)
+
+
+def vocab_size(config: RunConfig) -> int:
+    """The model's output width (what -log(V) in the gibberish rule refers to)."""
+    return int(json.loads((model_dir(config) / "config.json").read_text())["vocab_size"])
+
+
+def build_envs(config: RunConfig) -> dict[str, Environment]:
+    tokenizer = tokenizer_for(config.model.name)
+    envs = {}
+    for env in config.envs:
+        kwargs: dict[str, Any] = dict(env.args)
+        kwargs.setdefault("max_turns", env.max_turns)
+        envs[env.name] = make_env(env.name, tokenizer, **kwargs)
+    return envs
+
+
+def build_schedule(config: RunConfig, envs: dict[str, Environment], split: str | None = None) -> PromptSchedule:
+    return PromptSchedule([
+        EnvSchedule(e.name, envs[e.name].load_rows(split or e.split)[:e.limit], e.group_size, e.epochs)
+        for e in config.envs
+    ])
+
+
+def algorithms(config: RunConfig) -> dict[str, AdvantageAlgorithm]:
+    return {e.name: get_algorithm(e.algorithm, **e.algorithm_args) for e in config.envs}
+
+
+def pre_batch_filters(config: RunConfig) -> list[RolloutFilter]:
+    f = config.filters
+    return [
+        make_filter("zero_advantage", mode=f.zero_advantage.mode),
+        make_filter("gibberish", mode=f.gibberish.mode, vocab_size=vocab_size(config),
+                    token_id_frac=f.gibberish.token_id_frac, logprob_offset=f.gibberish.logprob_offset),
+        make_filter("repetition", mode=f.repetition.mode, window=f.repetition.window,
+                    prob_threshold=f.repetition.prob_threshold),
+        make_filter("overlong", mode=f.overlong.mode),
+    ]
+
+
+def post_batch_filters(config: RunConfig, check_staleness: bool = True) -> list[RolloutFilter]:
+    """The staleness bound; off when no trainer publishes weights (the policy never changes)."""
+    if not check_staleness:
+        return []
+    return [make_filter("stale", max_off_policy_steps=config.off_policy.max_off_policy_steps)]
+
+
+def batch_builder(config: RunConfig, next_step: int, check_staleness: bool = True) -> BatchBuilder:
+    b = config.batch
+    cutter = BatchCutter(rollouts_per_step=None if b.token_budget else b.rollouts_per_step,
+                         token_budget=b.token_budget)
+    return BatchBuilder(cutter, b.seq_len, b.trainer_ranks, post_batch_filters(config, check_staleness),
+                        next_step=next_step)
+
+
+def sampling_params(config: RunConfig, envs: dict[str, Environment]) -> dict[str, SamplingParams]:
+    inf = config.inference
+    return {
+        name: SamplingParams(max_tokens=inf.max_tokens, temperature=inf.temperature,
+                             stop_token_ids=tuple(env.stop_token_ids()))
+        for name, env in envs.items()
+    }
+
+
+def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str, Environment],
+                      policy_version: Callable[[], int]) -> DispatcherThread:
+    """A dispatcher on its own event-loop thread, with one client per inference server."""
+    inf = config.inference
+    modes = {e.name: e.mode for e in config.envs}
+    sampling = sampling_params(config, envs)
+
+    def build(next_group) -> Dispatcher:
+        clients = [InferenceClient(url, model=config.model.name, timeout_s=inf.request_timeout_s,
+                                   max_retries=inf.max_retries, backoff_s=inf.retry_backoff_s)
+                   for url in server_urls]
+        return Dispatcher(ServerPool(clients), envs, modes, sampling, inf.max_inflight,
+                          policy_version, next_group, seed=config.run.seed)
+
+    return DispatcherThread(build)

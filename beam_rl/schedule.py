@@ -1,0 +1,59 @@
+"""The prompt schedule: a stable numbering of every group a run can admit.
+
+Offset o names one (environment, epoch, row) triple, the same one on every restart, so the source's
+restriction is a plain offset range and a commit record's offsets say exactly what was consumed.
+Epoch-major; within an epoch, environments take turns row by row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from beam_rl.types import GroupRequest, make_group_id
+
+Offset = tuple[str, int, int]  # (env name, epoch, row index)
+
+
+@dataclass(frozen=True)
+class EnvSchedule:
+    name: str
+    rows: Sequence[dict[str, Any]]
+    group_size: int
+    epochs: int
+
+
+class PromptSchedule:
+    def __init__(self, envs: Sequence[EnvSchedule]) -> None:
+        if not envs:
+            raise ValueError("a prompt schedule needs at least one environment")
+        self._envs = {e.name: e for e in envs}
+        self._offsets: list[Offset] = []
+        for epoch in range(max(e.epochs for e in envs)):
+            for index in range(max(len(e.rows) for e in envs)):
+                for env in envs:
+                    if epoch < env.epochs and index < len(env.rows):
+                        self._offsets.append((env.name, epoch, index))
+        self._position = {offset: i for i, offset in enumerate(self._offsets)}
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def offset(self, position: int) -> Offset:
+        return self._offsets[position]
+
+    def position(self, offset: Offset) -> int:
+        return self._position[tuple(offset)]  # type: ignore[index]
+
+    def group(self, position: int, policy_version: int = 0) -> GroupRequest:
+        name, epoch, index = self._offsets[position]
+        env = self._envs[name]
+        return GroupRequest(
+            group_id=f"{name}/{make_group_id(epoch, index)}",
+            epoch=epoch,
+            index=index,
+            env_name=name,
+            group_size=env.group_size,
+            row=dict(env.rows[index]),
+            policy_version=policy_version,
+        )

@@ -1,0 +1,44 @@
+"""The inference servers of a run: the configured vLLM URLs, or embedded servers started (and
+stopped) here, one subprocess each so generation never competes with the pipeline for the GIL."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import subprocess
+from collections.abc import Iterator
+
+from beam_rl import components
+from beam_rl.config import RunConfig
+from beam_rl.inference.launch import start_subprocess_server
+
+_LOG = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def inference_servers(config: RunConfig) -> Iterator[list[str]]:
+    """Yields the base URLs to dispatch to; embedded servers live exactly as long as the block."""
+    inf = config.inference
+    if inf.urls:
+        yield list(inf.urls)
+        return
+    model_dir = components.model_dir(config)
+    procs: list[subprocess.Popen] = []
+    try:
+        urls = []
+        for _ in range(inf.embedded_servers):
+            proc, url = start_subprocess_server(
+                model_dir, mode=inf.embedded_mode, max_num_seqs=inf.embedded_max_num_seqs,
+                extra_args=("--served-model-name", config.model.name))
+            procs.append(proc)
+            urls.append(url)
+        _LOG.info("started %d embedded inference servers: %s", len(urls), ", ".join(urls))
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()

@@ -1,0 +1,54 @@
+"""Assembles the rollout pipeline; the same graph runs on Prism and on Flink.
+
+RunSpec -> DispatchRollouts -> CompleteGroups -> ScoreGroups -> PackBatches -> WriteTrainBatches
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import apache_beam as beam
+
+from beam_rl.config import RunConfig
+from beam_rl.rollout_source import SourceSpec, close_source
+from beam_rl.rundir import RunDir
+from runners.options import RunnerSettings, pipeline_options
+from transforms.dispatch import END_OF_INPUT, DispatchRollouts
+from transforms.groups import CompleteGroups
+from transforms.pack import PackBatches
+from transforms.score import ScoreGroups
+from transforms.write import WriteTrainBatches
+
+
+def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PCollection[int]:
+    """Adds the rollout graph to `pipeline`; returns the PCollection of committed step numbers."""
+    dispatched = pipeline | "Dispatch" >> DispatchRollouts(spec)
+    scored = (dispatched.rollouts
+              | "CompleteGroups" >> CompleteGroups()
+              | "Score" >> ScoreGroups(spec.config))
+    return ((scored, dispatched[END_OF_INPUT])
+            | "WithEndOfInput" >> beam.Flatten()
+            | "PackBatches" >> PackBatches(spec.config, spec.first_step, spec.with_trainer)
+            | "WriteTrainBatches" >> WriteTrainBatches(spec.run_dir))
+
+
+def runner_settings(config: RunConfig) -> RunnerSettings:
+    r = config.runner
+    return RunnerSettings(name=r.name, flink_master=r.flink_master, parallelism=r.parallelism,
+                          checkpointing_interval_ms=r.checkpointing_interval_ms, state_backend=r.state_backend)
+
+
+def run_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,
+                 with_trainer: bool = True) -> SourceSpec:
+    """Runs the rollout pipeline to completion (max_steps committed, or the dataset exhausted)."""
+    directory = RunDir(run_dir or config.run.dir)
+    directory.path.mkdir(parents=True, exist_ok=True)
+    spec = SourceSpec(config=config, server_urls=tuple(server_urls), run_dir=str(directory.path),
+                      run_id=uuid.uuid4().hex, first_step=directory.next_step(), with_trainer=with_trainer)
+    pipeline = beam.Pipeline(options=pipeline_options(runner_settings(config)))
+    build_rollout_pipeline(pipeline, spec)
+    try:
+        pipeline.run().wait_until_finish()
+    finally:
+        close_source(spec.run_id)
+    return spec

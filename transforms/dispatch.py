@@ -1,0 +1,98 @@
+"""DispatchRollouts: PromptSource + Dispatch as one splittable DoFn, an unbounded source of rollouts.
+
+Like an IO connector's reader, the DoFn claims prompt offsets from its restriction as the dispatcher
+has room, emits finished rollouts as they finish, and checkpoints itself every fraction of a second
+so they leave in small bundles. The dispatcher's event loop lives across bundles (RolloutSource).
+Position len(schedule) is the end marker: it is claimed, and EndOfInput sent, only once every
+admitted group has come back, so the restriction is never done while rollouts are in flight.
+"""
+
+from __future__ import annotations
+
+import time
+
+import apache_beam as beam
+from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
+from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
+from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
+from apache_beam.utils.timestamp import Duration, Timestamp
+
+from beam_rl.rollout_source import EndOfInput, SourceSpec, source_for
+
+END_OF_INPUT = "end_of_input"
+BUNDLE_S = 0.2  # how long one process() call collects rollouts before it checkpoints
+POLL_S = 0.02
+
+
+class _ScheduleRestrictions(RestrictionProvider):
+    def initial_restriction(self, spec: SourceSpec) -> OffsetRange:
+        source = source_for(spec)
+        return OffsetRange(0, len(source) + 1)  # + the end marker
+
+    def create_tracker(self, restriction: OffsetRange) -> OffsetRestrictionTracker:
+        return OffsetRestrictionTracker(restriction)
+
+    def split(self, spec, restriction):
+        yield restriction  # one reader per run; see README "Scaling out" for what splitting would need
+
+    def restriction_size(self, spec: SourceSpec, restriction: OffsetRange) -> int:
+        return restriction.size()
+
+
+class _WatermarkFromStart(WatermarkEstimatorProvider):
+    def initial_estimator_state(self, element, restriction):
+        return Timestamp.now()
+
+    def create_watermark_estimator(self, estimator_state):
+        return ManualWatermarkEstimator(estimator_state)
+
+
+class _DispatchFn(beam.DoFn):
+    @beam.DoFn.unbounded_per_element()
+    def process(
+        self,
+        spec: SourceSpec,
+        tracker=beam.DoFn.RestrictionParam(_ScheduleRestrictions()),
+        watermark=beam.DoFn.WatermarkEstimatorParam(_WatermarkFromStart()),
+    ):
+        source = source_for(spec)
+        end_marker = len(source)
+        restriction = tracker.current_restriction()
+        position, stop = restriction.start, min(restriction.stop, end_marker)
+        deadline = time.monotonic() + BUNDLE_S
+        while True:
+            while position < stop and source.wants_more():
+                if not tracker.try_claim(position):
+                    return
+                source.admit(position)
+                position += 1
+            now = Timestamp.now()
+            for rollout in source.poll(POLL_S):
+                yield beam.window.TimestampedValue(rollout, now)
+            watermark.set_watermark(now)
+            exhausted = position >= stop or source.stopping()
+            if exhausted and source.idle():
+                # Claiming the last position finishes this part (skipping what a stop left
+                # unclaimed); only the part holding the end marker announces the end.
+                final = restriction.stop - 1
+                if position <= final and tracker.try_claim(final) and final == end_marker:
+                    yield beam.pvalue.TaggedOutput(END_OF_INPUT, EndOfInput(source.admitted))
+                return
+            if time.monotonic() >= deadline:
+                tracker.defer_remainder(Duration.of(0))
+                return
+
+
+class DispatchRollouts(beam.PTransform):
+    """Finished rollouts of every group of the run, as they finish; plus one EndOfInput."""
+
+    def __init__(self, spec: SourceSpec) -> None:
+        super().__init__()
+        self._spec = spec
+
+    def expand(self, pbegin):
+        spec = self._spec
+        return (pbegin
+                | beam.Impulse()
+                | "Spec" >> beam.Map(lambda _: spec)
+                | beam.ParDo(_DispatchFn()).with_outputs(END_OF_INPUT, main="rollouts"))
