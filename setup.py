@@ -21,6 +21,7 @@ setup(
         "numpy>=1.26,<2.3",
         "pydantic>=2.6,<3",
         "httpx>=0.27",
+        "prometheus-client>=0.20",
         "aiohttp>=3.9",
         "rich>=13",
         "transformers>=4.45",

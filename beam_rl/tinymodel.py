@@ -123,5 +123,6 @@ def tiny_model_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None) ->
 
 def load_tiny_model(path: str | os.PathLike) -> PreTrainedModel:
     """A causal LM from a local directory, float32 on CPU, in eval mode."""
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
-    return model.to("cpu").eval()
+    # No dtype argument: its name changed across transformers releases (torch_dtype -> dtype).
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+    return model.to(device="cpu", dtype=torch.float32).eval()

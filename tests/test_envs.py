@@ -22,6 +22,10 @@ from beam_rl.envs.reverse_text import ReverseText, similarity
 from beam_rl.tokenizer import load_tokenizer
 
 
+ROW = {"secret": 7, "low": 1, "high": 10}
+QUESTION = "Guess my secret integer between 1 and 10. Reply with one number."
+
+
 @pytest.fixture(scope="module")
 def tok() -> Any:
     return load_tokenizer("tiny")
@@ -58,7 +62,13 @@ def completion(tok: Any, text: str, stop: bool = True) -> Completion:
 
 
 def chatml(*messages: tuple[str, str]) -> str:
-    return "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages) + "<|im_start|>assistant\n"
+    turns = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages)
+    return turns + "<|im_start|>assistant\n"
+
+
+def hint_ids(tok: Any, hint_text: str) -> list[int]:
+    """The environment's answer after a turn that ended with <|im_end|>: a user turn, then the assistant's."""
+    return ids(tok, f"\n<|im_start|>user\n{hint_text}<|im_end|>\n<|im_start|>assistant\n")
 
 
 # --- Registry --------------------------------------------------------------------------------------
@@ -166,7 +176,9 @@ def test_custom_dataset_directory_and_row_errors(tok: Any, tmp_path: Path) -> No
     skipping = make_env("arithmetic", tok, dataset=tmp_path, bad_rows="skip")
     with pytest.raises(DatasetError, match=r"eval\.jsonl: no rows \(1 bad rows skipped\)"):
         skipping.load_rows("eval")
-    (tmp_path / "eval.jsonl").write_text('{"question": "1 + 1", "answer": "two"}\n{"question": "2 + 2", "answer": "4"}\n')
+    (tmp_path / "eval.jsonl").write_text(
+        '{"question": "1 + 1", "answer": "two"}\n{"question": "2 + 2", "answer": "4"}\n'
+    )
     assert skipping.load_rows("eval") == [{"question": "2 + 2", "answer": "4", "level": 0}]
     assert [(e.line, e.field) for e in skipping.skipped_rows["eval"]] == [(1, "answer")]
 
@@ -188,14 +200,14 @@ def test_custom_dataset_directory_and_row_errors(tok: Any, tmp_path: Path) -> No
     [
         ("arithmetic", {"question": "3 + 4", "answer": "7"}, "What is 3 + 4? Reply with just the number."),
         ("reverse_text", {"text": "abc de"}, "Reverse the text: abc de"),
-        ("guess_number", {"secret": 7, "low": 1, "high": 10}, "Guess my secret integer between 1 and 10. Reply with one number."),
+        ("guess_number", {"secret": 7, "low": 1, "high": 10}, QUESTION),
     ],
 )
 def test_prompts_render_with_the_chat_template(tok: Any, name: str, row: dict, content: str) -> None:
     prompt_ids = make_env(name, tok).render_prompt(row)
     assert type(prompt_ids) is list and all(type(i) is int for i in prompt_ids)
-    template = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, return_dict=False)
-    assert prompt_ids == template
+    messages = [{"role": "user", "content": content}]
+    assert prompt_ids == tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     assert tok.decode(prompt_ids) == chatml(("user", content))
 
 
@@ -218,7 +230,13 @@ def test_first_integer(text: str, value: int | None) -> None:
 
 @pytest.mark.parametrize(
     ("text", "plain", "easy"),
-    [("19", 1.0, 1.0), ("The answer is 19.", 1.0, 1.0), ("18", 0.0, 0.1), ("12 + 7 = 19", 0.0, 0.1), ("no idea", 0.0, 0.0)],
+    [
+        ("19", 1.0, 1.0),
+        ("The answer is 19.", 1.0, 1.0),
+        ("18", 0.0, 0.1),
+        ("12 + 7 = 19", 0.0, 0.1),  # the first integer is 12: restating the question is wrong
+        ("no idea", 0.0, 0.0),
+    ],
 )
 def test_arithmetic_reward(tok: Any, text: str, plain: float, easy: float) -> None:
     row = {"question": "12 + 7", "answer": "19"}
@@ -282,10 +300,6 @@ def test_game_reward_scales_down_by_turns(tok: Any) -> None:
     assert env.reward({"secret": 7, "low": 1, "high": 10}, "6") == 0.0
 
 
-ROW = {"secret": 7, "low": 1, "high": 10}
-QUESTION = "Guess my secret integer between 1 and 10. Reply with one number."
-
-
 def play(tok: Any, env: GuessNumber, *responses: Completion, sampling: SamplingParams | None = None):
     client = ScriptedClient(*([r] for r in responses))
     prompt_ids = env.render_prompt(ROW)
@@ -298,8 +312,8 @@ def test_each_turn_continues_the_exact_ids_of_the_last(tok: Any) -> None:
     trajectory, client, prompt_ids = play(tok, env, completion(tok, "5"), completion(tok, "9"), completion(tok, "7"))
     first, second, third = trajectory.turns
     assert first.env_ids == []
-    assert second.env_ids == ids(tok, f"\n<|im_start|>user\n{HIGHER}<|im_end|>\n<|im_start|>assistant\n")
-    assert third.env_ids == ids(tok, f"\n<|im_start|>user\n{LOWER}<|im_end|>\n<|im_start|>assistant\n")
+    assert second.env_ids == hint_ids(tok, HIGHER)
+    assert third.env_ids == hint_ids(tok, LOWER)
     assert client.prompts == [
         prompt_ids,
         prompt_ids + first.completion_ids + second.env_ids,
@@ -326,14 +340,14 @@ def test_generated_ids_are_never_retokenized(tok: Any) -> None:
     trajectory, client, prompt_ids = play(tok, env, Completion(letter_ids, [-1.0] * 4, "stop"), completion(tok, "7"))
     assert client.prompts[1][len(prompt_ids) : len(prompt_ids) + 4] == letter_ids
     assert trajectory.turns[0].completion_ids == letter_ids and trajectory.turns[0].logprobs == [-1.0] * 4
-    assert trajectory.turns[1].env_ids == ids(tok, f"\n<|im_start|>user\n{NO_GUESS}<|im_end|>\n<|im_start|>assistant\n")
+    assert trajectory.turns[1].env_ids == hint_ids(tok, NO_GUESS)
 
 
 def test_truncated_turn_is_closed_once(tok: Any) -> None:
     env = make_env("guess_number", tok, max_turns=3)
     trajectory, client, prompt_ids = play(tok, env, completion(tok, "3 4 5", stop=False), completion(tok, "7"))
     second = trajectory.turns[1]
-    assert second.env_ids == [tok.eos_token_id] + ids(tok, f"\n<|im_start|>user\n{HIGHER}<|im_end|>\n<|im_start|>assistant\n")
+    assert second.env_ids == [tok.eos_token_id] + hint_ids(tok, HIGHER)
     assert trajectory.turns[0].truncated
     # A stopped turn already ends with <|im_end|>: the hint must not add a second one.
     _, client_stopped, prompt_stopped = play(tok, env, completion(tok, "3"), completion(tok, "7"))
@@ -356,20 +370,21 @@ def test_game_stops_after_max_turns_with_zero_reward(tok: Any) -> None:
     )
     assert len(client.calls) == 3 and len(trajectory.turns) == 3
     assert trajectory.reward == 0.0
-    assert trajectory.turns[2].env_ids == ids(tok, f"\n<|im_start|>user\n{NO_GUESS}<|im_end|>\n<|im_start|>assistant\n")
+    assert trajectory.turns[2].env_ids == hint_ids(tok, NO_GUESS)
 
 
 def test_seed_is_offset_per_turn(tok: Any) -> None:
     env = make_env("guess_number", tok, max_turns=3)
-    _, client, _ = play(tok, env, completion(tok, "1"), completion(tok, "2"), completion(tok, "3"), sampling=SamplingParams(seed=40))
+    guesses = [completion(tok, "1"), completion(tok, "2"), completion(tok, "3")]
+    _, client, _ = play(tok, env, *guesses, sampling=SamplingParams(seed=40))
     assert [call[1].seed for call in client.calls] == [40, 41, 42]
-    _, client, _ = play(tok, env, completion(tok, "1"), completion(tok, "2"), completion(tok, "3"))
+    _, client, _ = play(tok, env, *guesses)
     assert [call[1].seed for call in client.calls] == [None, None, None]
 
 
 def test_max_context_stops_the_game_and_caps_max_tokens(tok: Any) -> None:
     prompt_len = len(make_env("guess_number", tok).render_prompt(ROW))
-    hint_len = len(ids(tok, f"\n<|im_start|>user\n{HIGHER}<|im_end|>\n<|im_start|>assistant\n"))
+    hint_len = len(hint_ids(tok, HIGHER))
     guess = completion(tok, "1")  # 2 ids: "1" and <|im_end|>
     # Turn 2's prompt (prompt + 2 + hint) leaves 3 tokens; turn 3's would leave none.
     max_context = prompt_len + 2 + hint_len + 3
@@ -397,6 +412,3 @@ def test_guess_number_needs_chatml_markers() -> None:
     with pytest.raises(ValueError, match="needs a ChatML tokenizer"):
         GuessNumber(plain)
 
-
-def test_every_bundled_environment_is_an_environment() -> None:
-    assert all(issubclass(cls, Environment) and cls.name == name for name, cls in ENVIRONMENTS.items())

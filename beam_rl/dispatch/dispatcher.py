@@ -120,15 +120,21 @@ class Dispatcher:
         try:
             env = self.envs[request.env_name]
         except KeyError:
-            return self._reject(request, f"UnknownEnvironment: {request.env_name!r} (known: {sorted(self.envs)})")
+            return self._reject(
+                request, f"UnknownEnvironment: {request.env_name!r} (known: {sorted(self.envs)})"
+            )
         mode = self.env_modes[request.env_name]
         if mode == "group" and request.group_size > self.max_inflight:
-            return self._reject(request, f"GroupTooLarge: group_size {request.group_size} > max_inflight {self.max_inflight}")
+            return self._reject(
+                request, f"GroupTooLarge: group_size {request.group_size} > max_inflight {self.max_inflight}"
+            )
         try:
             prompt_ids = list(env.render_prompt(request.row))
         except Exception as exc:
             return self._reject(
-                request, f"PromptRenderError: env {request.env_name!r} row {request.index} (epoch {request.epoch}): {type(exc).__name__}: {exc}"
+                request,
+                f"PromptRenderError: env {request.env_name!r} row {request.index} (epoch {request.epoch}): "
+                f"{type(exc).__name__}: {exc}",
             )
         group = OpenGroup(request, env, mode, self.sampling[request.env_name], prompt_ids)
         self._groups[request.group_id] = group
@@ -195,7 +201,14 @@ class Dispatcher:
 
         rollouts = [
             self._placeholder(
-                request, a, group.prompt_ids, launch.version_start, version_end, launch.server.url, launch.t_start, t_end
+                request,
+                a,
+                group.prompt_ids,
+                launch.version_start,
+                version_end,
+                launch.server.url,
+                launch.t_start,
+                t_end,
             )
             for a in launch.attempts
         ]
@@ -300,7 +313,9 @@ class Dispatcher:
     def cancel_stale(self, min_version: int) -> list[str]:
         """Cancel groups whose first rollout started on a policy version older than `min_version`."""
         stale = [
-            g.group_id for g in self._groups.values() if g.version_start is not None and g.version_start < min_version
+            g.group_id
+            for g in self._groups.values()
+            if g.version_start is not None and g.version_start < min_version
         ]
         return self.cancel_groups(stale)
 
@@ -323,7 +338,9 @@ class Dispatcher:
         version, now = self._policy_version(), self._clock()
         server = group.server.url if group.server else None
         for attempt in range(group.next_attempt, group.request.group_size):
-            rollout = self._placeholder(group.request, attempt, group.prompt_ids, version, version, server, now, now)
+            rollout = self._placeholder(
+                group.request, attempt, group.prompt_ids, version, version, server, now, now
+            )
             rollout.status = RolloutStatus.CANCELLED
             self._emit(rollout)
         group.next_attempt = group.request.group_size
@@ -348,6 +365,8 @@ async def _run_env(
     if mode == "group":
         trajectories = list(await env.run_group(client, row, list(prompt_ids), sampling, n=n))
         if len(trajectories) != n:
-            raise RuntimeError(f"env {env.name!r} run_group returned {len(trajectories)} trajectories for n={n}")
+            raise RuntimeError(
+                f"env {env.name!r} run_group returned {len(trajectories)} trajectories for n={n}"
+            )
         return trajectories
     return [await env.run(client, row, list(prompt_ids), sampling)]

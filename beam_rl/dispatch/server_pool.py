@@ -48,7 +48,8 @@ class ServerPool:
         if unhealthy_after < 1:
             raise ValueError(f"unhealthy_after must be at least 1, got {unhealthy_after}")
         self.servers = [
-            Server(client, i, str(getattr(client, "base_url", f"server-{i}"))) for i, client in enumerate(clients)
+            Server(client, i, str(getattr(client, "base_url", f"server-{i}")))
+            for i, client in enumerate(clients)
         ]
         self.unhealthy_after = unhealthy_after
         self.reprobe_s = reprobe_s
@@ -76,7 +77,12 @@ class ServerPool:
         if server.healthy and server.consecutive_failures >= self.unhealthy_after:
             server.healthy = False
             server.unhealthy_since = self._clock()
-            log.warning("server %s marked unhealthy after %d failures in a row: %s", server.url, server.consecutive_failures, error)
+            log.warning(
+                "server %s marked unhealthy after %d failures in a row: %s",
+                server.url,
+                server.consecutive_failures,
+                error,
+            )
 
     async def refresh(self) -> None:
         """Poll the load of healthy servers and re-probe unhealthy ones whose wait is over."""

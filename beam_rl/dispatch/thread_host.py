@@ -113,6 +113,16 @@ class DispatcherThread:
     def cancel_stale(self, min_version: int) -> list[str]:
         return self._call(lambda: self.dispatcher.cancel_stale(min_version))
 
+    def reload_weights(self, path: object, timeout_s: float = 600.0) -> None:
+        """Ask every server in the pool to load the checkpoint at `path`; returns when all have."""
+        self._raise_if_dead()
+        servers = self.dispatcher.pool.servers
+
+        async def reload_all() -> None:
+            await asyncio.gather(*(s.client.reload_weights(str(path)) for s in servers))
+
+        asyncio.run_coroutine_threadsafe(reload_all(), self._loop).result(timeout_s)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Cancel in-flight work, close the clients and stop the thread (in-flight groups are dropped)."""
         if self._closed:

@@ -94,8 +94,11 @@ class Arithmetic(DatasetEnvironment):
 class ArithmeticEasy(Arithmetic):
     """The learnable config: level-0 rows (one-digit answers) and 0.1 for writing any integer.
 
-    A random-init model writes a digit somewhere in a few tenths of its completions, so groups of 8
-    differ in reward from step one; once it writes digits, a random digit is right one time in ten.
+    A random-init model already writes a digit somewhere in most 24-token completions, so most
+    groups of 8 differ in reward from step one; once every completion holds a digit, a random one
+    is right one time in ten, so the mean reward climbs from about 0.09 towards 0.19 as the model
+    learns the answer format (measured with the tiny 2-layer Qwen2, plain GRPO, 64 rollouts a step,
+    lr 1e-3: 0.09 -> 0.18 in 30 steps). Going beyond that takes actually learning the sums.
     """
 
     name = "arithmetic_easy"

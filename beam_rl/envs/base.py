@@ -147,7 +147,8 @@ class DatasetEnvironment(Environment):
 
     def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
         if self.dataset is None:
-            loaded = read_dataset(self.data_dir / f"{self.data_name}_{split}.jsonl", self.row_model, bad_rows=self.bad_rows)
+            bundled = self.data_dir / f"{self.data_name}_{split}.jsonl"
+            loaded = read_dataset(bundled, self.row_model, bad_rows=self.bad_rows)
         else:
             loaded = read_dataset(self.dataset, self.row_model, split=split, bad_rows=self.bad_rows)
         self.skipped_rows[split] = loaded.skipped

@@ -94,7 +94,7 @@ class GuessNumber(DatasetEnvironment):
         # Hints are ChatML turns built from token ids; a tokenizer that would split the markers
         # into ordinary pieces cannot continue a ChatML conversation faithfully.
         self._im_end_id = self._marker_id(IM_END)
-        self._im_start_id = self._marker_id(IM_START)
+        self._marker_id(IM_START)
         self._hint_cache: dict[tuple[str, bool], list[int]] = {}
 
     def _marker_id(self, marker: str) -> int:
@@ -140,7 +140,9 @@ class GuessNumber(DatasetEnvironment):
             room = sampling.max_tokens if self.max_context is None else self.max_context - len(context)
             if room < 1:
                 if turn == 1:
-                    raise ValueError(f"prompt of {len(context)} tokens leaves no room under max_context={self.max_context}")
+                    raise ValueError(
+                        f"prompt of {len(context)} tokens leaves no room under max_context={self.max_context}"
+                    )
                 break
             turn_sampling = dataclasses.replace(
                 sampling,

@@ -198,7 +198,9 @@ class InferenceClient:
         try:
             return parse_server_load(response.text)
         except ValueError as exc:
-            raise InferenceBadResponse(f"{self.base_url}/metrics: unparseable metrics ({exc})", self.base_url) from None
+            raise InferenceBadResponse(
+                f"{self.base_url}/metrics: unparseable metrics ({exc})", self.base_url
+            ) from None
 
     async def health(self) -> bool:
         """True when `GET /health` answers 2xx within the timeout; never raises for a sick server."""
@@ -264,11 +266,17 @@ class InferenceClient:
         try:
             # httpx's timeout bounds each read; the whole request (queueing for a pooled
             # connection included) gets one deadline too, so a trickling server cannot hang a rollout.
-            response = await asyncio.wait_for(self._http.request(method, url, timeout=timeout_s, **kwargs), timeout_s)
+            response = await asyncio.wait_for(
+                self._http.request(method, url, timeout=timeout_s, **kwargs), timeout_s
+            )
         except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
-            raise InferenceTimeout(f"{method} {url}: no answer within {timeout_s:g}s ({type(exc).__name__})", url) from None
+            raise InferenceTimeout(
+                f"{method} {url}: no answer within {timeout_s:g}s ({type(exc).__name__})", url
+            ) from None
         except httpx.TransportError as exc:
-            raise InferenceConnectionError(f"{method} {url}: connection failed ({type(exc).__name__}: {exc})", url) from None
+            raise InferenceConnectionError(
+                f"{method} {url}: connection failed ({type(exc).__name__}: {exc})", url
+            ) from None
         if response.status_code >= 400:
             body = response.text[:500]
             raise InferenceHTTPError(

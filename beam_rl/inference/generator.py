@@ -49,14 +49,11 @@ class ChoiceResult:
 
 
 class GenerationState(Protocol):
+    params: GenerationParams
     choices: list[ChoiceResult]
 
     @property
     def done(self) -> bool: ...
-
-    def num_tokens(self) -> int:
-        """Tokens held in the KV cache across the request's sequences (for the usage gauge)."""
-        ...
 
 
 class Generator(Protocol):
@@ -91,9 +88,6 @@ class _ModelState:
     @property
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
-
-    def num_tokens(self) -> int:
-        return sum(len(self.params.prompt_ids) + len(c.token_ids) for c in self.choices)
 
 
 class ModelGenerator:
@@ -211,9 +205,6 @@ class _InstantState:
     @property
     def done(self) -> bool:
         return True
-
-    def num_tokens(self) -> int:
-        return sum(len(self.params.prompt_ids) + len(c.token_ids) for c in self.choices)
 
 
 class InstantGenerator:
