@@ -139,6 +139,7 @@ class TrainerSection(_Section):
     clip_eps_low: float = Field(0.2, gt=0, lt=1)
     clip_eps_high: float = Field(0.2, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)  # global gradient-norm clip before each optimizer step
+    threads: int = Field(1, ge=1)  # torch CPU threads; 1 leaves the cores to the servers and the pipeline
 
 
 class EvalSection(_Section):

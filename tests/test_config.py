@@ -189,3 +189,11 @@ def test_env_lookup_by_name():
     with pytest.raises(KeyError, match="no environment 'c'"):
         cfg.env("c")
     assert isinstance(cfg, RunConfig)
+
+
+def test_trainer_section_defaults_and_ratio_clip_bounds(tmp_path):
+    trainer = load_config(write(tmp_path, MINIMAL)).trainer
+    assert (trainer.lr, trainer.weight_decay, trainer.max_grad_norm) == (1e-3, 0.0, 1.0)
+    assert (trainer.clip_eps_low, trainer.clip_eps_high) == (0.2, 0.2)
+    err = problems_of(tmp_path, MINIMAL + "[trainer]\nclip_eps_low = 1.0\nmax_grad_norm = 0.0\n")
+    assert [path for path, _ in err.problems] == ["trainer.clip_eps_low", "trainer.max_grad_norm"]

@@ -1,0 +1,162 @@
+"""Publishing the policy's weights into the run directory, checking a checkpoint fits the served model, and
+the trainer's own resume state (optimizer moments)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers.utils import logging as hf_logging
+
+from beam_rl.fsutil import write_atomic
+from beam_rl.rundir import STABLE_FILE, RunDir
+
+# Weight files of a source model directory: never copied next to the published weights, where a
+# second set of tensors (or a stale shard index) would make a loader read the wrong ones.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_OPTIMIZER_FILE = re.compile(r"^optimizer_step_(\d+)\.pt$")
+TRAINER_STATE_DIR = "trainer"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that does not fit the reference model (or cannot be read)."""
+
+
+def publish_weights(
+    run_dir: RunDir, step: int, model: torch.nn.Module, source_dir: str | os.PathLike | None = None
+) -> Path:
+    """Save `model` as weights/step_<step>/ (safetensors, Hugging Face layout) + STABLE, atomically; returns the dir.
+
+    Config, generation config, tokenizer and chat template are copied from `source_dir` (default: the
+    directory the model was loaded from) over what save_pretrained writes, so the published directory
+    loads in vLLM exactly like the original one (same config spellings, same serving dtype).
+    Weights are saved in the training dtype (float32 here); vLLM casts on load.
+    """
+    source = Path(source_dir if source_dir is not None else model.name_or_path)
+    with run_dir.publish_weights_dir(step) as directory:
+        with quiet_progress_bars():
+            model.save_pretrained(str(directory))
+        if source.is_dir():
+            for path in sorted(source.iterdir()):
+                if _is_model_side_file(path):
+                    shutil.copyfile(path, directory / path.name)
+    return run_dir.weights_path(step)
+
+
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers draws a progress bar on stderr per load and save; a trainer prints only when asked."""
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def _is_model_side_file(path: Path) -> bool:
+    name = path.name
+    if not path.is_file() or name.startswith(".") or name == STABLE_FILE:
+        return False
+    return not (name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json"))
+
+
+def tensor_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a directory's *.safetensors files, read from the headers only."""
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors files")
+    shapes: dict[str, tuple[int, ...]] = {}
+    owner: dict[str, str] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as reader:
+                for name in reader.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    if name in shapes:
+                        raise CheckpointError(f"{directory}: tensor {name} is in both {owner[name]} and {file.name}")
+                    shapes[name] = tuple(reader.get_slice(name).get_shape())
+                    owner[name] = file.name
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
+    return shapes
+
+
+def validate_checkpoint(path: str | os.PathLike, reference_model_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Check the checkpoint at `path` names exactly the reference model's tensors, with the same shapes.
+
+    Returns the checkpoint's name -> shape map; raises CheckpointError listing what differs. vLLM's
+    reload_weights leaves a server broken on a mismatch, so WeightSync calls this before any reload.
+    With tied embeddings, `lm_head.weight` may be stored on one side and not the other.
+    """
+    path, reference_model_dir = Path(path), Path(reference_model_dir)
+    actual = tensor_shapes(path)
+    expected = tensor_shapes(reference_model_dir)
+    if _tied_embeddings(reference_model_dir) and (("lm_head.weight" in actual) != ("lm_head.weight" in expected)):
+        actual.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    problems = [f"missing tensor {name} {expected[name]}" for name in sorted(expected.keys() - actual.keys())]
+    problems += [f"unexpected tensor {name} {actual[name]}" for name in sorted(actual.keys() - expected.keys())]
+    problems += [
+        f"{name}: shape {actual[name]} != reference {expected[name]}"
+        for name in sorted(actual.keys() & expected.keys())
+        if actual[name] != expected[name]
+    ]
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        raise CheckpointError(f"checkpoint {path} does not match reference model {reference_model_dir}: {shown}")
+    return actual
+
+
+def _tied_embeddings(model_dir: Path) -> bool:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("tie_word_embeddings", False))
+
+
+# -- the trainer's resume state: run_dir/trainer/optimizer_step_<N>.pt ---------------------------------
+
+
+def optimizer_state_path(run_dir: RunDir, step: int) -> Path:
+    return run_dir.path / TRAINER_STATE_DIR / f"optimizer_step_{step}.pt"
+
+
+def save_optimizer_state(run_dir: RunDir, step: int, optimizer: torch.optim.Optimizer) -> Path:
+    """Written before the step's weights are published, so stable weights always have their optimizer state."""
+    path = optimizer_state_path(run_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    write_atomic(path, buffer.getvalue())
+    return path
+
+
+def load_optimizer_state(run_dir: RunDir, step: int, optimizer: torch.optim.Optimizer) -> bool:
+    """Restore the optimizer saved with step `step`'s weights; False (optimizer left fresh) if there is none."""
+    path = optimizer_state_path(run_dir, step)
+    if not path.is_file():
+        return False
+    optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return True
+
+
+def prune_optimizer_states(run_dir: RunDir, keep_step: int) -> None:
+    """Remove optimizer states older than `keep_step` (only the latest stable step's is ever resumed from)."""
+    directory = run_dir.path / TRAINER_STATE_DIR
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        match = _OPTIMIZER_FILE.match(path.name)
+        if match and int(match.group(1)) < keep_step:
+            path.unlink(missing_ok=True)
