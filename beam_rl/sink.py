@@ -6,6 +6,7 @@ The Beam transforms call these and keep a BatchBuilder in their state.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -89,11 +90,14 @@ class BatchBuilder:
 
     def add(self, group: ScoredGroup) -> list[TrainBatch]:
         """Take one scored group; return the batches it completed (usually none or one)."""
-        self._window.extend(group.rollouts)
+        clean = {id(r) for r in group.clean}
+        # Rollouts that will never train are kept as token-free records; clean ones become records
+        # when their batch is cut (the post-batch filters may still flag them).
+        self._window.extend(r if id(r) in clean else r.record() for r in group.rollouts)
         self._window_groups.append(group.group_id)
         self._window_counts = self._window_counts + group.counts
         if group.clean:
-            self._pending.append(group)
+            self._pending.append(dataclasses.replace(group, rollouts=[]))
         batches = []
         while taken := self.cutter.cut([g.clean for g in self._pending]):
             cohort, self._pending = self._pending[:taken], self._pending[taken:]
@@ -128,7 +132,7 @@ class BatchBuilder:
         micro_batches = pack_for_ranks(samples, self.seq_len, self.ranks)
         window = self._window_stats(step, kept, samples, micro_batches)
         self.next_step += 1
-        observed = self._window
+        observed = [r.record() for r in self._window]
         self._window, self._window_groups, self._window_counts = [], [], FilterCounts()
         return TrainBatch(step=step, micro_batches=micro_batches, group_ids=group_ids, window=window,
                           rollouts=observed)

@@ -111,6 +111,51 @@ class Rollout:
         self.errors.append(text)
         self.status = RolloutStatus.ERROR
 
+    def record(self) -> RolloutRecord:
+        """What the observation window keeps of a rollout once its tokens are no longer needed."""
+        return RolloutRecord(
+            group_id=self.group_id, env_name=self.env_name, attempt=self.attempt, epoch=self.epoch,
+            index=self.index, is_eval=self.is_eval, status=self.status, reward=self.reward,
+            advantage=self.advantage, filtered=self.filtered, num_turns=self.num_turns,
+            completion_tokens=self.completion_tokens, truncated=self.truncated,
+            policy_version_start=self.policy_version_start, policy_version_end=self.policy_version_end,
+            server=self.server, errors=list(self.errors), t_start=self.t_start, t_end=self.t_end)
+
+
+@dataclass
+class RolloutRecord:
+    """A rollout without its tokens: one row of the observation window (see schemas/).
+
+    The window of a step can hold thousands of filtered rollouts; keeping only these fields keeps
+    the packer's state small (and Prism 2.62 silently drops single state values of tens of MB).
+    """
+
+    group_id: str
+    env_name: str
+    attempt: int
+    epoch: int
+    index: int
+    is_eval: bool
+    status: RolloutStatus
+    reward: float
+    advantage: float
+    filtered: str | None
+    num_turns: int
+    completion_tokens: int
+    truncated: bool
+    policy_version_start: int
+    policy_version_end: int
+    server: str | None
+    errors: list[str]
+    t_start: float
+    t_end: float
+
+    rollout_id = Rollout.rollout_id
+    ok = Rollout.ok
+
+    def record(self) -> RolloutRecord:
+        return self
+
 
 @dataclass
 class Sample:
@@ -149,4 +194,4 @@ class TrainBatch:
     micro_batches: list[list[MicroBatch]]  # [rank][micro_batch]
     group_ids: list[str]  # groups whose samples this batch trains on
     window: dict[str, Any]  # observation-window statistics of all rollouts since the last batch
-    rollouts: list[Rollout] = field(default_factory=list)  # the window itself, errored and filtered too
+    rollouts: list[RolloutRecord] = field(default_factory=list)  # the window itself, errored and filtered too

@@ -67,8 +67,8 @@ class _DispatchFn(beam.DoFn):
                 source.admit(position)
                 position += 1
             now = Timestamp.now()
-            for rollout in source.poll(POLL_S):
-                yield beam.window.TimestampedValue(rollout, now)
+            for group in source.poll(POLL_S):
+                yield beam.window.TimestampedValue(group, now)
             watermark.set_watermark(now)
             exhausted = position >= stop or source.stopping()
             if exhausted and source.idle():
@@ -84,7 +84,8 @@ class _DispatchFn(beam.DoFn):
 
 
 class DispatchRollouts(beam.PTransform):
-    """Finished rollouts of every group of the run, as they finish; plus one EndOfInput."""
+    """Every group of the run as its last rollout finishes (a list of its rollouts, errored and
+    cancelled ones included); plus one EndOfInput."""
 
     def __init__(self, spec: SourceSpec) -> None:
         super().__init__()

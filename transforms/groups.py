@@ -1,5 +1,8 @@
 """CompleteGroups: keyed by group id, releases a group once all `group_size` rollouts arrived.
 
+Input elements are lists of rollouts of one group (the dispatcher sends a whole group at once, but
+nothing here relies on that).
+
 Errored and cancelled rollouts count toward completion (the dispatcher emits every started rollout
 exactly once), so every admitted group is released; its state is cleared on release.
 """
@@ -19,12 +22,13 @@ class _ReleaseCompleteGroups(beam.DoFn):
     ROLLOUTS = userstate.BagStateSpec("rollouts", PickleCoder())
     ARRIVED = userstate.ReadModifyWriteStateSpec("arrived", VarIntCoder())
 
-    def process(self, keyed: Tuple[str, Rollout], rollouts=beam.DoFn.StateParam(ROLLOUTS),
+    def process(self, keyed: Tuple[str, list[Rollout]], rollouts=beam.DoFn.StateParam(ROLLOUTS),
                 arrived=beam.DoFn.StateParam(ARRIVED)):
-        group_id, rollout = keyed
-        count = (arrived.read() or 0) + 1
-        rollouts.add(rollout)
-        if count < rollout.group_size:
+        group_id, part = keyed
+        count = (arrived.read() or 0) + len(part)
+        for rollout in part:
+            rollouts.add(rollout)
+        if count < part[0].group_size:
             arrived.write(count)
             return
         group = sorted(rollouts.read(), key=lambda r: r.attempt)
@@ -37,5 +41,5 @@ class _ReleaseCompleteGroups(beam.DoFn):
 class CompleteGroups(beam.PTransform):
     def expand(self, rollouts):
         return (rollouts
-                | "KeyByGroup" >> beam.Map(lambda r: (r.group_id, r)).with_output_types(Tuple[str, Any])
+                | "KeyByGroup" >> beam.Map(lambda part: (part[0].group_id, part)).with_output_types(Tuple[str, Any])
                 | beam.ParDo(_ReleaseCompleteGroups()))

@@ -1,68 +1,96 @@
 """PackBatches: one stateful packer cuts scored groups into numbered train batches.
 
 It holds the BatchBuilder (pending groups, window, next step) in Beam state under a single key, so
-step numbers are assigned in one place. Batches are cut when full; the last, partial one is cut
+step numbers are assigned in one place, and mirrors it in the worker's memory (see _MIRRORS). Batches are cut when full; the last, partial one is cut
 when EndOfInput says every group has arrived (end of input is data here, never a timer).
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
 from typing import Any, Tuple
 
 import apache_beam as beam
-from apache_beam.coders import PickleCoder, VarIntCoder
+from apache_beam.coders import PickleCoder
 from apache_beam.transforms import userstate
 
 from beam_rl import components
 from beam_rl.config import RunConfig
 from beam_rl.rollout_source import EndOfInput
-from beam_rl.sink import ScoredGroup
+from beam_rl.sink import BatchBuilder
 from beam_rl.types import TrainBatch
 
 _PACKER_KEY = "packer"
 
 
-class _PackFn(beam.DoFn):
-    BUILDER = userstate.ReadModifyWriteStateSpec("builder", PickleCoder())
-    GROUPS_SEEN = userstate.ReadModifyWriteStateSpec("groups_seen", VarIntCoder())
-    GROUPS_EXPECTED = userstate.ReadModifyWriteStateSpec("groups_expected", VarIntCoder())
+@dataclass
+class _PackerState:
+    builder: BatchBuilder
+    groups_seen: int = 0
+    groups_expected: int | None = None  # set by EndOfInput
+    revision: int = 0  # one more per element processed
 
-    def __init__(self, config: RunConfig, first_step: int, check_staleness: bool) -> None:
+
+# The packer state of each run in this worker process, by run id. Beam state is the durable copy
+# (what a restarted Flink worker restores); this mirror wins whenever Beam's copy is older, which
+# Prism 2.62 does to keyed state in global windows once its watermark has run ahead (README).
+_MIRRORS: dict[str, _PackerState] = {}
+_MIRRORS_LOCK = threading.Lock()
+
+
+class _PackFn(beam.DoFn):
+    STATE = userstate.ReadModifyWriteStateSpec("packer", PickleCoder())
+
+    def __init__(self, config: RunConfig, run_id: str, first_step: int, check_staleness: bool) -> None:
         self._config = config
+        self._run_id = run_id
         self._first_step = first_step
         self._check_staleness = check_staleness
 
-    def process(self, keyed: Tuple[str, Any], builder_state=beam.DoFn.StateParam(BUILDER),
-                seen_state=beam.DoFn.StateParam(GROUPS_SEEN),
-                expected_state=beam.DoFn.StateParam(GROUPS_EXPECTED)):
+    def _current(self, durable: _PackerState | None) -> _PackerState:
+        with _MIRRORS_LOCK:
+            mirror = _MIRRORS.get(self._run_id)
+        if mirror is not None and (durable is None or durable.revision < mirror.revision):
+            if durable is not None or mirror.revision > 0:
+                beam.metrics.Metrics.counter("beam_rl", "packer_state_restored_from_mirror").inc()
+            return mirror
+        return durable or _PackerState(components.batch_builder(
+            self._config, self._first_step, self._check_staleness))
+
+    def process(self, keyed: Tuple[str, Any], state=beam.DoFn.StateParam(STATE)):
         _, item = keyed
-        builder = builder_state.read() or components.batch_builder(
-            self._config, self._first_step, self._check_staleness)
-        seen = seen_state.read() or 0
-        expected = expected_state.read()
+        packer = self._current(state.read())
         batches: list[TrainBatch] = []
         if isinstance(item, EndOfInput):
-            expected = item.groups
-            expected_state.write(expected)
+            packer.groups_expected = item.groups
         else:
-            seen += 1
-            seen_state.write(seen)
-            batches += builder.add(item)
-        if expected is not None and seen >= expected:
-            final = builder.flush()
+            packer.groups_seen += 1
+            batches += packer.builder.add(item)
+        if packer.groups_expected is not None and packer.groups_seen >= packer.groups_expected:
+            final = packer.builder.flush()
             batches += [final] if final is not None else []
-        builder_state.write(builder)
+        packer.revision += 1
+        state.write(packer)
+        with _MIRRORS_LOCK:
+            _MIRRORS[self._run_id] = packer
         for batch in batches:
             if batch.step <= self._config.run.max_steps:
                 yield batch
 
 
 class PackBatches(beam.PTransform):
-    def __init__(self, config: RunConfig, first_step: int, check_staleness: bool = True) -> None:
+    def __init__(self, config: RunConfig, run_id: str, first_step: int, check_staleness: bool = True) -> None:
         super().__init__()
-        self._fn = _PackFn(config, first_step, check_staleness)
+        self._fn = _PackFn(config, run_id, first_step, check_staleness)
 
     def expand(self, scored_groups_and_end) -> beam.PCollection[TrainBatch]:
         return (scored_groups_and_end
                 | "OneKey" >> beam.Map(lambda x: (_PACKER_KEY, x)).with_output_types(Tuple[str, Any])
                 | beam.ParDo(self._fn))
+
+
+def forget_packer(run_id: str) -> None:
+    """Drop a finished run's in-memory packer state."""
+    with _MIRRORS_LOCK:
+        _MIRRORS.pop(run_id, None)

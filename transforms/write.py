@@ -18,6 +18,15 @@ class _WriteStepFn(beam.DoFn):
         self._dir = RunDir(self._run_dir)
 
     def process(self, batch: TrainBatch):
+        if self._dir.is_committed(batch.step):
+            # A runner retrying a bundle replays the packer deterministically from its state at
+            # the bundle's start; a step it already committed must come out identical.
+            committed = self._dir.read_commit(batch.step)["group_ids"]
+            if committed != list(batch.group_ids):
+                raise RuntimeError(f"step {batch.step} is committed with other groups than this replay "
+                                   f"produced ({len(committed)} vs {len(batch.group_ids)} groups)")
+            beam.metrics.Metrics.counter("beam_rl", "steps_replayed").inc()
+            return
         offsets = sorted({(r.env_name, r.epoch, r.index) for r in batch.rollouts})
         last_finished = max((r.t_end for r in batch.rollouts), default=0.0)
         self._dir.write_step(batch, offsets=offsets, window=batch.rollouts,
