@@ -51,9 +51,7 @@ def _cmd_rollouts(args: argparse.Namespace) -> int:
     from beam_rl.servers import inference_servers
     from runners.pipeline import run_rollouts
 
-    config = load_config(args.config)
-    if args.run_dir:
-        config = config.model_copy(update={"run": config.run.model_copy(update={"dir": Path(args.run_dir)})})
+    config = _with_run_dir(load_config(args.config), args.run_dir)
     run_dir = RunDir(config.run.dir)
     started = time.monotonic()
     with console.status("starting inference servers"), inference_servers(config) as urls:
@@ -62,6 +60,34 @@ def _cmd_rollouts(args: argparse.Namespace) -> int:
         run_rollouts(config, urls, with_trainer=False)
     console.print(inspect_table(run_dir))
     console.print(f"done in {time.monotonic() - started:.1f}s; Arrow files under {run_dir.rollouts_dir}")
+    return 0
+
+
+def _with_run_dir(config, run_dir: str | None):
+    if not run_dir:
+        return config
+    return config.model_copy(update={"run": config.run.model_copy(update={"dir": Path(run_dir)})})
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from runners.job import run_job  # the CLI is the one domain module that reaches the runners
+
+    run_job(_with_run_dir(load_config(args.config), args.run_dir), console)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from beam_rl import components
+    from beam_rl.config import config_from_dict
+    from beam_rl.training.trainer import run_trainer
+
+    run_dir = RunDir(args.run_dir)
+    config = load_config(args.config) if args.config else config_from_dict(
+        run_dir.read_config(), source=str(run_dir.config_path))
+    import torch
+
+    torch.set_num_threads(config.trainer.threads)
+    run_trainer(run_dir, components.model_dir(config), config.trainer, config.run.max_steps, seed=config.run.seed)
     return 0
 
 
@@ -74,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     rollouts.add_argument("--config", required=True, help="a TOML run config (see configs/)")
     rollouts.add_argument("--run-dir", help="override run.dir")
     rollouts.set_defaults(func=_cmd_rollouts)
+
+    run = sub.add_parser("run", help="the whole RL loop: servers, rollout pipeline, reference trainer")
+    run.add_argument("config", help="a TOML run config (see configs/)")
+    run.add_argument("--run-dir", help="override run.dir")
+    run.set_defaults(func=_cmd_run)
+
+    train = sub.add_parser("train", help="the reference trainer, reading and publishing in a run directory")
+    train.add_argument("--run-dir", required=True)
+    train.add_argument("--config", help="default: the run directory's config.json")
+    train.set_defaults(func=_cmd_train)
 
     inspect = sub.add_parser("inspect", help="print a table of a run directory's committed steps")
     inspect.add_argument("run_dir")

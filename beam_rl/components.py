@@ -7,6 +7,7 @@ config (a pydantic model) and the inference server URLs.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -14,7 +15,7 @@ from typing import Any, Callable
 from beam_rl.advantages import AdvantageAlgorithm, get_algorithm
 from beam_rl.config import RunConfig
 from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
-from beam_rl.envs import make_env
+from beam_rl.envs import ENVIRONMENTS, make_env
 from beam_rl.envs.base import Environment, SamplingParams
 from beam_rl.filters import RolloutFilter, make_filter
 from beam_rl.inference.client import InferenceClient
@@ -46,9 +47,13 @@ def build_envs(config: RunConfig) -> dict[str, Environment]:
     tokenizer = tokenizer_for(config.model.name)
     envs = {}
     for env in config.envs:
-        kwargs: dict[str, Any] = dict(env.args)
-        kwargs.setdefault("max_turns", env.max_turns)
-        envs[env.name] = make_env(env.name, tokenizer, **kwargs)
+        accepts = inspect.signature(ENVIRONMENTS[env.name]).parameters if env.name in ENVIRONMENTS else {}
+        kwargs: dict[str, Any] = {"max_turns": env.max_turns}
+        if "bad_rows" in accepts:
+            kwargs["bad_rows"] = config.run.bad_rows
+        if "max_context" in accepts:  # multi-turn: the conversation must fit the model
+            kwargs["max_context"] = config.model.max_context
+        envs[env.name] = make_env(env.name, tokenizer, **{**kwargs, **env.args})
     return envs
 
 
@@ -97,6 +102,18 @@ def sampling_params(config: RunConfig, envs: dict[str, Environment]) -> dict[str
                              stop_token_ids=tuple(env.stop_token_ids()))
         for name, env in envs.items()
     }
+
+
+def checkpoint_validator(config: RunConfig) -> Callable[[Path], None]:
+    """Checks a published checkpoint against the policy model's tensor names and shapes."""
+    reference = model_dir(config)
+
+    def validate(path: Path) -> None:
+        from beam_rl.training.checkpoint import validate_checkpoint  # torch: only where weights move
+
+        validate_checkpoint(path, reference)
+
+    return validate
 
 
 def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str, Environment],

@@ -239,6 +239,20 @@ class RunDir:
     def read_config(self) -> dict[str, Any]:
         return json.loads(self.config_path.read_text())
 
+    @property
+    def status_path(self) -> Path:
+        return self.path / "status.json"
+
+    def write_status(self, status: dict[str, Any]) -> None:
+        """The orchestrator's live state (in flight, policy version, ...), replaced as it changes."""
+        _atomic_write(self.status_path, _json_writer(status), fsync_dir=False)
+
+    def read_status(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
     def append_metrics(self, metrics: dict[str, Any]) -> None:
         """Append one JSON line; numpy scalars and arrays are converted (metrics often come from numpy)."""
         self.path.mkdir(parents=True, exist_ok=True)

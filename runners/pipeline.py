@@ -15,7 +15,7 @@ from beam_rl.rundir import RunDir
 from runners.options import RunnerSettings, pipeline_options
 from transforms.dispatch import END_OF_INPUT, DispatchRollouts
 from transforms.groups import CompleteGroups
-from transforms.pack import PackBatches
+from transforms.pack import PackBatches, forget_packer
 from transforms.score import ScoreGroups
 from transforms.write import WriteTrainBatches
 
@@ -28,7 +28,7 @@ def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PC
               | "Score" >> ScoreGroups(spec.config))
     return ((scored, dispatched[END_OF_INPUT])
             | "WithEndOfInput" >> beam.Flatten()
-            | "PackBatches" >> PackBatches(spec.config, spec.first_step, spec.with_trainer)
+            | "PackBatches" >> PackBatches(spec.config, spec.run_id, spec.first_step, spec.with_trainer)
             | "WriteTrainBatches" >> WriteTrainBatches(spec.run_dir))
 
 
@@ -38,17 +38,45 @@ def runner_settings(config: RunConfig) -> RunnerSettings:
                           checkpointing_interval_ms=r.checkpointing_interval_ms, state_backend=r.state_backend)
 
 
-def run_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,
-                 with_trainer: bool = True) -> SourceSpec:
-    """Runs the rollout pipeline to completion (max_steps committed, or the dataset exhausted)."""
+class RolloutJob:
+    """A submitted rollout pipeline: wait for it to finish (max_steps committed, or the data
+    exhausted), or cancel it."""
+
+    def __init__(self, spec: SourceSpec, result) -> None:
+        self.spec = spec
+        self.result = result
+
+    def wait(self) -> None:
+        try:
+            self.result.wait_until_finish()
+        finally:
+            self._release()
+
+    def cancel(self) -> None:
+        try:
+            self.result.cancel()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        close_source(self.spec.run_id)
+        forget_packer(self.spec.run_id)
+
+
+def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,
+                   with_trainer: bool = True) -> RolloutJob:
     directory = RunDir(run_dir or config.run.dir)
     directory.path.mkdir(parents=True, exist_ok=True)
     spec = SourceSpec(config=config, server_urls=tuple(server_urls), run_dir=str(directory.path),
                       run_id=uuid.uuid4().hex, first_step=directory.next_step(), with_trainer=with_trainer)
     pipeline = beam.Pipeline(options=pipeline_options(runner_settings(config)))
     build_rollout_pipeline(pipeline, spec)
-    try:
-        pipeline.run().wait_until_finish()
-    finally:
-        close_source(spec.run_id)
-    return spec
+    return RolloutJob(spec, pipeline.run())
+
+
+def run_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,
+                 with_trainer: bool = True) -> SourceSpec:
+    """Runs the rollout pipeline to completion."""
+    job = start_rollouts(config, server_urls, run_dir, with_trainer)
+    job.wait()
+    return job.spec

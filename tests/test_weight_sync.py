@@ -1,0 +1,125 @@
+"""WeightSync: published weights reach the inference servers, the policy version advances, and
+in-flight groups the new policy made too stale are cancelled and counted."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from beam_rl.config import config_from_dict
+from beam_rl.inference.server import EmbeddedServer
+from beam_rl.rollout_source import RolloutSource, SourceSpec
+from beam_rl.rundir import RunDir
+from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
+from beam_rl.training.checkpoint import publish_weights
+from beam_rl.types import RolloutStatus
+from beam_rl.weight_sync import WeightSync
+
+
+def _perturbed_model(seed: int):
+    model = load_tiny_model(tiny_model_dir())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.5)
+    return model
+
+
+def _source(tmp_path, url, **off_policy) -> RolloutSource:
+    config = config_from_dict({
+        "run": {"dir": str(tmp_path), "max_steps": 100},
+        "envs": [{"name": "reverse_text", "group_size": 4, "limit": 8}],
+        "batch": {"rollouts_per_step": 8},
+        "inference": {"max_tokens": 8, "max_inflight": 8},
+        "off_policy": off_policy or {"max_async_level": 1, "max_off_policy_steps": 1},
+    })
+    return RolloutSource(SourceSpec(config=config, server_urls=(url,), run_dir=str(tmp_path),
+                                    run_id=uuid.uuid4().hex))
+
+
+def _drain(source: RolloutSource, expected: int, timeout_s: float = 60.0):
+    rollouts, deadline = [], time.monotonic() + timeout_s
+    while len(rollouts) < expected and time.monotonic() < deadline:
+        rollouts += [r for group in source.poll(0.05) for r in group]
+    assert len(rollouts) == expected, f"got {len(rollouts)} of {expected} rollouts"
+    return rollouts
+
+
+def test_sync_is_rate_limited_validates_first_and_only_moves_forward(tmp_path):
+    run_dir, calls = RunDir(tmp_path), []
+    now = [0.0]
+    sync = WeightSync(run_dir, reload=lambda p: calls.append(("reload", p.name)),
+                      validate=lambda p: calls.append(("validate", p.name)), poll_s=1.0, clock=lambda: now[0])
+    assert sync.poll() is None and sync.version == 0
+    for step in (1, 2):
+        with run_dir.publish_weights_dir(step) as d:
+            (d / "model.safetensors").write_bytes(b"x")
+    assert sync.poll() is None  # within poll_s of the last look
+    now[0] = 1.5
+    assert sync.poll() == 2 and sync.version == 2
+    assert calls == [("validate", "step_2"), ("reload", "step_2")]  # newest only, validated before loading
+    now[0] = 3.0
+    assert sync.poll() is None
+
+
+def test_a_bad_checkpoint_is_refused_before_any_server_loads_it(tmp_path):
+    run_dir, reloads = RunDir(tmp_path), []
+
+    def validate(path):
+        raise ValueError(f"{path}: tensor shapes differ")
+
+    with run_dir.publish_weights_dir(1) as d:
+        (d / "model.safetensors").write_bytes(b"x")
+    sync = WeightSync(run_dir, reload=reloads.append, validate=validate, poll_s=0.0)
+    with pytest.raises(ValueError, match="tensor shapes differ"):
+        sync.poll()
+    assert reloads == [] and sync.version == 0
+
+
+def test_published_weights_change_generations_and_advance_the_version(tmp_path):
+    with EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny") as server:
+        first = _source(tmp_path, server.url)
+        try:
+            first.admit(0)
+            before = {r.rollout_id: r.turns[0].completion_ids for r in _drain(first, 4)}
+        finally:
+            first.close()
+        publish_weights(RunDir(tmp_path), 1, _perturbed_model(seed=1), source_dir=tiny_model_dir())
+        # Same run seed, so group 0 gets the same sampling seeds; only the weights differ.
+        second = _source(tmp_path, server.url)
+        try:
+            assert second.policy_version() == 0
+            second.sync_weights()
+            assert second.policy_version() == 1
+            second.admit(0)
+            rollouts = _drain(second, 4)
+        finally:
+            second.close()
+    after = {r.rollout_id: r.turns[0].completion_ids for r in rollouts}
+    assert {r.policy_version_start for r in rollouts} == {1}
+    assert before.keys() == after.keys()
+    assert before != after  # the server generates with the published weights
+
+
+def test_a_stale_in_flight_group_is_cancelled_and_counted(tmp_path):
+    with EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", latency_s=30.0) as server:
+        source = _source(tmp_path, server.url, max_async_level=1, max_off_policy_steps=1)
+        try:
+            source.admit(0)
+            deadline = time.monotonic() + 10
+            while source.counters()["started"] < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for step in (1, 2):  # version 2 - max_off_policy_steps 1 > version 0 the group started on
+                publish_weights(RunDir(tmp_path), step, load_tiny_model(tiny_model_dir()),
+                                source_dir=tiny_model_dir())
+            time.sleep(0.3)
+            source.sync_weights()
+            rollouts = _drain(source, 4, timeout_s=20)
+            assert source.policy_version() == 2
+            assert {r.status for r in rollouts} == {RolloutStatus.CANCELLED}
+            assert source._progress.cancelled_stale == 1
+        finally:
+            source.close()
