@@ -70,9 +70,24 @@ def _with_run_dir(config, run_dir: str | None):
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from beam_rl.config import config_from_dict
     from runners.job import run_job  # the CLI is the one domain module that reaches the runners
 
-    run_job(_with_run_dir(load_config(args.config), args.run_dir), console)
+    if args.resume:
+        run_dir = RunDir(args.resume)
+        if not run_dir.config_path.is_file():
+            console.print(f"[red]{run_dir.path} holds no config.json: not a beam-rl run directory[/red]")
+            return 2
+        config = config_from_dict(run_dir.read_config(), source=str(run_dir.config_path))
+    elif args.config:
+        config = _with_run_dir(load_config(args.config), args.run_dir)
+    else:
+        console.print("[red]give a CONFIG, or --resume RUN_DIR[/red]")
+        return 2
+    last = RunDir(config.run.dir).last_committed_step()
+    if last is not None:
+        console.print(f"resuming {config.run.dir}: steps 1..{last} are committed, continuing at {last + 1}")
+    run_job(config, console)
     return 0
 
 
@@ -102,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     rollouts.set_defaults(func=_cmd_rollouts)
 
     run = sub.add_parser("run", help="the whole RL loop: servers, rollout pipeline, reference trainer")
-    run.add_argument("config", help="a TOML run config (see configs/)")
+    run.add_argument("config", nargs="?", help="a TOML run config (see configs/)")
     run.add_argument("--run-dir", help="override run.dir")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its run directory")
     run.set_defaults(func=_cmd_run)
 
     train = sub.add_parser("train", help="the reference trainer, reading and publishing in a run directory")

@@ -44,6 +44,7 @@ class EndOfInput:
 class _Progress:
     admitted: int = 0
     cancelled_stale: int = 0
+    skipped_consumed: int = 0
     emitted_rollouts: int = 0
     stopped: bool = False
     last_committed: int = 0
@@ -77,6 +78,10 @@ class RolloutSource:
         self._weights = WeightSync(self._run_dir, reload=self._dispatcher.reload_weights,
                                    validate=components.checkpoint_validator(config))
         self._progress.last_committed = spec.first_step - 1
+        # Resume: groups a committed step consumed are never run again; everything else (groups
+        # that were in flight, or scored but not yet in a committed step) is dispatched anew.
+        self._consumed = self.schedule.positions_of(self._run_dir.consumed_offsets())
+        self._weights.poll()  # servers start on the newest published policy, not the initial one
         self._partial: dict[str, list[Rollout]] = {}  # group id -> its finished rollouts so far
         self.waiting_for_trainer = False
 
@@ -117,6 +122,9 @@ class RolloutSource:
         return self._dispatcher.pending_groups() < self._backlog_groups
 
     def admit(self, position: int) -> None:
+        if position in self._consumed:
+            self._progress.skipped_consumed += 1
+            return
         self._dispatcher.add_groups([self.schedule.group(position, self.policy_version())])
         self._progress.admitted += 1
 
@@ -157,6 +165,7 @@ class RolloutSource:
             "groups_admitted": progress.admitted,
             "rollouts_emitted": progress.emitted_rollouts,
             "cancelled_stale_groups": progress.cancelled_stale,
+            "skipped_consumed_groups": progress.skipped_consumed,
             "weight_reloads": [{"version": v, "seconds": round(s, 3)} for v, s in self._weights.reloads],
             **self._dispatcher.counters(),
         })

@@ -45,6 +45,10 @@ class PromptSchedule:
     def position(self, offset: Offset) -> int:
         return self._position[tuple(offset)]  # type: ignore[index]
 
+    def positions_of(self, offsets) -> set[int]:
+        """The positions of those offsets this schedule has (a changed dataset may lack some)."""
+        return {self._position[tuple(o)] for o in offsets if tuple(o) in self._position}
+
     def group(self, position: int, policy_version: int = 0) -> GroupRequest:
         name, epoch, index = self._offsets[position]
         env = self._envs[name]

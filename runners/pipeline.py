@@ -5,6 +5,7 @@ RunSpec -> DispatchRollouts -> CompleteGroups -> ScoreGroups -> PackBatches -> W
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import apache_beam as beam
@@ -18,6 +19,9 @@ from transforms.groups import CompleteGroups
 from transforms.pack import PackBatches, forget_packer
 from transforms.score import ScoreGroups
 from transforms.write import WriteTrainBatches
+
+
+_LOG = logging.getLogger(__name__)
 
 
 def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PCollection[int]:
@@ -67,6 +71,9 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
                    with_trainer: bool = True) -> RolloutJob:
     directory = RunDir(run_dir or config.run.dir)
     directory.path.mkdir(parents=True, exist_ok=True)
+    removed = directory.clean_uncommitted()  # what a killed run left half-written
+    if removed:
+        _LOG.warning("removed %d uncommitted leftovers of an earlier run: %s", len(removed), removed[:5])
     spec = SourceSpec(config=config, server_urls=tuple(server_urls), run_dir=str(directory.path),
                       run_id=uuid.uuid4().hex, first_step=directory.next_step(), with_trainer=with_trainer)
     pipeline = beam.Pipeline(options=pipeline_options(runner_settings(config)))

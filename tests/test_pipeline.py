@@ -21,15 +21,16 @@ def _config(run_dir, runner="direct", max_steps=10, **inference):
         "run": {"dir": str(run_dir), "max_steps": max_steps},
         "envs": [{"name": "reverse_text", "group_size": GROUP_SIZE, "limit": PROMPTS}],
         "batch": {"rollouts_per_step": ROLLOUTS_PER_STEP},
-        "inference": {"max_tokens": 8, "max_inflight": 64, **inference},
+        "inference": {"max_tokens": 8, "max_inflight": 16, **inference},
         "runner": {"name": runner},
     })
 
 
 @pytest.fixture(scope="module")
 def servers():
-    started = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", max_num_seqs=64)
-               for _ in range(2)]
+    # Latency keeps dispatch running well past the first step, whatever the machine's load.
+    started = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", max_num_seqs=64,
+                              latency_s=0.3) for _ in range(2)]
     yield [s.start() for s in started]
     for s in started:
         s.stop()
@@ -93,5 +94,6 @@ def test_batches_hold_whole_groups_and_the_configured_size(finished_run):
 
 
 def test_max_steps_stops_the_run_early(servers, tmp_path):
+    # 1 step of 64 rollouts out of 256: in-flight groups are cancelled once step 1 commits.
     run_rollouts(_config(tmp_path, max_steps=1), servers, with_trainer=False)
     assert RunDir(tmp_path).committed_steps() == [1]
