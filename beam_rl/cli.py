@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from beam_rl.config import ConfigError, load_config
-from beam_rl.rundir import RunDir
+from beam_rl.datasets import DatasetError
+from beam_rl.rundir import RunDir, RunDirError
 
 console = Console()
 
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the rest
     try:
         return args.func(args)
-    except ConfigError as err:
+    except (ConfigError, RunDirError, DatasetError) as err:
         console.print(f"[red]{err}[/red]")
         return 2
 

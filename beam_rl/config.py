@@ -50,6 +50,8 @@ class InferenceSection(_Section):
     request_timeout_s: float = Field(60.0, gt=0)
     max_retries: int = Field(2, ge=0)
     retry_backoff_s: float = Field(0.2, ge=0)
+    # With every server unhealthy the run waits (re-probing them); past this many seconds it stops.
+    all_servers_down_timeout_s: float = Field(300.0, gt=0)
     max_tokens: int = Field(24, gt=0)
     temperature: float = Field(1.0, ge=0)
 

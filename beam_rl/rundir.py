@@ -34,6 +34,10 @@ _TMP_MARK = ".tmp-"
 Offset = tuple[str, int, int]  # (env, epoch, index): one prompt of one epoch, the unit the source resumes by
 
 
+class RunDirError(OSError):
+    """The run directory cannot be used (not writable, not a directory, ...)."""
+
+
 class StepAlreadyCommittedError(FileExistsError):
     """Writing a step that is already committed: steps are written exactly once."""
 
@@ -71,6 +75,16 @@ class RunDir:
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
+
+    def check_writable(self) -> None:
+        """Fail before any work starts if the run directory cannot be created or written."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".write-probe{_TMP_MARK}{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise RunDirError(f"run directory {self.path} is not writable: {err}") from err
 
     # -- rollouts side: written by the orchestrator ---------------------------------------------------
 
@@ -353,6 +367,13 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def write_atomic(path: Path, data: bytes, overwrite: bool = True) -> None:
+    """Write `data` to `path` crash-safely: a reader sees no file or the whole file."""
+    if not overwrite and path.exists():
+        raise FileExistsError(f"{path} already exists and must not be overwritten")
+    _atomic_write(path, lambda f: f.write(data))
 
 
 def _atomic_write(path: Path, write: Callable[[BinaryIO], Any], fsync_dir: bool = True) -> None:

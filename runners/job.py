@@ -55,6 +55,7 @@ def _start_trainer(run_dir: RunDir) -> subprocess.Popen:
 def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
     console = console or Console()
     run_dir = RunDir(config.run.dir)
+    run_dir.check_writable()  # before any server starts
     run_dir.write_config(config.model_dump(mode="json"))
     started = time.monotonic()
     trainer: subprocess.Popen | None = None

@@ -70,7 +70,7 @@ class RolloutJob:
 def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,
                    with_trainer: bool = True) -> RolloutJob:
     directory = RunDir(run_dir or config.run.dir)
-    directory.path.mkdir(parents=True, exist_ok=True)
+    directory.check_writable()
     removed = directory.clean_uncommitted()  # what a killed run left half-written
     if removed:
         _LOG.warning("removed %d uncommitted leftovers of an earlier run: %s", len(removed), removed[:5])

@@ -671,6 +671,7 @@ def test_thread_host_runs_the_dispatcher_for_synchronous_callers():
             "cancelled": 6,
             "groups_admitted": 6,
             "inflight": 0,
+            "healthy_servers": 2,
         }
     with pytest.raises(RuntimeError, match="closed"):
         thread.poll(0)

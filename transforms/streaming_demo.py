@@ -20,7 +20,7 @@ from apache_beam.transforms import userstate
 from apache_beam.transforms.window import GlobalWindow, TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 
-from beam_rl.fsutil import write_atomic
+from beam_rl.rundir import write_atomic
 
 TICK_SCHEMA = pa.schema([("element", pa.int64()), ("emitted_at", pa.float64())])
 

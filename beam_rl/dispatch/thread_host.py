@@ -201,6 +201,7 @@ class DispatcherThread:
             "cancelled": c.cancelled,
             "groups_admitted": c.groups_admitted,
             "inflight": self.dispatcher.inflight,
+            "healthy_servers": len(self.dispatcher.pool.healthy()),
         }
 
     def _call(self, fn: Callable[[], T], timeout_s: float = 30.0) -> T:

@@ -16,8 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers.utils import logging as hf_logging
 
-from beam_rl.fsutil import write_atomic
-from beam_rl.rundir import STABLE_FILE, RunDir
+from beam_rl.rundir import STABLE_FILE, RunDir, write_atomic
 
 # Weight files of a source model directory: never copied next to the published weights, where a
 # second set of tensors (or a stale shard index) would make a loader read the wrong ones.
