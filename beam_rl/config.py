@@ -146,6 +146,8 @@ class TrainerSection(_Section):
 
 class EvalSection(_Section):
     every_steps: int = Field(0, ge=0)  # 0 = no evaluation
+    samples_per_prompt: int = Field(1, ge=1)  # rollouts per held-out prompt (pass@1 averages them)
+    limit: int | None = Field(None, gt=0)  # held-out prompts per environment (None = the whole split)
 
 
 class _CrossFieldErrors(ValueError):

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from beam_rl import components
 from beam_rl.config import RunConfig
+from beam_rl.evaluation import EvalRound, eval_groups
 from beam_rl.rundir import RunDir
+from beam_rl.schedule import EnvSchedule, PromptSchedule
 from beam_rl.types import Rollout
 from beam_rl.weight_sync import WeightSync
 
@@ -87,6 +89,10 @@ class RolloutSource:
         # Resume: groups a committed step consumed are never run again; everything else (groups
         # that were in flight, or scored but not yet in a committed step) is dispatched anew.
         self._consumed = self.schedule.positions_of(self._run_dir.consumed_offsets())
+        self._eval = config.eval
+        self._eval_rounds: dict[int, EvalRound] = {}
+        last = spec.first_step - 1
+        self._next_eval = (last // config.eval.every_steps + 1) * config.eval.every_steps if config.eval.every_steps else None
         self._weights.poll()  # servers start on the newest published policy, not the initial one
         self._partial: dict[str, list[Rollout]] = {}  # group id -> its finished rollouts so far
         self.waiting_for_trainer = False
@@ -117,6 +123,7 @@ class RolloutSource:
         if self.stopping():
             return False
         self.sync_weights()
+        self._maybe_start_eval()
         if self.spec.with_trainer:
             producing = self._progress.last_committed + 1  # the step groups admitted now will likely train
             lag = producing - 1 - self.policy_version()
@@ -126,6 +133,29 @@ class RolloutSource:
         if self.waiting_for_trainer:
             return False
         return self._dispatcher.pending_groups() < self._backlog_groups
+
+    def _maybe_start_eval(self) -> None:
+        """Every eval.every_steps committed steps, the held-out split goes through the dispatcher."""
+        if self._next_eval is None or self._progress.last_committed < self._next_eval:
+            return
+        schedule = PromptSchedule([
+            EnvSchedule(e.name, self.envs[e.name].load_rows("eval")[:self._eval.limit],
+                        self._eval.samples_per_prompt, 1)
+            for e in self.spec.config.envs])
+        groups = eval_groups(schedule, self._next_eval, self._eval.samples_per_prompt, self.policy_version())
+        self._eval_rounds[self._next_eval] = EvalRound(self._next_eval, self.policy_version(), len(groups))
+        self._dispatcher.add_groups(groups)
+        _LOG.info("evaluation after step %d: %d held-out prompts", self._next_eval, len(groups))
+        self._next_eval += self._eval.every_steps
+
+    def _collect_eval(self, group: list[Rollout]) -> None:
+        after_step = int(group[0].group_id.split("/", 1)[0].split("@", 1)[1])
+        round_ = self._eval_rounds[after_step]
+        round_.rollouts += group
+        round_.groups_done += 1
+        if round_.groups_done == round_.expected_groups:
+            del self._eval_rounds[after_step]
+            self._run_dir.append_metrics({"eval": round_.summary()})
 
     def admit(self, position: int) -> None:
         if position in self._consumed:
@@ -152,7 +182,11 @@ class RolloutSource:
             members = self._partial.setdefault(rollout.group_id, [])
             members.append(rollout)
             if len(members) == rollout.group_size:
-                complete.append(self._partial.pop(rollout.group_id))
+                group = self._partial.pop(rollout.group_id)
+                if rollout.is_eval:
+                    self._collect_eval(group)  # measured here, never sent on to training
+                else:
+                    complete.append(group)
         self._progress.emitted_rollouts += sum(len(g) for g in complete)
         self._publish_status()
         return complete

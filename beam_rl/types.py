@@ -35,6 +35,7 @@ class GroupRequest:
     group_size: int
     row: dict[str, Any]  # the dataset row the environment renders and scores
     policy_version: int = 0  # the policy version when the group was admitted
+    is_eval: bool = False  # held-out evaluation: measured, never trained on
 
 
 @dataclass

@@ -25,10 +25,16 @@ REFRESH_S = 0.5
 def progress_table(run_dir: RunDir, config: RunConfig, started: float) -> Table:
     status = run_dir.read_status()
     rows = step_rows(run_dir)
+    evals = [m["eval"] for m in run_dir.read_metrics() if "eval" in m]
+    last_eval = ""
+    if evals:
+        figures = ", ".join(f"{env} pass@1 {e['pass@1']:.2f}" for env, e in evals[-1]["envs"].items()
+                            if e["pass@1"] is not None)
+        last_eval = f"  |  eval@{evals[-1]['after_step']}: {figures}"
     table = Table(title=(
         f"beam-rl  {run_dir.path}  |  {time.monotonic() - started:.0f}s  |  policy v{status.get('policy_version', 0)}"
         f"  |  in flight {status.get('inflight', 0)}"
-        + ("  |  waiting for trainer" if status.get("waiting_for_trainer") else "")))
+        + ("  |  waiting for trainer" if status.get("waiting_for_trainer") else "") + last_eval))
     for column in ("step", "reward", "rollouts/s", "trained", "errored", "filtered", "lag max", "loss", "trainer wait s"):
         table.add_column(column, justify="right")
     for row in rows[-12:]:

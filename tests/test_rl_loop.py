@@ -70,6 +70,23 @@ def test_the_job_writes_metrics_and_a_plot(tiny_run):
     assert (run_dir.path / "report.png").stat().st_size > 0
 
 
+def test_held_out_eval_runs_every_k_steps_and_is_never_trained(tiny_run):
+    config, run_dir = tiny_run
+    evals = [m["eval"] for m in run_dir.read_metrics() if "eval" in m]
+    every = config.eval.every_steps
+    assert [e["after_step"] for e in evals] == list(range(every, config.run.max_steps, every))
+    for e in evals:
+        figures = e["envs"]["arithmetic_easy"]
+        assert figures["prompts"] == config.eval.limit
+        assert figures["rollouts"] == config.eval.limit * config.eval.samples_per_prompt
+        # Rewards lie in [0, 1] and pass@1 counts the full-reward ones, so it cannot exceed the mean.
+        assert 0.0 <= figures["pass@1"] <= figures["mean_reward"] + 1e-9 <= 1.0 + 1e-9
+    for step in run_dir.committed_steps():
+        window = run_dir.read_window(step)
+        assert not any(g.startswith("eval@") for g in window.column("group_id").to_pylist())
+        assert not any(window.column("is_eval").to_pylist())
+
+
 def test_max_async_level_zero_is_on_policy(tmp_path):
     config, run_dir = _run(tmp_path, run={"max_steps": 4},
                            off_policy={"max_async_level": 0, "max_off_policy_steps": 0})

@@ -264,6 +264,7 @@ class Dispatcher:
             temperature=sampling.temperature,
             epoch=request.epoch,
             index=request.index,
+            is_eval=request.is_eval,
         )
 
     def _emit(self, rollout: Rollout) -> None:
