@@ -45,7 +45,7 @@ class InferenceSection(_Section):
     urls: list[str] = Field(default_factory=list)  # vLLM base URLs; empty = start embedded servers
     embedded_servers: int = Field(2, ge=0)
     embedded_max_num_seqs: int = Field(64, gt=0)
-    embedded_mode: Literal["model", "instant"] = "model"
+    embedded_mode: Literal["model", "instant", "simulated"] = "model"
     max_inflight: int = Field(128, gt=0)  # permits: the hard cap on in-flight rollouts
     request_timeout_s: float = Field(60.0, gt=0)
     max_retries: int = Field(2, ge=0)

@@ -1,5 +1,6 @@
 """An embedded stand-in for a vLLM server: the slice of its OpenAI-compatible HTTP API that beam-rl
-uses, served by a tiny real model (or an instant fake), with load metrics and fault injection.
+uses, served by a tiny real model, an instant fake, or a simulated continuous-batching engine
+(`mode="simulated"`, see `simulated.py`), with load metrics and fault injection.
 
 Run in-process (`EmbeddedServer(...).start()`) or as a subprocess
 (`python -m beam_rl.inference.server --port 0`, which prints `READY <url>` once listening).
@@ -41,6 +42,7 @@ from beam_rl.inference.protocol import (
     RequestError,
     completion_body,
 )
+from beam_rl.inference.simulated import SimulatedEngine, SimulatedParams, add_simulated_args, simulated_params_from_args
 from beam_rl.tokenizer import load_tokenizer
 
 T = TypeVar("T")
@@ -70,7 +72,7 @@ class EmbeddedServer:
         self,
         model_dir: str | os.PathLike | None = None,
         *,
-        mode: Literal["model", "instant"] = "model",
+        mode: Literal["model", "instant", "simulated"] = "model",
         max_num_seqs: int = 256,
         served_model_name: str | None = None,
         host: str = "127.0.0.1",
@@ -83,9 +85,10 @@ class EmbeddedServer:
         drop_rate: float = 0.0,
         fault_seed: int = 0,
         torch_threads: int | None = 1,
+        simulated: SimulatedParams | None = None,
     ) -> None:
-        if mode not in ("model", "instant"):
-            raise ValueError(f"mode must be 'model' or 'instant', not {mode!r}")
+        if mode not in ("model", "instant", "simulated"):
+            raise ValueError(f"mode must be 'model', 'instant' or 'simulated', not {mode!r}")
         if mode == "model" and model_dir is None:
             from beam_rl.tinymodel import tiny_model_dir
 
@@ -95,7 +98,15 @@ class EmbeddedServer:
         self.host, self.port = host, port
         self.tokenizer = load_tokenizer(str(self.model_dir) if self.model_dir else "tiny")
         self.generator: Generator
-        if mode == "model":
+        self.engine: SimulatedEngine | None = None
+        if mode == "simulated":
+            self.engine = SimulatedEngine(
+                simulated or SimulatedParams(), max_num_seqs, len(self.tokenizer),
+                set(self.tokenizer.all_special_ids),
+                frozenset(t for t in [self.tokenizer.eos_token_id] if t is not None),
+                gate=lambda: self._resumed.wait())  # pause "keep" freezes the batch between steps
+            self.generator = self.engine  # type: ignore[assignment]  # same request limits
+        elif mode == "model":
             self.generator = ModelGenerator(self.model_dir)
             if torch_threads is not None:
                 # Process-wide, unavoidably: a tiny model's matmuls gain nothing from intra-op threads
@@ -105,7 +116,7 @@ class EmbeddedServer:
             self.generator = InstantGenerator(len(self.tokenizer), set(self.tokenizer.all_special_ids))
         # None = answer whatever `model` a request names; a name given here is enforced like vLLM.
         self._strict_model_name = served_model_name is not None
-        self.served_model_name = served_model_name or (self.model_dir.name if self.model_dir else "tiny-instant")
+        self.served_model_name = served_model_name or (self.model_dir.name if self.model_dir else f"tiny-{mode}")
         self.faults = FaultInjector(
             FaultConfig(
                 latency_s=latency_s,
@@ -116,8 +127,9 @@ class EmbeddedServer:
                 seed=fault_seed,
             )
         )
-        self.admission = Admission(max_num_seqs)
-        self.prefix_cache = PrefixCache()
+        # The simulated engine schedules per sequence itself; the metrics read its counts instead.
+        self.admission = self.engine if self.engine is not None else Admission(max_num_seqs)  # type: ignore[assignment]
+        self.prefix_cache = self.engine.prefix_cache if self.engine is not None else PrefixCache()
         self.kv_cache_blocks = max(1, kv_cache_tokens // KV_BLOCK_SIZE)
         self.weights_version = 0
         self.requests_total = 0
@@ -155,6 +167,9 @@ class EmbeddedServer:
                 web.post("/faults", self._set_faults),
             ]
         )
+        if self.engine is not None:
+            app.add_routes([web.post("/reset_prefix_cache", self._reset_prefix_cache),
+                            web.get("/simulated/trace", self._simulated_trace)])
         return app
 
     async def start_async(self) -> str:
@@ -253,6 +268,8 @@ class EmbeddedServer:
             return _error_response(500, "injected fault: internal server error", "InternalServerError")
         if fault == "hang":
             await asyncio.Event().wait()  # cancelled when the client disconnects or the server stops
+        if self.engine is not None:
+            return await self._simulated_completion(params, body, epoch, fault)
         await self.admission.acquire(params.n)
         try:
             if self.faults.config.latency_s:
@@ -270,6 +287,40 @@ class EmbeddedServer:
         self.prompt_tokens_total += len(params.prompt_ids)
         self.generation_tokens_total += sum(len(c.token_ids) for c in choices)
         return web.json_response(completion_body(self.tokenizer, self.served_model_name, params, body, choices))
+
+    async def _simulated_completion(
+        self, params: GenerationParams, body: CompletionRequest, epoch: int, fault: str | None
+    ) -> web.Response:
+        assert self.engine is not None
+        try:
+            if self.faults.config.latency_s:
+                await asyncio.sleep(self.faults.config.latency_s)
+            await self._wait_unpaused(epoch)
+            if fault == "empty":
+                choices = [ChoiceResult(finish_reason="stop") for _ in range(params.n)]
+            else:
+                choices = await self.engine.generate(params)
+            if epoch < self._abort_epoch:
+                raise _Aborted
+        except _Aborted:
+            return _error_response(503, "request aborted: server paused (mode=abort)", "ServiceUnavailableError")
+        self.prompt_tokens_total += len(params.prompt_ids)
+        self.generation_tokens_total += sum(len(c.token_ids) for c in choices)
+        return web.json_response(completion_body(self.tokenizer, self.served_model_name, params, body, choices))
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        assert self.engine is not None
+        self.engine.prefix_cache.reset()
+        return web.json_response({"status": "ok"})
+
+    async def _simulated_trace(self, request: web.Request) -> web.Response:
+        """Engine steps since `?since=<unix time>`: {"t", "duration", "running"} lists, for benchmarks."""
+        assert self.engine is not None
+        try:
+            since = float(request.query.get("since", "0"))
+        except ValueError:
+            return _error_response(400, "since must be a unix time in seconds", "BadRequestError")
+        return web.json_response({"max_num_seqs": self.engine.max_num_seqs, **self.engine.trace_since(since)})
 
     def _parse_completion(self, raw: bytes) -> tuple[GenerationParams, CompletionRequest]:
         try:
@@ -418,6 +469,8 @@ class EmbeddedServer:
     # -- metrics -----------------------------------------------------------------------------
 
     def kv_cache_usage(self) -> float:
+        if self.engine is not None:
+            return self.engine.kv_cache_usage()
         return kv_cache_usage(list(self._active.values()), self.kv_cache_blocks)
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -432,7 +485,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 = any free port")
     parser.add_argument("--model-dir", default=None, help="default: the cached tiny model")
-    parser.add_argument("--mode", choices=("model", "instant"), default="model")
+    parser.add_argument("--mode", choices=("model", "instant", "simulated"), default="model")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--served-model-name", default=None)
     for name in ("latency-s", "error-rate", "hang-rate", "empty-rate", "drop-rate"):
@@ -441,6 +494,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--torch-threads", type=int, default=1, help="intra-op threads; 1 suits a tiny model and many servers per host"
     )
+    add_simulated_args(parser)
     return parser.parse_args(argv)
 
 
@@ -459,6 +513,7 @@ async def _serve(args: argparse.Namespace) -> None:
         drop_rate=args.drop_rate,
         fault_seed=args.fault_seed,
         torch_threads=args.torch_threads,
+        simulated=simulated_params_from_args(args) if args.mode == "simulated" else None,
     )
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

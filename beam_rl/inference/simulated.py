@@ -1,0 +1,366 @@
+"""A simulated vLLM engine (no model) for the embedded server's `mode="simulated"`: a continuous batch
+of at most `max_num_seqs` sequences stepped on a clock, with a block prefix cache and long-tailed
+output lengths, so dispatch policies can be measured at vLLM-like load on a CPU.
+
+The cost model, one engine step at a time (all times multiplied by `time_scale`):
+
+    step_s = decode_base_s + decode_s_per_seq * running + prefill_s_per_token * uncached_prompt_tokens
+
+- `running` is the number of sequences in the batch during the step (each gains one token): decode
+  time per token grows with the batch, as a memory-bound GPU's does.
+- `uncached_prompt_tokens` are the prompt tokens of requests admitted this step that miss the prefix
+  cache. The cache is keyed on full 16-token blocks of prompt tokens, chained like vLLM's block
+  hashes (a block hits only if every block before it hit), LRU-evicted beyond `prefix_cache_blocks`.
+  The n choices of one request share one prefill (vLLM V1 forks them after the prompt).
+- Output lengths are log-normal (median `length_median`, shape `length_sigma`), clipped to
+  [1, max_tokens]; a choice shorter than max_tokens ends with a stop/EOS token ("stop"), one that
+  reaches it is "length". Seeded requests give identical tokens, lengths and logprobs.
+- Sequences are scheduled first-come-first-served; a request's n choices are n sequences (vLLM V1
+  units), each freeing its slot when it finishes; the HTTP answer leaves when the last one does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from beam_rl.inference.generator import ChoiceResult, GenerationParams
+from beam_rl.inference.metrics import KV_BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class SimulatedParams:
+    """The engine's cost model; see the module docstring for how each number is used."""
+
+    decode_base_s: float = 0.02  # fixed cost of one engine step (kernel launches, sampling)
+    decode_s_per_seq: float = 1e-4  # added per running sequence: at 256 a step costs 2.3x an empty one
+    prefill_s_per_token: float = 2e-5  # per uncached prompt token (50k tokens/s of prefill)
+    length_median: float = 64.0  # output tokens; log-normal
+    length_sigma: float = 1.0  # log-normal shape: 1.0 gives a p99/p50 of ~10
+    prefix_cache_blocks: int = 4096  # 16-token blocks the prefix cache keeps (LRU)
+    max_model_len: int = 4096
+    time_scale: float = 1.0  # every duration above is multiplied by this
+    seed: int = 0  # for unseeded requests
+    trace_limit: int = 200_000  # engine steps kept for /simulated/trace
+
+    def __post_init__(self) -> None:
+        for name in ("decode_base_s", "decode_s_per_seq", "prefill_s_per_token", "length_sigma"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.length_median < 1 or self.prefix_cache_blocks < 0 or self.time_scale <= 0:
+            raise ValueError("length_median must be >= 1, prefix_cache_blocks >= 0 and time_scale > 0")
+
+    def step_s(self, running: int, prefill_tokens: int) -> float:
+        return self.time_scale * (
+            self.decode_base_s + self.decode_s_per_seq * running + self.prefill_s_per_token * prefill_tokens
+        )
+
+
+class BlockPrefixCache:
+    """vLLM-style prefix cache over prompt tokens: full blocks, chained hashes, LRU; hit/query counters."""
+
+    def __init__(self, capacity_blocks: int, block_size: int = KV_BLOCK_SIZE) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.block_size = block_size
+        self._blocks: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.queries = 0
+        self.hits = 0
+
+    def lookup(self, prompt: tuple[int, ...]) -> int:
+        """Count the prompt's tokens as queried, cache its full blocks; returns the uncached token count."""
+        self.queries += len(prompt)
+        cached, parent, hitting = 0, 0, True
+        for start in range(0, len(prompt) - self.block_size + 1, self.block_size):
+            parent = hash((parent, prompt[start : start + self.block_size]))
+            if hitting and parent in self._blocks:
+                cached += self.block_size
+                self._blocks.move_to_end(parent)
+                continue
+            hitting = False
+            if self.capacity_blocks:
+                self._blocks[parent] = None
+                if len(self._blocks) > self.capacity_blocks:
+                    self._blocks.popitem(last=False)
+        self.hits += cached
+        return len(prompt) - cached
+
+    def reset(self) -> None:
+        """Forget every cached block (vLLM's /reset_prefix_cache); the counters keep counting."""
+        self._blocks.clear()
+
+
+@dataclass(eq=False)
+class _Request:
+    params: GenerationParams
+    future: asyncio.Future
+    rng_key: int
+    lengths: list[int]
+    choices: list[ChoiceResult]
+    remaining: int
+    prefilled: bool = False
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: _Request
+    index: int
+    admitted_step: int = 0
+
+
+@dataclass
+class _Trace:
+    """Engine steps as parallel lists: wall-clock start, duration, sequences running."""
+
+    t: collections.deque = field(default_factory=collections.deque)
+    duration: collections.deque = field(default_factory=collections.deque)
+    running: collections.deque = field(default_factory=collections.deque)
+
+
+class SimulatedEngine:
+    """The continuous-batching engine; lives on the server's event loop (no locks).
+
+    Exposes what the server and its metrics read: `running`, `waiting`, `max_running`,
+    `max_num_seqs`, `drained()` (admission), `prefix_cache`, `kv_cache_usage()`, and the Generator
+    attributes `vocab_size`, `max_model_len`, `eos_token_ids` used to validate requests.
+    """
+
+    def __init__(
+        self,
+        params: SimulatedParams,
+        max_num_seqs: int,
+        vocab_size: int,
+        special_ids: set[int] | frozenset[int],
+        eos_token_ids: frozenset[int],
+        gate: Callable[[], Awaitable[None]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, not {max_num_seqs}")
+        self.params = params
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = vocab_size
+        self.max_model_len = params.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.prefix_cache = BlockPrefixCache(params.prefix_cache_blocks)
+        self.max_running = 0
+        self.steps = 0
+        self.kv_capacity_blocks = max(1, params.prefix_cache_blocks)
+        self._allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64))
+        self._gate = gate  # awaited before every step: the server's pause ("keep") freezes the batch
+        self._clock = clock
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._running: list[tuple[int, int, _Sequence]] = []  # heap of (finish step, order, sequence)
+        self._order = itertools.count()
+        self._unseeded = itertools.count()
+        self._work: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.trace = _Trace()
+
+    # -- what the server reads -----------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def kv_cache_usage(self) -> float:
+        tokens = sum(
+            len(s.request.params.prompt_ids) + (self.steps - s.admitted_step) for _, _, s in self._running
+        )
+        return min(1.0, tokens / KV_BLOCK_SIZE / self.kv_capacity_blocks)
+
+    async def drained(self) -> None:
+        """Return once nothing is running or waiting."""
+        self._ensure_loop()
+        assert self._idle is not None
+        while self._running or self._waiting:
+            self._idle.clear()
+            await self._idle.wait()
+
+    def trace_since(self, since: float) -> dict[str, list[float]]:
+        """Engine steps that started at or after wall-clock time `since`."""
+        t = list(self.trace.t)
+        first = int(np.searchsorted(np.asarray(t), since)) if t else 0
+        return {
+            "t": t[first:],
+            "duration": list(itertools.islice(self.trace.duration, first, None)),
+            "running": list(itertools.islice(self.trace.running, first, None)),
+        }
+
+    # -- requests ------------------------------------------------------------------------------
+
+    async def generate(self, params: GenerationParams) -> list[ChoiceResult]:
+        """Queue the request's n sequences; returns their choices once the last one finishes."""
+        self._ensure_loop()
+        key = params.seed if params.seed is not None else (self.params.seed << 32) + next(self._unseeded)
+        lengths = [self._draw_length(params, key, i) for i in range(params.n)]
+        request = _Request(params, asyncio.get_running_loop().create_future(), key, lengths,
+                           [ChoiceResult() for _ in range(params.n)], params.n)
+        sequences = [_Sequence(request, i) for i in range(params.n)]
+        self._waiting.extend(sequences)
+        assert self._work is not None
+        self._work.set()
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            self._drop(request)  # the client gave up: free its slots, as vLLM aborts the request
+            raise
+
+    def _draw_length(self, params: GenerationParams, key: int, index: int) -> int:
+        p = self.params
+        z = np.random.default_rng([key, index, 1]).standard_normal()
+        length = math.ceil(p.length_median * math.exp(p.length_sigma * z))
+        if self._stop_token(params) is None:
+            return params.max_tokens  # nothing to stop on: every choice runs to max_tokens
+        return max(1, min(params.max_tokens, length))
+
+    def _stop_token(self, params: GenerationParams) -> int | None:
+        if params.stop_token_ids:
+            return min(params.stop_token_ids)
+        if not params.ignore_eos and self.eos_token_ids:
+            return min(self.eos_token_ids)
+        return None
+
+    def _drop(self, request: _Request) -> None:
+        self._waiting = collections.deque(s for s in self._waiting if s.request is not request)
+        kept = [entry for entry in self._running if entry[2].request is not request]
+        if len(kept) != len(self._running):
+            heapq.heapify(kept)
+            self._running = kept
+        self._signal_idle()
+
+    def _finish(self, sequence: _Sequence) -> None:
+        request, i = sequence.request, sequence.index
+        params, length = request.params, request.lengths[i]
+        rng = np.random.default_rng([request.rng_key, i, 2])
+        ids = rng.choice(self._allowed, size=length).tolist()
+        stop = self._stop_token(params)
+        finish = "length"
+        if length < params.max_tokens and stop is not None:
+            ids[-1], finish = stop, "stop"
+        logprobs = (-rng.exponential(1.0, size=length)).tolist()
+        choice = request.choices[i]
+        choice.token_ids, choice.logprobs, choice.finish_reason = ids, logprobs, finish
+        if params.top_logprobs:
+            choice.top_logprobs = [{t: lp} for t, lp in zip(ids, logprobs)]
+        request.remaining -= 1
+        if request.remaining == 0 and not request.future.done():
+            request.future.set_result(request.choices)
+
+    # -- the engine loop -----------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._task is None:
+            self._work, self._idle = asyncio.Event(), asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="simulated-engine")
+
+    def _signal_idle(self) -> None:
+        if not self._running and not self._waiting and self._idle is not None:
+            self._idle.set()
+
+    def _admit(self) -> int:
+        """Move waiting sequences into the batch while slots are free; returns uncached prompt tokens."""
+        prefill = 0
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            sequence = self._waiting.popleft()
+            request = sequence.request
+            if not request.prefilled:
+                request.prefilled = True
+                prefill += self.prefix_cache.lookup(request.params.prompt_ids)
+            sequence.admitted_step = self.steps
+            length = request.lengths[sequence.index]
+            heapq.heappush(self._running, (self.steps + length, next(self._order), sequence))
+        self.max_running = max(self.max_running, len(self._running))
+        return prefill
+
+    async def _run(self) -> None:
+        assert self._work is not None
+        p = self.params
+        next_at = self._clock()
+        while True:
+            if not self._running and not self._waiting:
+                self._signal_idle()
+                self._work.clear()
+                await self._work.wait()
+                next_at = self._clock()
+            if self._gate is not None:
+                await self._gate()
+            prefill = self._admit()
+            running = len(self._running)
+            if running == 0:
+                continue
+            duration = p.step_s(running, prefill)
+            self._record(duration, running)
+            # Sleep to a deadline, so event-loop overhead does not slow the simulated GPU down;
+            # one that fell a whole step behind restarts its clock rather than bursting to catch up.
+            next_at += duration
+            delay = next_at - self._clock()
+            await asyncio.sleep(max(0.0, delay))
+            if delay < -duration:
+                next_at = self._clock()
+            self.steps += 1
+            while self._running and self._running[0][0] <= self.steps:
+                self._finish(heapq.heappop(self._running)[2])
+
+    def _record(self, duration: float, running: int) -> None:
+        trace = self.trace
+        trace.t.append(time.time())
+        trace.duration.append(duration)
+        trace.running.append(running)
+        if len(trace.t) > self.params.trace_limit:
+            trace.t.popleft()
+            trace.duration.popleft()
+            trace.running.popleft()
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for _, _, sequence in self._running:
+            if not sequence.request.future.done():
+                sequence.request.future.cancel()
+        for sequence in self._waiting:
+            if not sequence.request.future.done():
+                sequence.request.future.cancel()
+
+
+def simulated_params_from_args(args: Any) -> SimulatedParams:
+    """SimulatedParams from the server's `--sim-*` command-line flags."""
+    return SimulatedParams(
+        decode_base_s=args.sim_decode_base_s,
+        decode_s_per_seq=args.sim_decode_s_per_seq,
+        prefill_s_per_token=args.sim_prefill_s_per_token,
+        length_median=args.sim_length_median,
+        length_sigma=args.sim_length_sigma,
+        prefix_cache_blocks=args.sim_prefix_cache_blocks,
+        time_scale=args.sim_time_scale,
+        seed=args.sim_seed,
+    )
+
+
+def add_simulated_args(parser: Any) -> None:
+    """The `--sim-*` flags of `python -m beam_rl.inference.server --mode simulated`."""
+    d = SimulatedParams()
+    group = parser.add_argument_group("simulated mode (see beam_rl/inference/simulated.py)")
+    group.add_argument("--sim-decode-base-s", type=float, default=d.decode_base_s)
+    group.add_argument("--sim-decode-s-per-seq", type=float, default=d.decode_s_per_seq)
+    group.add_argument("--sim-prefill-s-per-token", type=float, default=d.prefill_s_per_token)
+    group.add_argument("--sim-length-median", type=float, default=d.length_median)
+    group.add_argument("--sim-length-sigma", type=float, default=d.length_sigma)
+    group.add_argument("--sim-prefix-cache-blocks", type=int, default=d.prefix_cache_blocks)
+    group.add_argument("--sim-time-scale", type=float, default=d.time_scale)
+    group.add_argument("--sim-seed", type=int, default=d.seed)

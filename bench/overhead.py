@@ -1,0 +1,157 @@
+"""Figures 3, 4 and 5: the whole pipeline against instant servers (rollouts/s to committed Arrow
+steps, CPU-ms per rollout), step commit latency, and resident memory, against a lower bound measured
+in the same run: a plain Python loop doing the same work in-process without Beam.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from beam_rl import components
+from beam_rl.config import RunConfig, config_from_dict
+from beam_rl.inference.generator import GenerationParams, InstantGenerator
+from beam_rl.rundir import RunDir
+from beam_rl.sink import score_group
+from beam_rl.types import Rollout, Turn
+from bench import procs
+
+ENV = "arithmetic"
+
+
+def bench_config(run_dir: str, urls: list[str], size: dict[str, Any], runner: str) -> RunConfig:
+    per_step, group = size["rollouts_per_step"], size["group_size"]
+    steps = size["pipeline_rollouts"] // per_step
+    groups = steps * per_step // group
+    return config_from_dict({
+        "run": {"dir": run_dir, "max_steps": steps},
+        "envs": [{"name": ENV, "group_size": group, "epochs": -(-groups // 200), "mode": "group"}],
+        "batch": {"rollouts_per_step": per_step},
+        "inference": {"urls": urls, "max_tokens": size["tokens"], "max_inflight": size["pipeline_permits"]},
+        # Instant completions are random ids: every group would be zero-advantage and dropped.
+        "filters": {"zero_advantage": {"mode": "monitor"}},
+        "runner": {"name": runner},
+    })
+
+
+def _watch(run_dir: RunDir, per_step: int, marks: list[int], pids: list[int] | None, exclude: set[int],
+           out: dict[int, int], stop: threading.Event) -> None:
+    """Record the orchestrator's RSS as committed rollouts cross each mark."""
+    pending = sorted(marks)
+    while pending and not stop.wait(0.05):
+        committed = len(run_dir.committed_steps()) * per_step
+        while pending and committed >= pending[0]:
+            out[pending.pop(0)] = procs.rss_bytes(procs.tree_pids(os.getpid(), exclude))
+
+
+def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
+    from runners.pipeline import run_rollouts  # Beam: only where a pipeline runs
+
+    per_step = size["rollouts_per_step"]
+    with procs.servers(size["pipeline_servers"], "instant", 1024) as (urls, server_pids), \
+            tempfile.TemporaryDirectory(prefix="bench-pipeline-") as run_dir:
+        config = bench_config(run_dir, urls, size, runner)
+        exclude = set(server_pids)
+        rundir = RunDir(run_dir)
+        rss: dict[int, int] = {}
+        stop = threading.Event()
+        marks = [size["rss_warm_rollouts"], config.run.max_steps * per_step]
+        watcher = threading.Thread(target=_watch, args=(rundir, per_step, marks, None, exclude, rss, stop), daemon=True)
+        cpu0 = procs.cpu_s(procs.tree_pids(os.getpid(), exclude))
+        server_cpu0 = procs.cpu_s(server_pids)
+        t0 = time.time()
+        watcher.start()
+        run_rollouts(config, urls, with_trainer=False)
+        wall = time.time() - t0
+        stop.set()
+        watcher.join()
+        cpu = procs.cpu_s(procs.tree_pids(os.getpid(), exclude)) - cpu0
+        server_cpu = procs.cpu_s(server_pids) - server_cpu0
+        steps = rundir.committed_steps()
+        commits = [rundir.read_commit(s) for s in steps]
+        rollouts = sum(c["window"]["rollouts"] for c in commits)
+        tokens = sum(c["counts"]["tokens"] for c in commits)
+        committed_at = np.array([c["committed_at"] for c in commits])
+        latency = np.array([c["committed_at"] - c["extra"]["last_rollout_finished_at"] for c in commits])
+        # Sustained: from the first commit to the last, so runner start-up is not in the rate.
+        sustained = (rollouts - commits[0]["window"]["rollouts"]) / (committed_at[-1] - committed_at[0]) if len(commits) > 1 else None
+        warm, last = rss.get(marks[0]), rss.get(marks[1])
+        return {
+            "runner": runner,
+            "steps": len(steps),
+            "rollouts": rollouts,
+            "tokens_committed": tokens,
+            "wall_s": round(wall, 3),
+            "rollouts_per_s_wall": round(rollouts / wall, 1),
+            "rollouts_per_s_sustained": round(sustained, 1) if sustained else None,
+            "orchestrator_cpu_ms_per_rollout": round(1000 * cpu / rollouts, 3),
+            "servers_cpu_ms_per_rollout": round(1000 * server_cpu / rollouts, 3),
+            "commit_latency_s": {"p50": round(float(np.percentile(latency, 50)), 4),
+                                 "p99": round(float(np.percentile(latency, 99)), 4),
+                                 "max": round(float(latency.max()), 4)},
+            "rss_mb": {str(k): round(v / 2**20, 1) for k, v in sorted(rss.items())},
+            "rss_growth_after_warmup": round((last - warm) / warm, 4) if warm and last else None,
+        }
+
+
+def instant_rollouts(config: RunConfig, env: Any, generator: InstantGenerator, position: int,
+                     schedule: Any) -> list[Rollout]:
+    """One group's rollouts as an instant server would have produced them, scored by the environment."""
+    request = schedule.group(position)
+    prompt = env.render_prompt(request.row)
+    n = request.group_size
+    state = generator.start(GenerationParams(tuple(prompt), n=n, max_tokens=config.inference.max_tokens, seed=position))
+    now = time.time()
+    return [
+        Rollout(group_id=request.group_id, env_name=request.env_name, attempt=i, group_size=n, prompt_ids=list(prompt),
+                turns=[Turn(c.token_ids, c.logprobs, c.finish_reason)], reward=env.reward(request.row, env.decode(c.token_ids)),
+                t_start=now, t_end=now, epoch=request.epoch, index=request.index)
+        for i, c in enumerate(state.choices)
+    ]
+
+
+def plain_loop(size: dict[str, Any]) -> dict[str, Any]:
+    """The lower bound: render, generate instantly, reward, group, GRPO, pack, write Arrow, in one loop."""
+    with tempfile.TemporaryDirectory(prefix="bench-loop-") as run_dir:
+        config = bench_config(run_dir, ["http://unused"], size, "direct")
+        envs = components.build_envs(config)
+        env = envs[ENV]
+        tokenizer = components.tokenizer_for(config.model.name)
+        generator = InstantGenerator(len(tokenizer), set(tokenizer.all_special_ids))
+        schedule = components.build_schedule(config, envs)
+        algorithm = components.algorithms(config)[ENV]
+        filters = components.pre_batch_filters(config)
+        builder = components.batch_builder(config, 1, check_staleness=False)
+        rundir = RunDir(run_dir)
+        groups = config.run.max_steps * config.batch.rollouts_per_step // size["group_size"]
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        rollouts = steps = 0
+        for position in range(groups):
+            group = score_group(instant_rollouts(config, env, generator, position, schedule), algorithm, filters,
+                                config.inference.temperature)
+            rollouts += len(group.rollouts)
+            for batch in builder.add(group):
+                rundir.write_step(batch, offsets={(r.env_name, r.epoch, r.index) for r in batch.rollouts},
+                                  window=batch.rollouts, extra={"last_rollout_finished_at": time.time()})
+                steps += 1
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"rollouts": rollouts, "steps": steps, "wall_s": round(wall, 3),
+            "rollouts_per_s": round(rollouts / wall, 1), "cpu_ms_per_rollout": round(1000 * cpu / rollouts, 3)}
+
+
+def measure(size: dict[str, Any], runners: list[str]) -> dict[str, Any]:
+    lower = plain_loop(size)
+    out: dict[str, Any] = {"tokens_per_rollout": size["tokens"], "group_size": size["group_size"],
+                           "rollouts_per_step": size["rollouts_per_step"], "lower_bound_loop": lower, "runners": {}}
+    for runner in runners:
+        run = pipeline_run(size, runner)
+        rate = run["rollouts_per_s_sustained"] or run["rollouts_per_s_wall"]
+        run["throughput_ratio_vs_loop"] = round(lower["rollouts_per_s"] / rate, 2)
+        run["cpu_ratio_vs_loop"] = round(run["orchestrator_cpu_ms_per_rollout"] / lower["cpu_ms_per_rollout"], 2)
+        out["runners"][runner] = run
+    return out

@@ -1,0 +1,86 @@
+"""Process-tree CPU time and resident memory from /proc (Linux), and embedded servers to measure against."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+
+from beam_rl.inference.launch import start_subprocess_server
+
+_TICK = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we looked
+        tree.setdefault(ppid, []).append(int(name))
+    return tree
+
+
+def tree_pids(root: int, exclude: set[int] = frozenset()) -> list[int]:
+    """`root` and its descendants, without the subtrees rooted at `exclude`."""
+    tree, out, todo = _children(), [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid in exclude:
+            continue
+        out.append(pid)
+        todo.extend(tree.get(pid, []))
+    return out
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of the live processes, and of the children they have reaped."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(fields[i]) for i in (11, 12, 13, 14)) / _TICK  # utime stime cutime cstime
+    return total
+
+
+def rss_bytes(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * _PAGE
+        except OSError:
+            continue
+    return total
+
+
+@contextlib.contextmanager
+def servers(count: int, mode: str, max_num_seqs: int, extra_args: tuple[str, ...] = ()) -> Iterator[tuple[list[str], list[int]]]:
+    """Embedded servers as subprocesses (no GIL shared with the orchestrator); yields (urls, pids)."""
+    procs: list[subprocess.Popen] = []
+    try:
+        urls = []
+        for _ in range(count):
+            proc, url = start_subprocess_server(mode=mode, max_num_seqs=max_num_seqs,
+                                                extra_args=("--served-model-name", "tiny", *extra_args))
+            procs.append(proc)
+            urls.append(url)
+        yield urls, [p.pid for p in procs]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

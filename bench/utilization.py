@@ -1,0 +1,194 @@
+"""Figures 1 and 2: engine utilization and prefix-cache hit rate on simulated vLLM servers.
+
+The same servers run three dispatch policies one after the other, each on its own fresh stream of
+groups: beam-rl's dispatcher (least-loaded + group affinity, continuous admission), round-robin
+without group affinity (the same dispatcher with its affinity rule replaced), and a naive loop that
+dispatches a whole batch and waits for all of it before dispatching the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
+from beam_rl.envs.base import CompletionClient, Environment, SamplingParams, Trajectory
+from beam_rl.inference.client import InferenceClient
+from beam_rl.tokenizer import load_tokenizer
+from beam_rl.types import GroupRequest, Turn
+
+FULL = 0.95  # a server counts as full with >= 95% of max_num_seqs running
+
+
+class SyntheticEnv(Environment):
+    """Prompts are given token ids; the reward is a cheap function of the ids, so the benchmark
+    measures dispatch, not text scoring."""
+
+    name = "synthetic"
+
+    def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
+        return []
+
+    def render_prompt(self, row: dict[str, Any]) -> list[int]:
+        return list(row["prompt_ids"])
+
+    def reward(self, row: dict[str, Any], completion_text: str) -> float:
+        return 0.0
+
+    async def run(self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int],
+                  sampling: SamplingParams) -> Trajectory:
+        (c,) = await client.complete(prompt_ids, sampling, n=1)
+        return Trajectory([Turn(c.token_ids, c.logprobs, c.finish_reason)], float(len(c.token_ids) % 7))
+
+
+class RoundRobinDispatcher(Dispatcher):
+    """Baseline: every rollout goes to the next server in turn, whatever group it belongs to."""
+
+    _turn = itertools.count()
+
+    def _pin_server(self, group):  # noqa: ANN001 - Dispatcher's hook
+        healthy = self.pool.healthy()
+        return healthy[next(self._turn) % len(healthy)] if healthy else None
+
+
+def make_groups(count: int, group_size: int, seed: int, tag: str) -> list[GroupRequest]:
+    """Distinct random prompts of 64..256 tokens (no two groups share a prefix block)."""
+    tokenizer = load_tokenizer("tiny")
+    allowed = np.setdiff1d(np.arange(len(tokenizer)), np.array(sorted(tokenizer.all_special_ids)))
+    rng = np.random.default_rng(seed)
+    return [
+        GroupRequest(group_id=f"{tag}/{i}", epoch=0, index=i, env_name="synthetic", group_size=group_size,
+                     row={"prompt_ids": rng.choice(allowed, size=int(rng.integers(64, 257))).tolist()})
+        for i in range(count)
+    ]
+
+
+def _dispatcher_thread(urls: list[str], cls: type[Dispatcher], permits: int, max_tokens: int) -> DispatcherThread:
+    tokenizer = load_tokenizer("tiny")
+    env = SyntheticEnv(tokenizer)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,))
+
+    def build(next_group) -> Dispatcher:
+        clients = [InferenceClient(u, model="tiny", timeout_s=600.0) for u in urls]
+        return cls(ServerPool(clients), {"synthetic": env}, {"synthetic": "rollout"},
+                   {"synthetic": sampling}, permits, lambda: 0, next_group)
+
+    return DispatcherThread(build, refresh_s=1.0, tick_s=0.05)
+
+
+def _drive(host: DispatcherThread, groups: list[GroupRequest], batch_groups: int | None) -> list[float]:
+    """Feed groups (all at once, or batch by batch waiting for each); returns rollout end times."""
+    ends: list[float] = []
+    chunks = [groups] if batch_groups is None else [groups[i:i + batch_groups] for i in range(0, len(groups), batch_groups)]
+    for chunk in chunks:
+        want = len(ends) + sum(g.group_size for g in chunk)
+        host.add_groups(chunk)
+        while len(ends) < want:
+            for rollout in host.poll(1.0):
+                if not rollout.ok:
+                    raise RuntimeError(f"rollout {rollout.rollout_id} failed: {rollout.errors}")
+                ends.append(rollout.t_end)
+    return sorted(ends)
+
+
+async def _scrape(urls: list[str]) -> list[dict[str, float]]:
+    async with httpx.AsyncClient(timeout=30) as client:
+        texts = await asyncio.gather(*(client.get(f"{u}/metrics") for u in urls))
+    out = []
+    for response in texts:
+        values = {s.name: s.value for f in text_string_to_metric_families(response.text) for s in f.samples}
+        out.append(values)
+    return out
+
+
+async def _traces(urls: list[str], since: float) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=60) as client:
+        responses = await asyncio.gather(*(client.get(f"{u}/simulated/trace", params={"since": since}) for u in urls))
+    return [r.json() for r in responses]
+
+
+async def _reset_caches(urls: list[str]) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        await asyncio.gather(*(client.post(f"{u}/reset_prefix_cache") for u in urls))
+
+
+def full_share(trace: dict[str, Any], start: float, end: float) -> float:
+    """Share of [start, end) during which the engine ran >= FULL * max_num_seqs sequences.
+
+    A step covers [t, min(next step's t, t + 2 * its planned duration)): an idle engine takes no
+    steps, and a step that ran more than twice late counts as not full beyond its planned span x2.
+    """
+    t = np.asarray(trace["t"], dtype=float)
+    if t.size == 0 or end <= start:
+        return 0.0
+    planned = np.asarray(trace["duration"], dtype=float)
+    running = np.asarray(trace["running"], dtype=float)
+    stop = np.minimum(np.append(t[1:], np.inf), t + 2 * planned)
+    full = running >= FULL * trace["max_num_seqs"]
+    covered = np.clip(np.minimum(stop, end) - np.maximum(t, start), 0, None)
+    return float(covered[full].sum() / (end - start))
+
+
+def run_policy(urls: list[str], name: str, groups: list[GroupRequest], permits: int, max_tokens: int,
+               batch_groups: int | None = None) -> dict[str, Any]:
+    asyncio.run(_reset_caches(urls))
+    before = asyncio.run(_scrape(urls))
+    cls = RoundRobinDispatcher if name == "round_robin" else Dispatcher
+    t0 = time.time()
+    with _dispatcher_thread(urls, cls, permits, max_tokens) as host:
+        ends = _drive(host, groups, batch_groups)
+    wall = time.time() - t0
+    after = asyncio.run(_scrape(urls))
+    # Steady state: between the 10th and the 90th percentile of rollout completions.
+    start, end = ends[len(ends) // 10], ends[(len(ends) * 9) // 10]
+    traces = asyncio.run(_traces(urls, t0))
+    shares = [full_share(tr, start, end) for tr in traces]
+    hits = sum(a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"] for a, b in zip(after, before))
+    queries = sum(a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"] for a, b in zip(after, before))
+    tokens = sum(a["vllm:generation_tokens_total"] - b["vllm:generation_tokens_total"] for a, b in zip(after, before))
+    return {
+        "policy": name,
+        "rollouts": len(ends),
+        "permits": permits,
+        "wall_s": round(wall, 3),
+        "rollouts_per_s": round(len(ends) / wall, 2),
+        "generation_tokens_per_s": round(tokens / wall, 1),
+        "steady_state_s": round(end - start, 3),
+        "full_share_per_server": [round(s, 4) for s in shares],
+        "full_share_mean": round(float(np.mean(shares)), 4),
+        "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
+    }
+
+
+def measure(size: dict[str, Any]) -> dict[str, Any]:
+    """Figures 1 and 2 on `size["servers"]` simulated servers of `size["max_num_seqs"]` sequences."""
+    servers, c, rollouts, group_size = size["servers"], size["max_num_seqs"], size["rollouts"], size["group_size"]
+    groups = rollouts // group_size
+    sim = size["sim_args"]
+    # Permits: a queue of 25% beyond the engines' slots, so a finishing sequence's slot is refilled
+    # by the server's own waiting queue at once, whichever group the next rollout belongs to.
+    permits = int(servers * c * 1.25)
+    from bench.procs import servers as start_servers
+
+    results = {}
+    with start_servers(servers, "simulated", c, sim) as (urls, _pids):
+        for i, (name, batch) in enumerate([("beam_rl", None), ("round_robin", None),
+                                           ("naive_batch", max(1, servers * c // group_size))]):
+            results[name] = run_policy(urls, name, make_groups(groups, group_size, seed=i, tag=name),
+                                       permits if batch is None else servers * c, size["max_tokens"], batch)
+    return {
+        "servers": servers,
+        "max_num_seqs": c,
+        "group_size": group_size,
+        "rollouts_per_policy": groups * group_size,
+        "simulated_server_args": list(sim),
+        "full_threshold": FULL,
+        "policies": results,
+        "target_full_share": 0.95,
+    }

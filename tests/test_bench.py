@@ -1,0 +1,43 @@
+"""The benchmark as a smoke test: `python -m bench.run --size small` completes on Prism and its JSON
+holds every figure (never asserting timings: only that each number was measured)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_small_benchmark_reports_every_figure(tmp_path):
+    out = tmp_path / "results.json"
+    subprocess.run([sys.executable, "-m", "bench.run", "--size", "small", "--runners", "direct", "--out", str(out)],
+                   cwd=ROOT, check=True, timeout=600, stdout=subprocess.DEVNULL)
+    result = json.loads(out.read_text())
+    figures = result["figures"]
+    from bench.run import FIGURES
+
+    assert set(figures) == set(FIGURES)
+    shares = figures["engine_utilization"]["full_share_mean"]
+    assert set(shares) == {"beam_rl", "round_robin", "naive_batch"}
+    assert all(0.0 <= s <= 1.0 for s in shares.values())
+    policies = figures["engine_utilization"]["policies"]
+    assert all(p["rollouts"] == figures["engine_utilization"]["rollouts_per_policy"] for p in policies.values())
+    hit = figures["prefix_cache"]["hit_rate"]
+    assert all(0.0 <= hit[p] <= 1.0 for p in ("beam_rl", "round_robin"))
+    # Group affinity sends all of a group's attempts to one server: its hit rate cannot be lower
+    # than spreading them (a property of the counts, not of timing).
+    assert hit["beam_rl"] >= hit["round_robin"]
+    pipe = figures["orchestration_overhead"]
+    assert pipe["lower_bound_loop"]["rollouts"] > 0 and pipe["lower_bound_loop"]["cpu_ms_per_rollout"] > 0
+    direct = pipe["runners"]["direct"]
+    assert direct["rollouts"] == pipe["lower_bound_loop"]["rollouts"]
+    assert direct["orchestrator_cpu_ms_per_rollout"] > 0 and direct["throughput_ratio_vs_loop"] > 0
+    assert set(figures["commit_latency"]["direct"]) == {"p50", "p99", "max"}
+    assert figures["commit_latency"]["direct"]["p50"] >= 0
+    memory = figures["memory"]["direct"]
+    assert len(memory["rss_mb"]) == 2 and memory["growth_after_warmup"] is not None
+    sink = figures["sink"]
+    assert sink["tokens"] > 0 and sink["tokens_per_s"] > 0 and sink["arrow_vs_plain"] > 0

@@ -1,0 +1,104 @@
+"""The simulated vLLM engine: continuous batching under max_num_seqs, prefix cache, long-tailed
+lengths, vLLM metric names, over real loopback HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from beam_rl.inference.generator import GenerationParams
+from beam_rl.inference.server import EmbeddedServer
+from beam_rl.inference.simulated import BlockPrefixCache, SimulatedEngine, SimulatedParams
+
+FAST = SimulatedParams(decode_base_s=0.001, decode_s_per_seq=1e-5, prefill_s_per_token=0.0, length_median=8)
+
+
+def _engine(max_num_seqs=4, params=FAST):
+    return SimulatedEngine(params, max_num_seqs, vocab_size=100, special_ids={0, 1}, eos_token_ids=frozenset({1}))
+
+
+def test_prefix_cache_hits_full_blocks_of_a_repeated_prefix_only():
+    cache = BlockPrefixCache(capacity_blocks=8, block_size=4)
+    prompt = tuple(range(10, 20))  # two full blocks + 2 tokens
+    assert cache.lookup(prompt) == 10
+    assert cache.lookup(prompt) == 2  # the partial last block is never cached
+    assert cache.lookup((10, 11, 12, 99) + prompt[4:]) == 10  # first block differs: chain breaks
+    assert (cache.queries, cache.hits) == (30, 8)
+    cache.reset()
+    assert cache.lookup(prompt) == 10
+
+
+def test_batch_never_exceeds_max_num_seqs_and_seeded_requests_repeat():
+    async def main():
+        engine = _engine(max_num_seqs=4)
+        params = [GenerationParams(prompt_ids=(5, 6, 7), n=3, max_tokens=32, seed=s) for s in range(4)]
+        first = await asyncio.gather(*(engine.generate(p) for p in params))
+        again = await engine.generate(params[2])
+        await engine.aclose()
+        return engine, first, again
+
+    engine, first, again = asyncio.run(main())
+    assert engine.max_running == 4
+    assert max(engine.trace.running) == 4
+    assert [c.token_ids for c in again] == [c.token_ids for c in first[2]]
+    for choices in first:
+        for c in choices:
+            assert len(c.token_ids) == len(c.logprobs) and 1 <= len(c.token_ids) <= 32
+            assert c.finish_reason == ("length" if len(c.token_ids) == 32 else "stop")
+            assert c.finish_reason == "length" or c.token_ids[-1] == 1
+
+
+def test_lengths_are_long_tailed_and_clipped():
+    engine = _engine(params=SimulatedParams(length_median=20, length_sigma=1.0))
+    params = GenerationParams(prompt_ids=(5,), max_tokens=200, seed=None)
+    lengths = sorted(engine._draw_length(params, key, 0) for key in range(2000))
+    median, p99 = lengths[1000], lengths[1980]
+    assert 15 <= median <= 25 and p99 >= 4 * median and lengths[-1] <= 200
+
+
+def test_step_time_grows_with_the_running_batch():
+    p = SimulatedParams(decode_base_s=0.01, decode_s_per_seq=1e-4, prefill_s_per_token=1e-5, time_scale=2.0)
+    assert p.step_s(256, 0) > p.step_s(1, 0)
+    assert p.step_s(10, 1000) == pytest.approx(2 * (0.01 + 10e-4 + 1000 * 1e-5))
+
+
+def test_server_in_simulated_mode_answers_completions_and_reports_vllm_metrics():
+    with EmbeddedServer(mode="simulated", max_num_seqs=8, simulated=FAST) as server:
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                body = {"prompt": list(range(5, 45)), "n": 4, "max_tokens": 16, "logprobs": 1,
+                        "return_token_ids": True, "seed": 3}
+                responses = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(4)))
+                metrics = (await client.get("/metrics")).text
+                trace = (await client.get("/simulated/trace", params={"since": 0})).json()
+                reset = await client.post("/reset_prefix_cache")
+                return responses, metrics, trace, reset
+
+        responses, metrics, trace, reset = asyncio.run(main())
+    assert [r.status_code for r in responses] == [200] * 4 and reset.status_code == 200
+    choice = responses[0].json()["choices"][0]
+    assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"])
+    values = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
+    assert values["vllm:prefix_cache_queries_total"] == 160
+    assert values["vllm:prefix_cache_hits_total"] == 3 * 32  # 2 full blocks of 16, hit by 3 of 4 requests
+    assert values["beam_rl:max_concurrent_requests"] == 8  # 16 sequences queued, 8 slots
+    assert values["vllm:num_requests_running"] == 0
+    assert trace["max_num_seqs"] == 8 and max(trace["running"]) == 8
+
+
+def test_cancelled_request_frees_its_slots():
+    async def main():
+        engine = _engine(max_num_seqs=2, params=SimulatedParams(decode_base_s=0.01, length_median=1000))
+        slow = asyncio.ensure_future(engine.generate(GenerationParams(prompt_ids=(5,), n=2, max_tokens=1000, seed=1)))
+        await asyncio.sleep(0.05)
+        assert engine.running == 2
+        slow.cancel()
+        await asyncio.gather(slow, return_exceptions=True)
+        quick = await asyncio.wait_for(engine.generate(GenerationParams(prompt_ids=(5,), n=2, max_tokens=3, seed=2)), 5)
+        await engine.aclose()
+        return quick
+
+    assert all(len(c.token_ids) <= 3 for c in asyncio.run(main()))
