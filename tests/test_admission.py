@@ -86,3 +86,18 @@ def test_drained_waits_for_running_and_queued():
 def test_invalid_cap():
     with pytest.raises(ValueError, match="max_num_seqs"):
         Admission(0)
+
+
+def test_busy_seconds_count_only_time_with_something_running():
+    async def scenario():
+        admission = Admission(2)
+        assert admission.busy_seconds == 0.0
+        await admission.acquire(1)
+        await asyncio.sleep(0.05)
+        admission.release(1)
+        busy = admission.busy_seconds
+        await asyncio.sleep(0.05)  # idle: not counted
+        return busy, admission.busy_seconds
+
+    busy, later = asyncio.run(scenario())
+    assert busy >= 0.04 and later == busy  # asyncio.sleep(0.05) ran with one sequence in

@@ -7,6 +7,7 @@ Single event loop only (no locks): every method must be called from the loop tha
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 
@@ -17,6 +18,8 @@ class Admission:
         self.max_num_seqs = max_num_seqs
         self.running = 0
         self.max_running = 0  # high-water mark, for tests and metrics
+        self._busy_s = 0.0  # time with at least one sequence running, closed intervals
+        self._busy_since: float | None = None
         self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._drained: asyncio.Event | None = None
 
@@ -28,7 +31,15 @@ class Admission:
         # A request larger than the cap still runs, alone, rather than waiting forever.
         return self.running == 0 or self.running + n <= self.max_num_seqs
 
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds with at least one sequence running (how busy the engine was kept)."""
+        open_interval = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        return self._busy_s + open_interval
+
     def _take(self, n: int) -> None:
+        if self.running == 0:
+            self._busy_since = time.monotonic()
         self.running += n
         self.max_running = max(self.max_running, self.running)
 
@@ -51,6 +62,9 @@ class Admission:
 
     def release(self, n: int) -> None:
         self.running -= n
+        if self.running == 0 and self._busy_since is not None:
+            self._busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
         self._admit()
 
     def _admit(self) -> None:

@@ -74,5 +74,7 @@ class ServerMetrics:
         yield family(counter, "vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield family(gauge, "beam_rl:max_concurrent_requests", "Most sequences running at once.", s.admission.max_running)
         yield family(counter, "beam_rl:requests", "Completion requests received.", s.requests_total)
+        yield family(counter, "beam_rl:busy_seconds", "Seconds with at least one sequence running.",
+                     s.admission.busy_seconds)
         yield family(gauge, "beam_rl:weights_version", "Successful weight reloads so far.", s.weights_version)
         yield family(gauge, "beam_rl:paused", "1 while paused.", float(s.paused))
