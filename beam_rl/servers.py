@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from beam_rl import components
 from beam_rl.config import RunConfig
 from beam_rl.inference.launch import start_subprocess_server
+from beam_rl.processes import stop_processes
 
 _LOG = logging.getLogger(__name__)
 
@@ -35,10 +36,4 @@ def inference_servers(config: RunConfig) -> Iterator[list[str]]:
         _LOG.info("started %d embedded inference servers: %s", len(urls), ", ".join(urls))
         yield urls
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)

@@ -8,6 +8,7 @@ import subprocess
 from collections.abc import Iterator
 
 from beam_rl.inference.launch import start_subprocess_server
+from beam_rl.processes import stop_processes
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -76,11 +77,4 @@ def servers(count: int, mode: str, max_num_seqs: int, extra_args: tuple[str, ...
             urls.append(url)
         yield urls, [p.pid for p in procs]
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs)

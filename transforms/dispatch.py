@@ -12,39 +12,18 @@ from __future__ import annotations
 import time
 
 import apache_beam as beam
-from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
-from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
-from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from beam_rl.rollout_source import EndOfInput, SourceSpec, source_for
+from transforms.sdf import OffsetRestrictions, WatermarkFromStart
 
 END_OF_INPUT = "end_of_input"
 BUNDLE_S = 0.2  # how long one process() call collects rollouts before it checkpoints
 POLL_S = 0.02
 
 
-class _ScheduleRestrictions(RestrictionProvider):
-    def initial_restriction(self, spec: SourceSpec) -> OffsetRange:
-        source = source_for(spec)
-        return OffsetRange(0, len(source) + 1)  # + the end marker
-
-    def create_tracker(self, restriction: OffsetRange) -> OffsetRestrictionTracker:
-        return OffsetRestrictionTracker(restriction)
-
-    def split(self, spec, restriction):
-        yield restriction  # one reader per run; see README "Scaling out" for what splitting would need
-
-    def restriction_size(self, spec: SourceSpec, restriction: OffsetRange) -> int:
-        return restriction.size()
-
-
-class _WatermarkFromStart(WatermarkEstimatorProvider):
-    def initial_estimator_state(self, element, restriction):
-        return Timestamp.now()
-
-    def create_watermark_estimator(self, estimator_state):
-        return ManualWatermarkEstimator(estimator_state)
+def _schedule_size(spec: SourceSpec) -> int:
+    return len(source_for(spec)) + 1  # every group of the schedule + the end marker
 
 
 class _DispatchFn(beam.DoFn):
@@ -52,8 +31,8 @@ class _DispatchFn(beam.DoFn):
     def process(
         self,
         spec: SourceSpec,
-        tracker=beam.DoFn.RestrictionParam(_ScheduleRestrictions()),
-        watermark=beam.DoFn.WatermarkEstimatorParam(_WatermarkFromStart()),
+        tracker=beam.DoFn.RestrictionParam(OffsetRestrictions(_schedule_size)),
+        watermark=beam.DoFn.WatermarkEstimatorParam(WatermarkFromStart()),
     ):
         source = source_for(spec)
         end_marker = len(source)

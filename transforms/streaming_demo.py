@@ -2,7 +2,8 @@
 
 The same shape as the rollout pipeline (an unbounded source, a stateful group completion, a stateful
 packer writing Arrow files), small enough to show that a runner streams: batch files appear while the
-source is still emitting, and the last partial batch is flushed by an end-of-input event-time timer.
+source is still emitting, and the last partial batch is flushed once every announced element has
+arrived (end of input as data, not a timer: see _PackAndWrite).
 """
 
 from __future__ import annotations
@@ -13,37 +14,14 @@ from pathlib import Path
 import apache_beam as beam
 import pyarrow as pa
 from apache_beam.coders import PickleCoder, VarIntCoder
-from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
-from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
-from apache_beam.transforms.core import WatermarkEstimatorProvider
 from apache_beam.transforms import userstate
 from apache_beam.transforms.window import GlobalWindow, TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from beam_rl.rundir import write_atomic
+from transforms.sdf import OffsetRestrictions, WatermarkFromStart
 
 TICK_SCHEMA = pa.schema([("element", pa.int64()), ("emitted_at", pa.float64())])
-
-
-class _TickRestrictions(beam.transforms.core.RestrictionProvider):
-    def initial_restriction(self, count: int) -> OffsetRange:
-        return OffsetRange(0, count)
-
-    def create_tracker(self, restriction: OffsetRange) -> OffsetRestrictionTracker:
-        return OffsetRestrictionTracker(restriction)
-
-    def restriction_size(self, count: int, restriction: OffsetRange) -> int:
-        return restriction.size()
-
-
-class _WatermarkFromStart(WatermarkEstimatorProvider):
-    """A manual watermark that starts at the time the restriction was created, never at +inf."""
-
-    def initial_estimator_state(self, element, restriction):
-        return Timestamp.now()
-
-    def create_watermark_estimator(self, estimator_state):
-        return ManualWatermarkEstimator(estimator_state)
 
 
 class _EmitTicks(beam.DoFn):
@@ -57,8 +35,8 @@ class _EmitTicks(beam.DoFn):
     def process(
         self,
         count: int,
-        tracker=beam.DoFn.RestrictionParam(_TickRestrictions()),
-        watermark=beam.DoFn.WatermarkEstimatorParam(_WatermarkFromStart()),
+        tracker=beam.DoFn.RestrictionParam(OffsetRestrictions(lambda count: count)),
+        watermark=beam.DoFn.WatermarkEstimatorParam(WatermarkFromStart()),
     ):
         if self._t0 is None:
             self._t0 = time.time()
