@@ -1,0 +1,153 @@
+"""A standalone Flink 1.19 cluster (JobManager + two TaskManagers, separate JVMs, loopback) from the
+PyPI apache-flink wheel, and the rollout pipeline submitted to it with runner "flink".
+
+The cluster itself (start-up, a killed TaskManager noticed, a new one joining) and the rollout
+pipeline at parallelism 1 without checkpointing work. With checkpointing on (needed to survive a
+TaskManager kill) or at parallelism 2 the job stalls on Beam 2.62 (NOT_ON_A_CLUSTER_YET): those tests
+keep the end-to-end assertions as strict xfails, so they fail the day it works and the marker must go.
+"""
+
+from __future__ import annotations
+
+import collections
+import shutil
+import time
+
+import pytest
+
+from beam_rl.config import config_from_dict
+from beam_rl.inference.server import EmbeddedServer
+from beam_rl.rundir import RunDir
+from beam_rl.tinymodel import tiny_model_dir
+from runners.flink_cluster import start_cluster
+from runners.pipeline import start_rollouts
+
+PROMPTS, GROUP_SIZE, ROLLOUTS_PER_STEP = 32, 8, 64
+FIRST_STEP_TIMEOUT_S = 120.0  # Prism commits step 1 of this run within seconds
+RUN_TIMEOUT_S = 240.0
+
+pytestmark = pytest.mark.skipif(shutil.which("java") is None, reason="needs a Java 11+ runtime for Flink")
+
+NOT_ON_A_CLUSTER_YET = (
+    "Beam 2.62's portable Flink runner on a standalone cluster: at parallelism 2 the dispatch "
+    "splittable DoFn's self-checkpoint fails ('Failed to set timer/state for the residual ... Key group "
+    "19 is not in KeyGroupRange{startKeyGroup=64, endKeyGroup=127}'), the job restarts and then stalls; "
+    "with checkpointing on, even at parallelism 1 (and on embedded Flink), the job runs and checkpoints "
+    "but never admits a group (0 requests in 300 s)")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    started = time.monotonic()
+    cluster = start_cluster(taskmanagers=2, slots_per_taskmanager=2)
+    print(f"Flink cluster ready in {time.monotonic() - started:.1f}s at {cluster.master}")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", max_num_seqs=64)
+               for _ in range(2)]
+    yield [s.start() for s in started]
+    for s in started:
+        s.stop()
+
+
+def _config(run_dir, master: str, parallelism: int = 2, checkpointing_interval_ms: int | None = 1000):
+    return config_from_dict({
+        "run": {"dir": str(run_dir), "max_steps": 10},
+        "envs": [{"name": "reverse_text", "group_size": GROUP_SIZE, "limit": PROMPTS}],
+        "batch": {"rollouts_per_step": ROLLOUTS_PER_STEP},
+        "inference": {"max_tokens": 8, "max_inflight": 64},
+        "runner": {"name": "flink", "flink_master": master, "parallelism": parallelism,
+                   "checkpointing_interval_ms": checkpointing_interval_ms},
+    })
+
+
+def _wait(predicate, timeout_s: float, what: str) -> float:
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s:g}s")
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+def _assert_exactly_once(run_dir: RunDir) -> None:
+    steps = run_dir.committed_steps()
+    assert steps == list(range(1, len(steps) + 1))
+    ids = [rid for s in steps for rid in run_dir.read_window(s).column("rollout_id").to_pylist()]
+    assert len(ids) == PROMPTS * GROUP_SIZE and len(set(ids)) == len(ids)  # none lost, none twice
+    groups = collections.Counter(rid.rsplit("/", 1)[0] for rid in ids)
+    assert len(groups) == PROMPTS and set(groups.values()) == {GROUP_SIZE}
+
+
+def test_the_cluster_is_a_jobmanager_and_two_taskmanager_processes(cluster):
+    overview = cluster.overview()
+    assert overview["flink-version"].startswith("1.19")
+    assert overview["taskmanagers"] == 2 and overview["slots-total"] == 4
+    pids = {cluster.jobmanager.pid, *(p.pid for p in cluster.taskmanagers)}
+    assert len(pids) == 3 and all(p.poll() is None for p in [cluster.jobmanager, *cluster.taskmanagers])
+    names = {tm["id"] for tm in cluster.rest("/taskmanagers")["taskmanagers"]}
+    assert names == {"taskmanager-0", "taskmanager-1"}
+
+
+def test_a_killed_taskmanager_is_noticed_and_a_new_one_joins(tmp_path):
+    # Its own cluster: the module's one stays whole for the pipeline tests.
+    cluster = start_cluster(taskmanagers=2, slots_per_taskmanager=1, workdir=tmp_path)
+    try:
+        cluster.kill_taskmanager(0)
+        noticed = _wait(lambda: cluster.overview()["taskmanagers"] == 1, 30, "the JobManager drops the dead TaskManager")
+        cluster.add_taskmanager()
+        joined = _wait(lambda: cluster.overview()["slots-total"] == 2, 60, "a new TaskManager registers")
+        print(f"dead TaskManager dropped after {noticed:.1f}s; replacement registered after {joined:.1f}s")
+    finally:
+        cluster.stop()
+
+
+def _run_to_the_end(cluster, servers, run_dir: RunDir, config) -> None:
+    job = start_rollouts(config, servers, str(run_dir.path), with_trainer=False)
+    try:
+        _wait(lambda: run_dir.committed_steps(), FIRST_STEP_TIMEOUT_S, "step 1 committed on the cluster")
+        _wait(lambda: cluster.jobs()[0]["state"] in ("FINISHED", "FAILED", "CANCELED"), RUN_TIMEOUT_S, "job ends")
+        assert cluster.jobs()[0]["state"] == "FINISHED"
+    finally:
+        job.cancel()
+
+
+def test_rollouts_stream_out_exactly_once_on_the_cluster_without_checkpoints(cluster, servers, tmp_path):
+    run_dir = RunDir(tmp_path)
+    _run_to_the_end(cluster, servers, run_dir,
+                    _config(tmp_path, cluster.master, parallelism=1, checkpointing_interval_ms=None))
+    _assert_exactly_once(run_dir)
+    # Not asserted: that step 1 commits before the last rollout finishes (as on Prism). Measured
+    # here, it committed 0.3 s after: this run's 256 rollouts take a few seconds, and each of the
+    # four fused stages holds a bundle up to Beam's 1 s max bundle time on Flink.
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=NOT_ON_A_CLUSTER_YET)
+def test_rollouts_stream_out_exactly_once_at_parallelism_2_with_checkpoints(cluster, servers, tmp_path):
+    run_dir = RunDir(tmp_path)
+    _run_to_the_end(cluster, servers, run_dir, _config(tmp_path, cluster.master))
+    _assert_exactly_once(run_dir)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=NOT_ON_A_CLUSTER_YET)
+def test_a_taskmanager_killed_mid_run_loses_and_duplicates_no_step(cluster, servers, tmp_path):
+    job = start_rollouts(_config(tmp_path, cluster.master), servers, str(tmp_path), with_trainer=False)
+    run_dir = RunDir(tmp_path)
+    try:
+        _wait(lambda: run_dir.committed_steps(), FIRST_STEP_TIMEOUT_S, "step 1 committed on the cluster")
+        job_id = cluster.jobs()[0]["jid"]
+        victim = min(cluster.taskmanagers_of(job_id))
+        killed_at = time.monotonic()
+        cluster.kill_taskmanager(int(victim.rsplit("-", 1)[1]))
+        steps_then = len(run_dir.committed_steps())
+        _wait(lambda: (cluster.job_metric(job_id, "numRestarts") or 0) >= 1, 60, "the job restarts")
+        _wait(lambda: len(run_dir.committed_steps()) > steps_then, RUN_TIMEOUT_S, "a step committed after the kill")
+        print(f"recovered: a new step committed {time.monotonic() - killed_at:.1f}s after the kill")
+        _wait(lambda: cluster.jobs()[0]["state"] in ("FINISHED", "FAILED", "CANCELED"), RUN_TIMEOUT_S, "job ends")
+        _assert_exactly_once(run_dir)
+    finally:
+        job.cancel()
