@@ -33,6 +33,7 @@ class SourceSpec:
     run_id: str  # one source object per run id per worker process
     first_step: int = 1  # the step this pipeline run starts at (last committed + 1)
     with_trainer: bool = True  # False: nobody publishes weights, so staleness is not checked
+    schedule_groups: int = 0  # len(PromptSchedule): the source's offset range (set by the launcher)
 
 
 class AllServersDownError(RuntimeError):

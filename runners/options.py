@@ -22,6 +22,7 @@ class RunnerSettings:
     parallelism: int | None = None
     checkpointing_interval_ms: int | None = None
     state_backend: str | None = None  # "hashmap" | "rocksdb" (Flink)
+    state_backend_storage_path: str | None = None  # where checkpoints go, e.g. file:///shared/ckpt
     environment_type: str = "LOOPBACK"  # where the Python workers run (LOOPBACK: in this process)
 
 
@@ -58,4 +59,6 @@ def _flink_args(settings: RunnerSettings) -> list[str]:
         args.append(f"--checkpointing_interval={settings.checkpointing_interval_ms}")
     if settings.state_backend:
         args.append(f"--state_backend={settings.state_backend}")
+    if settings.state_backend_storage_path:
+        args.append(f"--state_backend_storage_path={settings.state_backend_storage_path}")
     return args

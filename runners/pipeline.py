@@ -10,6 +10,7 @@ import uuid
 
 import apache_beam as beam
 
+from beam_rl import components
 from beam_rl.config import RunConfig
 from beam_rl.rollout_source import SourceSpec, close_source
 from beam_rl.rundir import RunDir
@@ -39,7 +40,8 @@ def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PC
 def runner_settings(config: RunConfig) -> RunnerSettings:
     r = config.runner
     return RunnerSettings(name=r.name, flink_master=r.flink_master, parallelism=r.parallelism,
-                          checkpointing_interval_ms=r.checkpointing_interval_ms, state_backend=r.state_backend)
+                          checkpointing_interval_ms=r.checkpointing_interval_ms, state_backend=r.state_backend,
+                          state_backend_storage_path=r.state_backend_storage_path)
 
 
 class RolloutJob:
@@ -75,7 +77,8 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
     if removed:
         _LOG.warning("removed %d uncommitted leftovers of an earlier run: %s", len(removed), removed[:5])
     spec = SourceSpec(config=config, server_urls=tuple(server_urls), run_dir=str(directory.path),
-                      run_id=uuid.uuid4().hex, first_step=directory.next_step(), with_trainer=with_trainer)
+                      run_id=uuid.uuid4().hex, first_step=directory.next_step(), with_trainer=with_trainer,
+                      schedule_groups=len(components.build_schedule(config, components.build_envs(config))))
     pipeline = beam.Pipeline(options=pipeline_options(runner_settings(config)))
     build_rollout_pipeline(pipeline, spec)
     return RolloutJob(spec, pipeline.run())

@@ -10,6 +10,7 @@ admitted group has come back, so the restriction is never done while rollouts ar
 from __future__ import annotations
 
 import time
+from typing import Tuple
 
 import apache_beam as beam
 from apache_beam.utils.timestamp import Duration, Timestamp
@@ -22,20 +23,27 @@ BUNDLE_S = 0.2  # how long one process() call collects rollouts before it checkp
 POLL_S = 0.02
 
 
-def _schedule_size(spec: SourceSpec) -> int:
-    return len(source_for(spec)) + 1  # every group of the schedule + the end marker
+def _restriction_size(element: tuple[str, int]) -> int:
+    _, groups = element
+    return groups + 1  # every group of the schedule + the end marker
 
 
 class _DispatchFn(beam.DoFn):
+    """The element is (run id, groups in the schedule): plain values with a deterministic coder, which
+    Flink needs to key the source's residuals; the spec itself travels with the DoFn."""
+
+    def __init__(self, spec: SourceSpec) -> None:
+        self._spec = spec
+
     @beam.DoFn.unbounded_per_element()
     def process(
         self,
-        spec: SourceSpec,
-        tracker=beam.DoFn.RestrictionParam(OffsetRestrictions(_schedule_size)),
+        element: tuple[str, int],
+        tracker=beam.DoFn.RestrictionParam(OffsetRestrictions(_restriction_size)),
         watermark=beam.DoFn.WatermarkEstimatorParam(WatermarkFromStart()),
     ):
-        source = source_for(spec)
-        end_marker = len(source)
+        source = source_for(self._spec)
+        end_marker = element[1]
         restriction = tracker.current_restriction()
         position, stop = restriction.start, min(restriction.stop, end_marker)
         deadline = time.monotonic() + BUNDLE_S
@@ -72,7 +80,8 @@ class DispatchRollouts(beam.PTransform):
 
     def expand(self, pbegin):
         spec = self._spec
+        element = (spec.run_id, spec.schedule_groups)
         return (pbegin
                 | beam.Impulse()
-                | "Spec" >> beam.Map(lambda _: spec)
-                | beam.ParDo(_DispatchFn()).with_outputs(END_OF_INPUT, main="rollouts"))
+                | "RunAndSize" >> beam.Map(lambda _: element).with_output_types(Tuple[str, int])
+                | beam.ParDo(_DispatchFn(spec)).with_outputs(END_OF_INPUT, main="rollouts"))
