@@ -7,6 +7,7 @@ Beam layer (transforms/dispatch.py) only claims offsets and emits what this retu
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -53,11 +54,25 @@ class _Progress:
     cancelled_stale: int = 0
     skipped_consumed: int = 0
     all_down_since: float | None = None
+    trainer_wait_s: float = 0.0
+    gated_since: float | None = None
     emitted_rollouts: int = 0
     stopped: bool = False
     last_committed: int = 0
     last_stop_check: float = 0.0
     last_status: float = 0.0
+
+
+def _serialized(method):
+    """Runners may process split parts of the source's restriction on several threads at once; the
+    source's bookkeeping (admission counts, eval rounds, partial groups) takes one caller at a time."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class RolloutSource:
@@ -67,6 +82,7 @@ class RolloutSource:
     def __init__(self, spec: SourceSpec) -> None:
         config = spec.config
         self.spec = spec
+        self._lock = threading.RLock()
         self.envs = components.build_envs(config)
         self.schedule = components.build_schedule(config, self.envs)
         self._run_dir = RunDir(spec.run_dir)
@@ -106,6 +122,7 @@ class RolloutSource:
     def policy_version(self) -> int:
         return self._weights.version
 
+    @_serialized
     def sync_weights(self) -> None:
         """WeightSync, then cancel in-flight groups that the new policy made too stale to train."""
         version = self._weights.poll()
@@ -118,6 +135,7 @@ class RolloutSource:
 
     # -- admission ------------------------------------------------------------------------------
 
+    @_serialized
     def wants_more(self) -> bool:
         """Backpressure: admit only while the dispatcher's queue of waiting groups is short and
         the pipeline is at most max_async_level steps ahead of the trainer's policy."""
@@ -128,12 +146,22 @@ class RolloutSource:
         if self.spec.with_trainer:
             producing = self._progress.last_committed + 1  # the step groups admitted now will likely train
             lag = producing - 1 - self.policy_version()
-            self.waiting_for_trainer = lag > self._off_policy.max_async_level
+            waiting = lag > self._off_policy.max_async_level
+            self._account_trainer_wait(waiting)
+            self.waiting_for_trainer = waiting
             if len(self._dispatcher.inflight_groups()) >= self._max_groups_out:
                 return False
         if self.waiting_for_trainer:
             return False
         return self._dispatcher.pending_groups() < self._backlog_groups
+
+    def _account_trainer_wait(self, waiting: bool) -> None:
+        """Total time admission was held back for the trainer (the pipeline waiting on training)."""
+        now = time.monotonic()
+        progress = self._progress
+        if progress.gated_since is not None:
+            progress.trainer_wait_s += now - progress.gated_since
+        progress.gated_since = now if waiting else None
 
     def _maybe_start_eval(self) -> None:
         """Every eval.every_steps committed steps, the held-out split goes through the dispatcher."""
@@ -158,6 +186,7 @@ class RolloutSource:
             del self._eval_rounds[after_step]
             self._run_dir.append_metrics({"eval": round_.summary()})
 
+    @_serialized
     def admit(self, position: int) -> None:
         if position in self._consumed:
             self._progress.skipped_consumed += 1
@@ -171,6 +200,7 @@ class RolloutSource:
 
     # -- completion -----------------------------------------------------------------------------
 
+    @_serialized
     def poll(self, max_wait_s: float) -> list[list[Rollout]]:
         """Groups whose every rollout has finished, each as one list (waits at most `max_wait_s`).
 
@@ -224,6 +254,7 @@ class RolloutSource:
             "updated_at": time.time(),
             "policy_version": self.policy_version(),
             "waiting_for_trainer": self.waiting_for_trainer,
+            "waited_for_trainer_s": round(progress.trainer_wait_s, 3),
             "groups_admitted": progress.admitted,
             "rollouts_emitted": progress.emitted_rollouts,
             "cancelled_stale_groups": progress.cancelled_stale,
@@ -234,10 +265,12 @@ class RolloutSource:
             **counters,
         })
 
+    @_serialized
     def idle(self) -> bool:
         """Every admitted group's rollouts have been returned by `poll`."""
         return not self._dispatcher.inflight_groups()
 
+    @_serialized
     def stopping(self) -> bool:
         """True once the run's last step is committed: in-flight groups are cancelled, none admitted."""
         progress = self._progress
