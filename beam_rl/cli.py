@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from beam_rl.config import ConfigError, load_config
+from beam_rl.config import ConfigError, RunConfig, load_config
 from beam_rl.datasets import DatasetError
 from beam_rl.rundir import RunDir, RunDirError
 
 console = Console()
+_LOG = logging.getLogger(__name__)
+# Beam re-raises a worker's exception as a RuntimeError whose text ends with the original
+# "module.Class: message" line (plus "[while running 'step']").
+_DOMAIN_ERROR = re.compile(r"(beam_rl\.[\w.]+): (.+?)(?: \[while running '[^']*'\])?$")
 
 
 def inspect_table(run_dir: RunDir) -> Table:
@@ -48,17 +55,76 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def preflight(config: RunConfig, source: str) -> RunDir:
+    """What can be checked before a server starts or the run directory is touched: every env's
+    dataset (the first bad row fails, named by file, line and field, unless run.bad_rows = "skip"),
+    then whether the run directory is writable. Skipped rows are reported and recorded in
+    metrics.jsonl as {"dataset": {...}}."""
+    loaded = _load_datasets(config, source)
+    run_dir = RunDir(config.run.dir)
+    run_dir.check_writable()
+    for name, split, rows, skipped in loaded:
+        if not skipped:
+            continue
+        console.print(f"[yellow]{name} ({split}): skipped {len(skipped)} bad rows, kept {rows} "
+                      f"(run.bad_rows = \"skip\"); first: {escape(str(skipped[0]))}[/yellow]")
+        run_dir.append_metrics({"dataset": {
+            "env": name, "split": split, "rows": rows, "skipped_rows": len(skipped),
+            "errors": [str(err) for err in skipped[:100]],  # enough to fix the file, bounded
+        }})
+    return run_dir
+
+
+def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, list[DatasetError]]]:
+    """(env, split, rows kept, rows skipped) for every split the run will read."""
+    from beam_rl import components
+
+    loaded = []
+    for i, env in enumerate(config.envs):
+        try:
+            built = components.build_envs(config.model_copy(update={"envs": [env]}))[env.name]
+        except DatasetError:
+            raise
+        except KeyError as err:  # an environment name nobody registered
+            raise ConfigError(source, [(f"envs[{i}].name", str(err.args[0]))]) from None
+        except (TypeError, ValueError) as err:  # constructor arguments it does not take or accept
+            raise ConfigError(source, [(f"envs[{i}].args", str(err))]) from None
+        # The held-out split too when evaluation is on: the source reads it mid-run.
+        splits = [env.split] + (["eval"] if config.eval.every_steps else [])
+        for split in splits:
+            rows = built.load_rows(split)
+            loaded.append((env.name, split, len(rows), list(getattr(built, "skipped_rows", {}).get(split, []))))
+    return loaded
+
+
+def _pipeline_stopped(err: BaseException, run_dir: RunDir, again: str) -> int:
+    """A run stopped by one of our own errors (disk full, every server down): its message, not
+    Beam's whole traceback, and what the run directory still holds."""
+    match = next((m for line in reversed(str(err).splitlines()) if (m := _DOMAIN_ERROR.search(line))), None)
+    if match is None:
+        raise err
+    _LOG.info("the pipeline failed", exc_info=err)  # the full traceback with -v
+    last = run_dir.last_committed_step()
+    kept = f"steps 1..{last} are committed in {run_dir.path}" if last else f"no step is committed in {run_dir.path}"
+    console.print(f"[red]the run stopped: {match.group(1).rsplit('.', 1)[-1]}: {escape(match.group(2))}[/red]")
+    console.print(f"{kept}; {again} continues from there")
+    return 1
+
+
 def _cmd_rollouts(args: argparse.Namespace) -> int:
     from beam_rl.servers import inference_servers
     from runners.pipeline import run_rollouts
 
     config = _with_run_dir(load_config(args.config), args.run_dir)
-    run_dir = RunDir(config.run.dir)
+    run_dir = preflight(config, args.config)
     started = time.monotonic()
     with console.status("starting inference servers"), inference_servers(config) as urls:
         console.print(f"inference servers: {', '.join(urls)}")
         console.print(f"running the rollout pipeline on [bold]{config.runner.name}[/bold] -> {run_dir.path}")
-        run_rollouts(config, urls, with_trainer=False)
+        try:
+            run_rollouts(config, urls, with_trainer=False)
+        except RuntimeError as err:
+            return _pipeline_stopped(err, run_dir, "the same command")
     console.print(inspect_table(run_dir))
     console.print(f"done in {time.monotonic() - started:.1f}s; Arrow files under {run_dir.rollouts_dir}")
     return 0
@@ -79,16 +145,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not run_dir.config_path.is_file():
             console.print(f"[red]{run_dir.path} holds no config.json: not a beam-rl run directory[/red]")
             return 2
-        config = config_from_dict(run_dir.read_config(), source=str(run_dir.config_path))
+        source = str(run_dir.config_path)
+        config = config_from_dict(run_dir.read_config(), source=source)
     elif args.config:
+        source = args.config
         config = _with_run_dir(load_config(args.config), args.run_dir)
     else:
         console.print("[red]give a CONFIG, or --resume RUN_DIR[/red]")
         return 2
-    last = RunDir(config.run.dir).last_committed_step()
+    run_dir = preflight(config, source)
+    last = run_dir.last_committed_step()
     if last is not None:
         console.print(f"resuming {config.run.dir}: steps 1..{last} are committed, continuing at {last + 1}")
-    run_job(config, console)
+    try:
+        run_job(config, console)
+    except RuntimeError as err:
+        return _pipeline_stopped(err, run_dir, f"beam-rl run --resume {run_dir.path}")
     return 0
 
 
@@ -142,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, RunDirError, DatasetError) as err:
-        console.print(f"[red]{err}[/red]")
+        console.print(f"[red]{escape(str(err))}[/red]")
         return 2
 
 

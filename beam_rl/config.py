@@ -251,6 +251,11 @@ def load_config(path: str | Path) -> RunConfig:
         raise ConfigError(str(path), [("", "file not found")]) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), [("", f"not valid TOML: {exc}")]) from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib decodes the whole file first
+        line = exc.object[:exc.start].count(b"\n") + 1
+        raise ConfigError(str(path), [("", f"not valid UTF-8 (line {line})")]) from None
+    except OSError as exc:  # a directory, no permission, an I/O error
+        raise ConfigError(str(path), [("", f"unreadable: {exc.strerror or exc}")]) from None
     return config_from_dict(data, source=str(path))
 
 

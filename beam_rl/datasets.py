@@ -7,7 +7,7 @@ or row index (Arrow formats) and field, so a user can fix the file instead of de
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -54,6 +54,26 @@ def _non_blank(text: str) -> str:
 PromptText = Annotated[str, AfterValidator(_non_blank)]
 
 
+def prompt_fields(row_model: type[BaseModel] | None) -> list[str]:
+    """The fields of `row_model` typed PromptText: the ones a prompt is rendered from."""
+    if row_model is None:
+        return []
+    return [name for name, info in row_model.model_fields.items()
+            if any(getattr(m, "func", None) is _non_blank for m in info.metadata)]
+
+
+@dataclass(frozen=True)
+class RowProblem:
+    """What a row check (run after the row model) found wrong with a row, e.g. a prompt too long."""
+
+    message: str
+    field: str | None = None
+
+
+# Called with each validated row; None means the row is fine.
+RowCheck = Callable[[dict[str, Any]], RowProblem | None]
+
+
 @dataclass
 class LoadedRows:
     """Validated rows in file order, plus the bad rows skipped under `bad_rows="skip"`."""
@@ -68,20 +88,22 @@ def read_dataset(
     *,
     split: str | None = None,
     bad_rows: BadRows = "fail",
+    check: RowCheck | None = None,
 ) -> LoadedRows:
     """Read and validate every row of a dataset.
 
     `path` is a `.jsonl`, `.parquet` or `.arrow` file, a Hugging Face `save_to_disk` directory, or a
     directory of splits (`<split>.jsonl` / `<split>.parquet`). `split` picks the split of a directory
     that has several; it is an error on a single file, so train and eval never silently coincide.
-    `bad_rows="fail"` raises the first bad row's DatasetError; "skip" keeps going and returns them.
-    Problems with the file itself (missing, unreadable, no rows) always raise.
+    `check` runs on each row that passed `row_model`; a problem it returns makes the row bad, located
+    like any other. `bad_rows="fail"` raises the first bad row's DatasetError; "skip" keeps going and
+    returns them. Problems with the file itself (missing, unreadable, no rows) always raise.
     """
     if bad_rows not in ("fail", "skip"):
         raise ValueError(f"bad_rows must be 'fail' or 'skip', got {bad_rows!r}")
     source = _resolve(Path(path), split)
     loaded = LoadedRows(rows=[])
-    for item in _validated(source, row_model):
+    for item in _validated(source, row_model, check):
         if isinstance(item, DatasetError):
             if bad_rows == "fail":
                 raise item
@@ -129,16 +151,22 @@ def _resolve(path: Path, split: str | None) -> Path:
     return found[0]
 
 
-def _validated(source: Path, row_model: type[BaseModel] | None) -> Iterator[dict[str, Any] | DatasetError]:
+def _validated(
+    source: Path, row_model: type[BaseModel] | None, check: RowCheck | None
+) -> Iterator[dict[str, Any] | DatasetError]:
     records = _jsonl_records(source) if source.suffix == ".jsonl" and source.is_file() else _table_records(source)
     for where, record in records:
-        if isinstance(record, DatasetError) or row_model is None:
+        if isinstance(record, DatasetError):
             yield record
             continue
-        try:
-            yield row_model.model_validate(record).model_dump()
-        except ValidationError as err:
-            yield _row_error(source, where, err)
+        if row_model is not None:
+            try:
+                record = row_model.model_validate(record).model_dump()
+            except ValidationError as err:
+                yield _row_error(source, where, err)
+                continue
+        problem = check(record) if check is not None else None
+        yield record if problem is None else _located(source, where, problem.message, problem.field)
 
 
 # A record source yields (location, parsed record or error); location is ("line", n) or ("row", i).
@@ -152,7 +180,9 @@ def _jsonl_records(path: Path) -> Iterator[tuple[_Where, dict[str, Any] | Datase
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            yield where, DatasetError(path, f"invalid UTF-8 at byte {err.start} of the line", line=number)
+            field = _field_with_bad_bytes(raw)
+            where_in_line = f"byte {err.start} of the line" + (f" (field {field!r})" if field else "")
+            yield where, DatasetError(path, f"invalid UTF-8 at {where_in_line}", line=number)
             continue
         if number == 1:
             text = text.removeprefix("\ufeff")  # a BOM some editors write
@@ -167,6 +197,20 @@ def _jsonl_records(path: Path) -> Iterator[tuple[_Where, dict[str, Any] | Datase
             yield where, DatasetError(path, f"expected a JSON object, got {type(record).__name__}", line=number)
             continue
         yield where, record
+
+
+def _field_with_bad_bytes(raw: bytes) -> str | None:
+    """The top-level field whose value holds the undecodable bytes, when the line is otherwise JSON."""
+    try:
+        record = json.loads(raw.decode("utf-8", "surrogateescape"))  # bad bytes become lone surrogates
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    for key, value in record.items():
+        if any("\udc80" <= c <= "\udcff" for c in json.dumps([key, value], ensure_ascii=False)):
+            return key
+    return None
 
 
 def _table_records(source: Path) -> Iterator[tuple[_Where, dict[str, Any]]]:
@@ -232,10 +276,14 @@ def _row_error(source: Path, where: _Where, err: ValidationError) -> DatasetErro
         message = "empty prompt"
     else:
         message = f"{problem['msg']} (got {problem['input']!r})"
+    return _located(source, where, message, loc)
+
+
+def _located(source: Path, where: _Where, message: str, field: str | None) -> DatasetError:
     kind, number = where
     if kind == "line":
-        return DatasetError(source, message, line=number, field=loc)
-    return DatasetError(source, message, row=number, field=loc)
+        return DatasetError(source, message, line=number, field=field)
+    return DatasetError(source, message, row=number, field=field)
 
 
 def _read_bytes(path: Path) -> bytes:

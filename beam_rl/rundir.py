@@ -35,7 +35,7 @@ Offset = tuple[str, int, int]  # (env, epoch, index): one prompt of one epoch, t
 
 
 class RunDirError(OSError):
-    """The run directory cannot be used (not writable, not a directory, ...)."""
+    """The run directory cannot be used (not writable, not a directory, disk full while writing a step, ...)."""
 
 
 class StepAlreadyCommittedError(FileExistsError):
@@ -135,46 +135,54 @@ class RunDir:
         step_dir.mkdir()
         _fsync_dir(self.rollouts_dir)
 
-        files: dict[str, int] = {}
-        micro_batches, samples, tokens, trained_tokens = [], 0, 0, 0
-        for rank, rank_micro_batches in enumerate(batch.micro_batches):
-            table = samples_to_table(rank_micro_batches)
-            path = self.rank_path(step, rank)
-            _atomic_write(path, lambda f, t=table: _write_arrow_file(f, t), fsync_dir=False)
-            files[path.name] = path.stat().st_size
-            micro_batches.append(len(rank_micro_batches))
-            samples += table.num_rows
-            tokens += sum(mb.num_tokens for mb in rank_micro_batches)
-            trained_tokens += sum(int(np.count_nonzero(s.loss_mask)) for mb in rank_micro_batches for s in mb.samples)
+        try:
+            files: dict[str, int] = {}
+            micro_batches, samples, tokens, trained_tokens = [], 0, 0, 0
+            for rank, rank_micro_batches in enumerate(batch.micro_batches):
+                table = samples_to_table(rank_micro_batches)
+                path = self.rank_path(step, rank)
+                _atomic_write(path, lambda f, t=table: _write_arrow_file(f, t), fsync_dir=False)
+                files[path.name] = path.stat().st_size
+                micro_batches.append(len(rank_micro_batches))
+                samples += table.num_rows
+                tokens += sum(mb.num_tokens for mb in rank_micro_batches)
+                trained_tokens += sum(
+                    int(np.count_nonzero(s.loss_mask)) for mb in rank_micro_batches for s in mb.samples)
 
-        window_table = _window_table(batch.rollouts if window is None else window)
-        _atomic_write(self.window_path(step), lambda f: _write_arrow_file(f, window_table), fsync_dir=False)
-        files[WINDOW_FILE] = self.window_path(step).stat().st_size
-        # One directory fsync makes every rename above durable before the commit record can exist.
-        _fsync_dir(step_dir)
+            window_table = _window_table(batch.rollouts if window is None else window)
+            _atomic_write(self.window_path(step), lambda f: _write_arrow_file(f, window_table), fsync_dir=False)
+            files[WINDOW_FILE] = self.window_path(step).stat().st_size
+            # One directory fsync makes every rename above durable before the commit record can exist.
+            _fsync_dir(step_dir)
 
-        timings = {**extra.pop("timings", {}), "write_s": round(time.monotonic() - t0, 6)}
-        record = {
-            "step": step,
-            "schema_version": SCHEMA_VERSION,
-            "committed_at": time.time(),
-            "group_ids": list(batch.group_ids),
-            "offsets": consumed,
-            "counts": {
-                "ranks": len(batch.micro_batches),
-                "micro_batches": micro_batches,
-                "samples": samples,
-                "tokens": tokens,
-                "trained_tokens": trained_tokens,
-                "groups": len(batch.group_ids),
-                "window_rollouts": window_table.num_rows,
-            },
-            "timings": timings,
-            "files": files,
-            "window": window_stats,
-            "extra": extra,
-        }
-        _atomic_write(self.commit_path(step), _json_writer(record))
+            timings = {**extra.pop("timings", {}), "write_s": round(time.monotonic() - t0, 6)}
+            record = {
+                "step": step,
+                "schema_version": SCHEMA_VERSION,
+                "committed_at": time.time(),
+                "group_ids": list(batch.group_ids),
+                "offsets": consumed,
+                "counts": {
+                    "ranks": len(batch.micro_batches),
+                    "micro_batches": micro_batches,
+                    "samples": samples,
+                    "tokens": tokens,
+                    "trained_tokens": trained_tokens,
+                    "groups": len(batch.group_ids),
+                    "window_rollouts": window_table.num_rows,
+                },
+                "timings": timings,
+                "files": files,
+                "window": window_stats,
+                "extra": extra,
+            }
+            _atomic_write(self.commit_path(step), _json_writer(record))
+        except OSError as err:
+            if self.is_committed(step):
+                raise  # the commit record exists: only its directory fsync failed; the step stands
+            # A full disk (ENOSPC) or an I/O error mid-step: say which step did not make it. Files
+            # already renamed into the step dir stay uncommitted; `clean_uncommitted` removes them.
+            raise RunDirError(f"{step_dir}: step {step} is not committed: writing it failed: {err}") from err
         return step_dir
 
     def committed_steps(self) -> list[int]:

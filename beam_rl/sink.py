@@ -107,11 +107,15 @@ class BatchBuilder:
         return batches
 
     def flush(self) -> TrainBatch | None:
-        """A final, partial batch of whatever is pending (end of run); None if nothing is trainable."""
+        """A final, partial batch of whatever is pending (end of run). When nothing is trainable but
+        rollouts were seen since the last batch, the step still comes, with no samples: its window is
+        what commits those groups (and their prompt offsets), so they are neither lost nor redone."""
         cohort, self._pending = self._pending, []
-        return self._build(cohort) if cohort else None
+        if not cohort and not self._window:
+            return None
+        return self._build(cohort, observe_only_ok=True)
 
-    def _build(self, cohort: list[ScoredGroup]) -> TrainBatch | None:
+    def _build(self, cohort: list[ScoredGroup], observe_only_ok: bool = False) -> TrainBatch | None:
         step = self.next_step
         rollouts = [r for g in cohort for r in g.clean]
         self._window_counts = self._window_counts + apply_filters(self.post_filters, rollouts, step=step)
@@ -123,7 +127,7 @@ class BatchBuilder:
             if samples:
                 group_ids.append(g.group_id)
                 by_algorithm.setdefault(g.algorithm.key, (g.algorithm, []))[1].extend(samples)
-        if not group_ids:
+        if not group_ids and not observe_only_ok:
             return None
         # Batch-level normalisation (REINFORCE++ whitening) is per algorithm: envs may mix them.
         for algorithm, algorithm_samples in by_algorithm.values():

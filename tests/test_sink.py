@@ -152,3 +152,18 @@ def test_builder_and_scored_groups_pickle():
     restored = pickle.loads(pickle.dumps(builder))
     (batch,) = restored.add(_scored("g1", [1.0, 0.0]))
     assert batch.group_ids == ["g0", "g1"]
+
+
+def test_flush_commits_a_tail_of_untrainable_groups_as_a_step_without_samples():
+    builder = BatchBuilder(BatchCutter(rollouts_per_step=8), seq_len=64, ranks=2, next_step=3)
+    assert builder.flush() is None  # nothing seen since the last batch: no step
+    rollouts = _group("e0-i7", [1.0, 0.0, 1.0, 0.0])
+    for r in rollouts:
+        r.capture_error("InferenceTimeout: server 1")
+    assert builder.add(score_group(rollouts, DR_GRPO, [], temperature=1.0)) == []
+    batch = builder.flush()
+    # The errored group must still be committed (its offsets consumed), as a step with no samples.
+    assert batch.step == 3 and batch.group_ids == [] and batch.micro_batches == [[], []]
+    assert [r.rollout_id for r in batch.rollouts] == [r.rollout_id for r in rollouts]
+    assert batch.window["errored"] == 4 and batch.window["group_ids"] == ["e0-i7"]
+    assert builder.next_step == 4 and builder.flush() is None

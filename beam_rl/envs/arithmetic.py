@@ -67,8 +67,9 @@ class Arithmetic(DatasetEnvironment):
         max_level: int | None = None,
         dataset: str | Path | None = None,
         bad_rows: BadRows = "fail",
+        max_context: int | None = None,
     ) -> None:
-        super().__init__(tokenizer, max_turns, dataset=dataset, bad_rows=bad_rows)
+        super().__init__(tokenizer, max_turns, dataset=dataset, bad_rows=bad_rows, max_context=max_context)
         if not 0.0 <= partial_credit < 1.0:
             raise ValueError(f"partial_credit must be in [0, 1), got {partial_credit}")
         self.partial_credit = partial_credit
@@ -112,7 +113,9 @@ class ArithmeticEasy(Arithmetic):
         max_level: int | None = 0,
         dataset: str | Path | None = None,
         bad_rows: BadRows = "fail",
+        max_context: int | None = None,
     ) -> None:
         super().__init__(
-            tokenizer, max_turns, partial_credit=partial_credit, max_level=max_level, dataset=dataset, bad_rows=bad_rows
+            tokenizer, max_turns, partial_credit=partial_credit, max_level=max_level, dataset=dataset,
+            bad_rows=bad_rows, max_context=max_context,
         )

@@ -8,6 +8,7 @@ them into `Rollout`s and stamps versions, servers and timings.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from beam_rl.datasets import BadRows, DatasetError, read_dataset
+from beam_rl.datasets import BadRows, DatasetError, RowProblem, prompt_fields, read_dataset
 from beam_rl.types import Turn
 
 
@@ -131,6 +132,10 @@ class DatasetEnvironment(Environment):
     `dataset=None` reads the bundled `<data_dir>/<data_name>_<split>.jsonl`; otherwise `dataset` is a
     directory of splits (see beam_rl.datasets.read_dataset). `bad_rows="skip"` drops malformed rows
     instead of failing; the ones dropped per split are kept in `skipped_rows` for metrics.
+
+    With `max_context` (model.max_context), a row whose rendered prompt leaves no room to generate is
+    a bad row like a malformed one (named by file and line, failed or skipped), and a single-turn
+    request's max_tokens is cut to the room its prompt leaves, so no request exceeds the context.
     """
 
     row_model: type[BaseModel]
@@ -138,21 +143,64 @@ class DatasetEnvironment(Environment):
     data_name: str = ""
 
     def __init__(
-        self, tokenizer: Any, max_turns: int = 1, *, dataset: str | Path | None = None, bad_rows: BadRows = "fail"
+        self,
+        tokenizer: Any,
+        max_turns: int = 1,
+        *,
+        dataset: str | Path | None = None,
+        bad_rows: BadRows = "fail",
+        max_context: int | None = None,
     ) -> None:
         super().__init__(tokenizer, max_turns)
+        if max_context is not None and max_context < 1:
+            raise ValueError(f"max_context must be >= 1, got {max_context}")
         self.dataset = dataset
         self.bad_rows = bad_rows
+        self.max_context = max_context
         self.skipped_rows: dict[str, list[DatasetError]] = {}
 
     def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
+        check = self._prompt_fits if self.max_context is not None else None
         if self.dataset is None:
             bundled = self.data_dir / f"{self.data_name}_{split}.jsonl"
-            loaded = read_dataset(bundled, self.row_model, bad_rows=self.bad_rows)
+            loaded = read_dataset(bundled, self.row_model, bad_rows=self.bad_rows, check=check)
         else:
-            loaded = read_dataset(self.dataset, self.row_model, split=split, bad_rows=self.bad_rows)
+            loaded = read_dataset(self.dataset, self.row_model, split=split, bad_rows=self.bad_rows, check=check)
         self.skipped_rows[split] = loaded.skipped
         return self.select_rows(loaded.rows)
+
+    def _prompt_fits(self, row: dict[str, Any]) -> RowProblem | None:
+        assert self.max_context is not None
+        length = len(self.render_prompt(row))
+        if length < self.max_context:
+            return None
+        fields = prompt_fields(self.row_model)
+        return RowProblem(
+            f"prompt renders to {length} tokens, leaving no room to generate under model.max_context "
+            f"({self.max_context})",
+            field=fields[0] if len(fields) == 1 else None,
+        )
+
+    def _fit_sampling(self, prompt_ids: list[int], sampling: SamplingParams) -> SamplingParams:
+        # A prompt that fits but leaves less than max_tokens gets a shorter budget, not a 400 from vLLM.
+        if self.max_context is None or len(prompt_ids) + sampling.max_tokens <= self.max_context:
+            return sampling
+        return dataclasses.replace(sampling, max_tokens=max(1, self.max_context - len(prompt_ids)))
+
+    async def run(
+        self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int], sampling: SamplingParams
+    ) -> Trajectory:
+        return await super().run(client, row, prompt_ids, self._fit_sampling(prompt_ids, sampling))
+
+    async def run_group(
+        self,
+        client: CompletionClient,
+        row: dict[str, Any],
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        n: int,
+    ) -> list[Trajectory]:
+        return await super().run_group(client, row, prompt_ids, self._fit_sampling(prompt_ids, sampling), n)
 
     def select_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Hook for a subset of the validated rows (a curriculum level); all of them by default."""
