@@ -179,6 +179,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from beam_rl.report import write_plot
+
+    run_dir = RunDir(args.run_dir)
+    if not run_dir.committed_steps():
+        console.print(f"[red]{run_dir.path} holds no committed step[/red]")
+        return 2
+    console.print(inspect_table(run_dir))
+    console.print(f"plot: {write_plot(run_dir)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="beam-rl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -199,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", required=True)
     train.add_argument("--config", help="default: the run directory's config.json")
     train.set_defaults(func=_cmd_train)
+
+    report = sub.add_parser("report", help="the step table and a PNG plot of reward, lag and throughput")
+    report.add_argument("run_dir")
+    report.set_defaults(func=_cmd_report)
 
     inspect = sub.add_parser("inspect", help="print a table of a run directory's committed steps")
     inspect.add_argument("run_dir")

@@ -93,3 +93,13 @@ def test_max_async_level_zero_is_on_policy(tmp_path):
     assert run_dir.committed_steps() == [1, 2, 3, 4]
     for step in run_dir.committed_steps():
         assert set(_trained_policy_versions(run_dir, step).tolist()) == {step - 1}
+
+
+def test_report_command_plots_a_finished_run(tiny_run, tmp_path):
+    from beam_rl.cli import main
+
+    _, run_dir = tiny_run
+    (run_dir.path / "report.png").unlink()
+    assert main(["report", str(run_dir.path)]) == 0
+    assert (run_dir.path / "report.png").stat().st_size > 0
+    assert main(["report", str(tmp_path)]) == 2  # no committed step there
