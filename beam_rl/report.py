@@ -57,7 +57,7 @@ def write_plot(run_dir: RunDir, path: Path | None = None) -> Path:
     axes[0].plot(steps, [r.reward_mean if r.reward_mean is not None else float("nan") for r in rows], "o-")
     axes[0].set_ylabel("mean reward")
     axes[1].plot(steps, [r.staleness_max if r.staleness_max is not None else float("nan") for r in rows], "o-")
-    axes[1].set_ylabel("max off-policy lag")
+    axes[1].set_ylabel("max lag in window")  # filtered-as-stale rollouts included
     axes[2].plot(steps, [r.rollouts_per_s or float("nan") for r in rows], "o-")
     axes[2].set_ylabel("rollouts / s")
     axes[2].set_xlabel("step")
