@@ -22,6 +22,7 @@ setup(
         "pydantic>=2.6,<3",
         "httpx>=0.27",
         "prometheus-client>=0.20",
+        "pyyaml>=6",  # the Flink cluster config (runners/flink_cluster.py)
         "aiohttp>=3.9",
         "rich>=13",
         "transformers>=4.45",

@@ -8,7 +8,6 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape

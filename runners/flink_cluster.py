@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from beam_rl.processes import stop_processes
+
 _REPO = Path(__file__).resolve().parents[1]
 SETUP_SCRIPT = _REPO / "scripts" / "setup-flink-cluster.sh"
 
@@ -139,16 +141,7 @@ class FlinkCluster:
         proc.wait()
 
     def stop(self) -> None:
-        procs = [p for p in [*self.taskmanagers, self.jobmanager] if p is not None]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes([p for p in [*self.taskmanagers, self.jobmanager] if p is not None], timeout_s=20)
 
     # -- REST ------------------------------------------------------------------------------------
 
