@@ -152,6 +152,7 @@ class SimulatedEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefix_cache = BlockPrefixCache(params.prefix_cache_blocks)
         self.max_running = 0
+        self.busy_seconds = 0.0  # engine time spent on steps with sequences running
         self.steps = 0
         self.kv_capacity_blocks = max(1, params.prefix_cache_blocks)
         self._allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64))
@@ -316,6 +317,8 @@ class SimulatedEngine:
                 self._finish(heapq.heappop(self._running)[2])
 
     def _record(self, duration: float, running: int) -> None:
+        if running:
+            self.busy_seconds += duration  # the same figure the model-backed server reports
         trace = self.trace
         trace.t.append(time.time())
         trace.duration.append(duration)
