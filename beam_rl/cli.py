@@ -231,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RunDirError, DatasetError) as err:
         console.print(f"[red]{escape(str(err))}[/red]")
         return 2
+    except KeyboardInterrupt:
+        # The job cancelled the pipeline and stopped its servers and trainer on the way out;
+        # committed steps are whole, and `beam-rl run --resume RUN_DIR` continues after them.
+        console.print("[yellow]interrupted: committed steps are kept; `beam-rl run --resume RUN_DIR` continues[/yellow]")
+        return 130
 
 
 if __name__ == "__main__":
