@@ -3,6 +3,8 @@ with a live progress display, until max_steps are trained."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import sys
 import threading
@@ -67,6 +69,10 @@ def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
     with inference_servers(config) as urls:
         console.print(f"inference servers: {', '.join(urls)}; runner: {config.runner.name}; run dir: {run_dir.path}")
         job = start_rollouts(config, urls, str(run_dir.path), with_trainer=True)
+        if threading.current_thread() is threading.main_thread():
+            # Beam's job-server wrapper installs a SIGINT handler that fails when called; Ctrl-C
+            # must reach this loop as KeyboardInterrupt so everything below is stopped in order.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         pipeline_error: list[BaseException] = []
 
         def wait_pipeline() -> None:
@@ -89,6 +95,10 @@ def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
                     time.sleep(REFRESH_S)
                     live.update(progress_table(run_dir, config, started))
                 live.update(progress_table(run_dir, config, started))
+        except KeyboardInterrupt:
+            with contextlib.suppress(Exception):  # Ctrl-C reached the runner's process too
+                job.cancel()
+            raise
         except BaseException:
             job.cancel()
             raise
