@@ -268,42 +268,28 @@ class EmbeddedServer:
             return _error_response(500, "injected fault: internal server error", "InternalServerError")
         if fault == "hang":
             await asyncio.Event().wait()  # cancelled when the client disconnects or the server stops
-        if self.engine is not None:
-            return await self._simulated_completion(params, body, epoch, fault)
-        await self.admission.acquire(params.n)
+        # The simulated engine schedules its own continuous batch; the model-backed path admits here.
+        admitted = self.engine is None
+        if admitted:
+            await self.admission.acquire(params.n)
         try:
             if self.faults.config.latency_s:
                 await asyncio.sleep(self.faults.config.latency_s)
             await self._wait_unpaused(epoch)
             if fault == "empty":
                 choices = [ChoiceResult(finish_reason="stop") for _ in range(params.n)]
+            elif self.engine is not None:
+                choices = await self.engine.generate(params)
+                if epoch < self._abort_epoch:
+                    raise _Aborted
             else:
                 self.prefix_cache.lookup(params.prompt_ids)
                 choices = await self._generate(params, epoch)
         except _Aborted:
             return _error_response(503, "request aborted: server paused (mode=abort)", "ServiceUnavailableError")
         finally:
-            self.admission.release(params.n)
-        self.prompt_tokens_total += len(params.prompt_ids)
-        self.generation_tokens_total += sum(len(c.token_ids) for c in choices)
-        return web.json_response(completion_body(self.tokenizer, self.served_model_name, params, body, choices))
-
-    async def _simulated_completion(
-        self, params: GenerationParams, body: CompletionRequest, epoch: int, fault: str | None
-    ) -> web.Response:
-        assert self.engine is not None
-        try:
-            if self.faults.config.latency_s:
-                await asyncio.sleep(self.faults.config.latency_s)
-            await self._wait_unpaused(epoch)
-            if fault == "empty":
-                choices = [ChoiceResult(finish_reason="stop") for _ in range(params.n)]
-            else:
-                choices = await self.engine.generate(params)
-            if epoch < self._abort_epoch:
-                raise _Aborted
-        except _Aborted:
-            return _error_response(503, "request aborted: server paused (mode=abort)", "ServiceUnavailableError")
+            if admitted:
+                self.admission.release(params.n)
         self.prompt_tokens_total += len(params.prompt_ids)
         self.generation_tokens_total += sum(len(c.token_ids) for c in choices)
         return web.json_response(completion_body(self.tokenizer, self.served_model_name, params, body, choices))
