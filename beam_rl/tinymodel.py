@@ -15,6 +15,7 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
+from beam_rl.cache import cache_root
 from beam_rl.tokenizer import build_tiny_tokenizer, save_tokenizer
 
 # Bump when the recipe below changes, so stale cached directories are rebuilt, not reused.
@@ -33,12 +34,6 @@ TINY_ARCH = dict(
     tie_word_embeddings=True,
 )
 ROPE_THETA = 10000.0
-
-
-def cache_root() -> pathlib.Path:
-    """`$BEAM_RL_CACHE` if set, else `~/.cache/beam-rl`."""
-    root = os.environ.get("BEAM_RL_CACHE")
-    return pathlib.Path(root).expanduser() if root else pathlib.Path.home() / ".cache" / "beam-rl"
 
 
 def _round_up(value: int, multiple: int) -> int:

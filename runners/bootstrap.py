@@ -21,6 +21,8 @@ from pathlib import Path
 
 from apache_beam.version import __version__ as BEAM_VERSION
 
+from beam_rl.cache import cache_root
+
 _LOG = logging.getLogger(__name__)
 
 FLINK_VERSION = "1.19"  # the newest Flink whose runner artifact resolves at this Beam version
@@ -29,10 +31,6 @@ _FLINK_MAIN_CLASS = "org.apache.beam.runners.flink.FlinkJobServerDriver"
 
 class BootstrapError(RuntimeError):
     """A runner prerequisite is missing; the message says what and how to get it."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("BEAM_RL_CACHE", Path.home() / ".cache" / "beam-rl"))
 
 
 def _require_tool(tool: str, how: str) -> str:
@@ -52,7 +50,7 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path
 
 def ensure_prism(version: str = BEAM_VERSION) -> Path:
     """The Prism binary for `version`, building it with `go install` on first use."""
-    target = cache_dir() / "prism" / f"v{version}" / "prism"
+    target = cache_root() / "prism" / f"v{version}" / "prism"
     if target.is_file():
         return target
     go = _require_tool("go", "install Go >= 1.22 (https://go.dev/doc/install) to build Prism")
@@ -88,7 +86,7 @@ _JOB_SERVER_POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
 
 def ensure_flink_job_server(version: str = BEAM_VERSION, flink: str = FLINK_VERSION) -> Path:
     """A runnable Flink job-server jar for Beam `version`, assembled with Maven on first use."""
-    home = cache_dir() / "flink-job-server" / f"beam-{version}-flink-{flink}"
+    home = cache_root() / "flink-job-server" / f"beam-{version}-flink-{flink}"
     jar = home / f"beam-runners-flink-{flink}-job-server-{version}.jar"
     if jar.is_file():
         return jar
