@@ -17,7 +17,7 @@ import pyarrow as pa
 from beam_rl.rundir import RunDir
 
 KILLS = 5
-MAX_STEPS = 12
+MAX_STEPS = 24  # enough steps that five kills always land before the run ends
 
 CONFIG = """
 [run]
@@ -70,7 +70,7 @@ def test_killed_runs_resume_without_losing_or_duplicating_a_step(tmp_path):
             time.sleep(0.05)
         if proc.poll() is not None:
             break  # finished before we got to kill it again
-        time.sleep(rng.uniform(0.0, 1.5))  # somewhere inside the next steps: writing, training, dispatching
+        time.sleep(rng.uniform(0.0, 1.0))  # somewhere inside the next steps: writing, training, dispatching
         _kill_all(proc)
         kills += 1
         proc = _start(["--resume", str(run_dir.path)], log)
