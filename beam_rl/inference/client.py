@@ -13,14 +13,15 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
+import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.envs.base import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
 
-# Hundreds of rollouts share one server; httpx's default of 100 connections would queue them.
+# Hundreds of rollouts share one server; aiohttp's default of 100 connections would queue them.
 DEFAULT_MAX_CONNECTIONS = 1024
 
 
@@ -61,6 +62,25 @@ class InferenceConnectionError(InferenceError):
 
 class InferenceBadResponse(InferenceError):
     """A 2xx answer that is not what the protocol promises (bad JSON, missing or mismatched fields)."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A 2xx answer: the URL asked and the raw body (parsed by the caller, with orjson for JSON)."""
+
+    url: str
+    status: int
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        try:
+            return orjson.loads(self.body)
+        except orjson.JSONDecodeError as exc:
+            raise InferenceBadResponse(f"{self.url}: response is not JSON ({exc})", self.url) from None
 
 
 @dataclass(frozen=True)
@@ -157,7 +177,6 @@ class InferenceClient:
         timeout_s: float = 60.0,
         max_retries: int = 2,
         backoff_s: float = 0.2,
-        http: httpx.AsyncClient | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
@@ -167,11 +186,10 @@ class InferenceClient:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
-        self._owns_http = http is None
-        self._http = http or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        self.max_connections = max_connections
+        # aiohttp rather than httpx: with hundreds of requests in flight, httpx's pool bookkeeping
+        # (linear in open connections per request) was most of the dispatcher's CPU (bench/README.md).
+        self._session: aiohttp.ClientSession | None = None  # made on first use, on the loop using it
 
     def __repr__(self) -> str:
         return f"InferenceClient({self.base_url!r}, model={self.model!r})"
@@ -190,13 +208,13 @@ class InferenceClient:
         }
         if sampling.seed is not None:
             payload["seed"] = sampling.seed
-        response = await self._request("POST", "/v1/completions", json=payload)
-        return parse_completions(self._json(response), str(response.request.url), n)
+        answer = await self._request("POST", "/v1/completions", json=payload)
+        return parse_completions(answer.json(), answer.url, n)
 
     async def load(self) -> ServerLoad:
-        response = await self._request("GET", "/metrics", retry=False)
+        answer = await self._request("GET", "/metrics", retry=False)
         try:
-            return parse_server_load(response.text)
+            return parse_server_load(answer.text)
         except ValueError as exc:
             raise InferenceBadResponse(
                 f"{self.base_url}/metrics: unparseable metrics ({exc})", self.base_url
@@ -227,8 +245,9 @@ class InferenceClient:
         await self._request("POST", "/resume", retry=False)
 
     async def aclose(self) -> None:
-        if self._owns_http:
-            await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -240,7 +259,7 @@ class InferenceClient:
 
     async def _request(
         self, method: str, path: str, *, retry: bool = True, timeout_s: float | None = None, **kwargs: Any
-    ) -> httpx.Response:
+    ) -> Answer:
         attempts = 1 + (self.max_retries if retry else 0)
         for attempt in range(attempts):
             try:
@@ -261,33 +280,35 @@ class InferenceClient:
         ceiling = self.backoff_s * (2**attempt)
         return ceiling / 2 + random.uniform(0, ceiling / 2)
 
-    async def _send_once(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> httpx.Response:
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                json_serialize=lambda obj: orjson.dumps(obj).decode(),
+            )
+        return self._session
+
+    async def _send_once(
+        self, method: str, path: str, timeout_s: float, json: Any = None, params: dict[str, str] | None = None
+    ) -> Answer:
         url = f"{self.base_url}{path}"
         try:
-            # httpx's timeout bounds each read; the whole request (queueing for a pooled
-            # connection included) gets one deadline too, so a trickling server cannot hang a rollout.
-            response = await asyncio.wait_for(
-                self._http.request(method, url, timeout=timeout_s, **kwargs), timeout_s
-            )
-        except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
+            # One deadline for the whole request, waiting for a pooled connection included, so a
+            # trickling server cannot hang a rollout.
+            async with self._http().request(
+                method, url, json=json, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as response:
+                body = await response.read()
+        except TimeoutError as exc:  # aiohttp's own timeouts subclass it
             raise InferenceTimeout(
                 f"{method} {url}: no answer within {timeout_s:g}s ({type(exc).__name__})", url
             ) from None
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             raise InferenceConnectionError(
                 f"{method} {url}: connection failed ({type(exc).__name__}: {exc})", url
             ) from None
-        if response.status_code >= 400:
-            body = response.text[:500]
-            raise InferenceHTTPError(
-                f"{method} {url}: HTTP {response.status_code}: {body}", url, response.status_code, body
-            )
-        return response
-
-    @staticmethod
-    def _json(response: httpx.Response) -> Any:
-        try:
-            return response.json()
-        except ValueError as exc:
-            url = str(response.request.url)
-            raise InferenceBadResponse(f"{url}: response is not JSON ({exc})", url) from None
+        answer = Answer(url, response.status, body)
+        if response.status >= 400:
+            text = answer.text[:500]
+            raise InferenceHTTPError(f"{method} {url}: HTTP {response.status}: {text}", url, response.status, text)
+        return answer

@@ -47,8 +47,23 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
 
 
+class TokenTexts:
+    """Each token id's own text (`decode([id])`), memoised. The logprobs body names every generated
+    token twice; decoding them one by one was most of the embedded server's CPU."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
 def completion_body(
-    tokenizer: Any, model_name: str, params: GenerationParams, request: CompletionRequest, choices: list[ChoiceResult]
+    texts: TokenTexts, model_name: str, params: GenerationParams, request: CompletionRequest, choices: list[ChoiceResult]
 ) -> dict[str, Any]:
     """A vLLM-shaped completions response; `token_ids` keep the EOS/stop token that ended a choice."""
     out = []
@@ -57,8 +72,8 @@ def completion_body(
         out.append(
             {
                 "index": index,
-                "text": tokenizer.decode(choice.token_ids, skip_special_tokens=request.skip_special_tokens),
-                "logprobs": _logprobs_body(tokenizer, choice, request.logprobs) if request.logprobs is not None else None,
+                "text": texts.tokenizer.decode(choice.token_ids, skip_special_tokens=request.skip_special_tokens),
+                "logprobs": _logprobs_body(texts, choice, request.logprobs) if request.logprobs is not None else None,
                 "finish_reason": choice.finish_reason,
                 # vLLM names the stop token here when a stop_token_id (not EOS) ended the choice.
                 "stop_reason": last if last is not None and last in params.stop_token_ids else None,
@@ -82,8 +97,8 @@ def completion_body(
     }
 
 
-def _logprobs_body(tokenizer: Any, choice: ChoiceResult, top_k: int) -> dict[str, Any]:
-    tokens = [tokenizer.decode([t]) for t in choice.token_ids]
+def _logprobs_body(texts: TokenTexts, choice: ChoiceResult, top_k: int) -> dict[str, Any]:
+    tokens = [texts(t) for t in choice.token_ids]
     offsets = []
     position = 0
     for text in tokens:
@@ -91,7 +106,7 @@ def _logprobs_body(tokenizer: Any, choice: ChoiceResult, top_k: int) -> dict[str
         position += len(text)
     top = None
     if top_k:
-        top = [{tokenizer.decode([t]): lp for t, lp in alternatives.items()} for alternatives in choice.top_logprobs]
+        top = [{texts(t): lp for t, lp in alternatives.items()} for alternatives in choice.top_logprobs]
     return {"tokens": tokens, "token_logprobs": choice.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 

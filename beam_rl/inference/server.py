@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Callable, Literal, TypeVar
 
+import orjson
 import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -40,6 +41,7 @@ from beam_rl.inference.protocol import (
     FaultConfig,
     FaultInjector,
     RequestError,
+    TokenTexts,
     completion_body,
 )
 from beam_rl.inference.simulated import SimulatedEngine, SimulatedParams, add_simulated_args, simulated_params_from_args
@@ -47,6 +49,10 @@ from beam_rl.tokenizer import load_tokenizer
 
 T = TypeVar("T")
 __all__ = ["EmbeddedServer", "start_subprocess_server", "main"]
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()  # completions bodies carry thousands of logprobs
 
 
 def _error_response(status: int, message: str, kind: str) -> web.Response:
@@ -97,6 +103,7 @@ class EmbeddedServer:
         self.mode = mode
         self.host, self.port = host, port
         self.tokenizer = load_tokenizer(str(self.model_dir) if self.model_dir else "tiny")
+        self.token_texts = TokenTexts(self.tokenizer)
         self.generator: Generator
         self.engine: SimulatedEngine | None = None
         if mode == "simulated":
@@ -292,7 +299,8 @@ class EmbeddedServer:
                 self.admission.release(params.n)
         self.prompt_tokens_total += len(params.prompt_ids)
         self.generation_tokens_total += sum(len(c.token_ids) for c in choices)
-        return web.json_response(completion_body(self.tokenizer, self.served_model_name, params, body, choices))
+        answer = completion_body(self.token_texts, self.served_model_name, params, body, choices)
+        return web.json_response(answer, dumps=_dumps)
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         assert self.engine is not None
