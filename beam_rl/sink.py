@@ -6,6 +6,7 @@ The Beam transforms call these and keep a BatchBuilder in their state.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 from collections.abc import Sequence
@@ -18,18 +19,20 @@ from beam_rl.advantages import AdvantageAlgorithm
 from beam_rl.filters import FilterCounts, RolloutFilter, apply_filters
 from beam_rl.packing import BatchCutter, pack_for_ranks
 from beam_rl.samples import trace_to_samples
-from beam_rl.types import MicroBatch, Rollout, RolloutStatus, Sample, TrainBatch
+from beam_rl.types import MicroBatch, Rollout, RolloutRecord, RolloutStatus, Sample, TrainBatch
 
 
 @dataclass
 class ScoredGroup:
-    """One complete group after scoring: every rollout (to measure), the clean ones and their samples (to train)."""
+    """One complete group after scoring: every rollout (to measure), the clean ones and their samples
+    (to train). Rollouts are token-free records from here on: the samples hold the tokens, as numpy
+    arrays, so a scored group is cheap to send between stages and to keep in the packer's state."""
 
     group_id: str
     algorithm: AdvantageAlgorithm
-    rollouts: list[Rollout]  # all of the group, errored, cancelled and filtered included
-    clean: list[Rollout]  # ok and not filtered, in arrival order
-    samples: list[Sample]  # trace_to_samples of `clean`
+    rollouts: list[RolloutRecord]  # all of the group, errored, cancelled and filtered included
+    clean: list[RolloutRecord]  # ok and not filtered, in arrival order
+    samples: list[Sample]  # trace_to_samples of the clean rollouts
     counts: FilterCounts = field(default_factory=FilterCounts)
 
 
@@ -53,7 +56,9 @@ def score_group(
     counts = apply_filters(pre_filters, survivors)
     clean = [r for r in survivors if r.filtered is None]
     samples = [s for r in clean for s in trace_to_samples(r)]
-    return ScoredGroup(group_ids.pop(), algorithm, list(rollouts), clean, samples, counts)
+    records = {id(r): r.record() for r in rollouts}
+    return ScoredGroup(group_ids.pop(), algorithm, [records[id(r)] for r in rollouts],
+                       [records[id(r)] for r in clean], samples, counts)
 
 
 class BatchBuilder:
@@ -80,7 +85,7 @@ class BatchBuilder:
         self.post_filters = list(post_filters)
         self.next_step = next_step
         self._pending: list[ScoredGroup] = []  # groups with clean rollouts, waiting for a batch
-        self._window: list[Rollout] = []
+        self._window: list[RolloutRecord] = []
         self._window_groups: list[str] = []
         self._window_counts = FilterCounts()
 
@@ -88,12 +93,30 @@ class BatchBuilder:
     def pending_rollouts(self) -> int:
         return sum(len(g.clean) for g in self._pending)
 
+    @property
+    def pending(self) -> list[ScoredGroup]:
+        """Groups waiting for a batch, oldest first."""
+        return list(self._pending)
+
+    def split_pending(self) -> tuple[BatchBuilder, list[ScoredGroup]]:
+        """This builder without its pending groups (small: token-free records and counts), and those
+        groups. A packer keeps the two apart in state so that each group is stored once, not
+        rewritten with every element."""
+        rest = copy.copy(self)
+        rest._pending = []
+        return rest, list(self._pending)
+
+    def restore_pending(self, groups: Sequence[ScoredGroup]) -> None:
+        """Undo `split_pending` after both halves were stored separately: pending clean records are
+        the window's own objects again, so a post-batch filter flag shows in the window."""
+        window = {r.rollout_id: r for r in self._window}
+        self._pending = [dataclasses.replace(g, clean=[window.get(r.rollout_id, r) for r in g.clean]) for g in groups]
+
     def add(self, group: ScoredGroup) -> list[TrainBatch]:
         """Take one scored group; return the batches it completed (usually none or one)."""
-        clean = {id(r) for r in group.clean}
-        # Rollouts that will never train are kept as token-free records; clean ones become records
-        # when their batch is cut (the post-batch filters may still flag them).
-        self._window.extend(r if id(r) in clean else r.record() for r in group.rollouts)
+        # The clean records are shared with the pending group: a post-batch filter flag set on one
+        # shows in the window.
+        self._window.extend(group.rollouts)
         self._window_groups.append(group.group_id)
         self._window_counts = self._window_counts + group.counts
         if group.clean:
@@ -136,7 +159,7 @@ class BatchBuilder:
         micro_batches = pack_for_ranks(samples, self.seq_len, self.ranks)
         window = self._window_stats(step, kept, samples, micro_batches)
         self.next_step += 1
-        observed = [r.record() for r in self._window]
+        observed = self._window
         self._window, self._window_groups, self._window_counts = [], [], FilterCounts()
         return TrainBatch(step=step, micro_batches=micro_batches, group_ids=group_ids, window=window,
                           rollouts=observed)

@@ -118,7 +118,7 @@ class Rollout:
             group_id=self.group_id, env_name=self.env_name, attempt=self.attempt, epoch=self.epoch,
             index=self.index, is_eval=self.is_eval, status=self.status, reward=self.reward,
             advantage=self.advantage, filtered=self.filtered, num_turns=self.num_turns,
-            completion_tokens=self.completion_tokens, truncated=self.truncated,
+            completion_tokens=self.completion_tokens, num_tokens=self.num_tokens, truncated=self.truncated,
             policy_version_start=self.policy_version_start, policy_version_end=self.policy_version_end,
             server=self.server, errors=list(self.errors), t_start=self.t_start, t_end=self.t_end)
 
@@ -143,6 +143,7 @@ class RolloutRecord:
     filtered: str | None
     num_turns: int
     completion_tokens: int
+    num_tokens: int  # prompt, environment and completion tokens: what the batch cutter counts
     truncated: bool
     policy_version_start: int
     policy_version_end: int

@@ -35,7 +35,10 @@ def test_score_group_drops_errored_and_cancelled_then_scores_survivors():
     # survivors [1, 0]: mean 0.5 -> advantages [0.5, -0.5]; the errored rewards play no part
     assert [r.advantage for r in rollouts] == [0.5, -0.5, 0.0, 0.0]
     assert [r.temperature for r in rollouts[:2]] == [0.7, 0.7]
-    assert scored.group_id == "e0-i0" and scored.rollouts == rollouts and scored.clean == rollouts[:2]
+    # Past scoring the group is token-free records (the samples hold the tokens), shared between
+    # `rollouts` and `clean` so a later filter flag shows in both.
+    assert scored.group_id == "e0-i0" and scored.rollouts == [r.record() for r in rollouts]
+    assert scored.clean == [r.record() for r in rollouts[:2]] and scored.clean[1] is scored.rollouts[1]
     assert [s.rollout_id for s in scored.samples] == ["e0-i0/0", "e0-i0/1"]
     np.testing.assert_allclose(scored.samples[1].advantages, [0, 0, -0.5, -0.5, -0.5])
     np.testing.assert_allclose(scored.samples[0].temperatures, [0.7] * 5, rtol=1e-6)
@@ -47,7 +50,7 @@ def test_filtered_rollouts_keep_their_reward_in_the_baseline():
     scored = score_group(rollouts, DR_GRPO, [OverlongFilter(mode="enforce")], temperature=1.0)
     # mean over all three survivors = 1/3 -> [2/3, -1/3, -1/3]; the truncated one is not trained on
     assert rollouts[0].filtered == "overlong" and scored.counts.enforced == {"overlong": 1}
-    assert scored.clean == rollouts[1:]
+    assert scored.clean == [r.record() for r in rollouts[1:]]
     for sample in scored.samples:
         np.testing.assert_allclose(sample.advantages[sample.loss_mask], [-1 / 3] * 3, rtol=1e-6)
 

@@ -1,7 +1,9 @@
-"""CompleteGroups: keyed by group id, releases a group once all `group_size` rollouts arrived.
+"""CompleteGroups: releases each group once all `group_size` rollouts arrived.
 
-Input elements are lists of rollouts of one group (the dispatcher sends a whole group at once, but
-nothing here relies on that).
+Input elements are lists of rollouts of one group. The dispatcher sends a whole group at once, and
+whole groups go straight through (no shuffle, no state: on Prism the stage then fuses with Dispatch
+and Score). Partial lists, should a source ever send them, are keyed by group id and collected in
+state until the group is complete.
 
 Errored and cancelled rollouts count toward completion (the dispatcher emits every started rollout
 exactly once), so every admitted group is released; its state is cleared on release.
@@ -17,8 +19,23 @@ from apache_beam.transforms import userstate
 
 from beam_rl.types import Rollout
 
+_PARTS = "parts"
 
-class _ReleaseCompleteGroups(beam.DoFn):
+
+def _released(group_id: str, rollouts: list[Rollout]) -> tuple[str, list[Rollout]]:
+    beam.metrics.Metrics.counter("beam_rl", "groups_completed").inc()
+    return group_id, sorted(rollouts, key=lambda r: r.attempt)
+
+
+class _WholeOrPart(beam.DoFn):
+    def process(self, part: list[Rollout]):
+        if len(part) == part[0].group_size:
+            yield _released(part[0].group_id, part)
+        else:
+            yield beam.pvalue.TaggedOutput(_PARTS, part)
+
+
+class _CollectParts(beam.DoFn):
     ROLLOUTS = userstate.BagStateSpec("rollouts", PickleCoder())
     ARRIVED = userstate.ReadModifyWriteStateSpec("arrived", VarIntCoder())
 
@@ -31,15 +48,18 @@ class _ReleaseCompleteGroups(beam.DoFn):
         if count < part[0].group_size:
             arrived.write(count)
             return
-        group = sorted(rollouts.read(), key=lambda r: r.attempt)
+        group = list(rollouts.read())
         rollouts.clear()
         arrived.clear()
-        beam.metrics.Metrics.counter("beam_rl", "groups_completed").inc()
-        yield group_id, group
+        yield _released(group_id, group)
 
 
 class CompleteGroups(beam.PTransform):
+    """(group id, the group's rollouts ordered by attempt), once per group."""
+
     def expand(self, rollouts):
-        return (rollouts
-                | "KeyByGroup" >> beam.Map(lambda part: (part[0].group_id, part)).with_output_types(Tuple[str, Any])
-                | beam.ParDo(_ReleaseCompleteGroups()))
+        split = rollouts | "WholeOrPart" >> beam.ParDo(_WholeOrPart()).with_outputs(_PARTS, main="whole")
+        completed = (split[_PARTS]
+                     | "KeyByGroup" >> beam.Map(lambda part: (part[0].group_id, part)).with_output_types(Tuple[str, Any])
+                     | "CollectParts" >> beam.ParDo(_CollectParts()))
+        return (split.whole, completed) | "Released" >> beam.Flatten()

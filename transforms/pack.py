@@ -1,12 +1,15 @@
 """PackBatches: one stateful packer cuts scored groups into numbered train batches.
 
-It holds the BatchBuilder (pending groups, window, next step) in Beam state under a single key, so
-step numbers are assigned in one place, and mirrors it in the worker's memory (see _MIRRORS). Batches are cut when full; the last, partial one is cut
-when EndOfInput says every group has arrived (end of input is data here, never a timer).
+It holds the BatchBuilder in Beam state under a single key, so step numbers are assigned in one
+place: the groups waiting for a batch in a bag (each added once), the rest (window records, counts,
+next step) as one small value. It mirrors the whole in the worker's memory (see _MIRRORS). Batches
+are cut when full; the last, partial one is cut when EndOfInput says every group has arrived (end of
+input is data here, never a timer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Any, Tuple
@@ -40,7 +43,8 @@ _MIRRORS_LOCK = threading.Lock()
 
 
 class _PackFn(beam.DoFn):
-    STATE = userstate.ReadModifyWriteStateSpec("packer", PickleCoder())
+    STATE = userstate.ReadModifyWriteStateSpec("packer", PickleCoder())  # _PackerState, no pending groups
+    PENDING = userstate.BagStateSpec("pending", PickleCoder())  # its pending groups, oldest first
 
     def __init__(self, config: RunConfig, run_id: str, first_step: int, check_staleness: bool) -> None:
         self._config = config
@@ -48,19 +52,24 @@ class _PackFn(beam.DoFn):
         self._first_step = first_step
         self._check_staleness = check_staleness
 
-    def _current(self, durable: _PackerState | None) -> _PackerState:
+    def _current(self, durable: _PackerState | None, pending) -> tuple[_PackerState, bool]:
+        """The packer to continue from, and whether Beam's copy was behind (and must be rewritten)."""
         with _MIRRORS_LOCK:
             mirror = _MIRRORS.get(self._run_id)
         if mirror is not None and (durable is None or durable.revision < mirror.revision):
             if durable is not None or mirror.revision > 0:
                 beam.metrics.Metrics.counter("beam_rl", "packer_state_restored_from_mirror").inc()
-            return mirror
-        return durable or _PackerState(components.batch_builder(
-            self._config, self._first_step, self._check_staleness))
+            return mirror, True
+        if durable is None:
+            return _PackerState(components.batch_builder(self._config, self._first_step, self._check_staleness)), False
+        durable.builder.restore_pending(list(pending.read()))
+        return durable, False
 
-    def process(self, keyed: Tuple[str, Any], state=beam.DoFn.StateParam(STATE)):
+    def process(self, keyed: Tuple[str, Any], state=beam.DoFn.StateParam(STATE),
+                pending=beam.DoFn.StateParam(PENDING)):
         _, item = keyed
-        packer = self._current(state.read())
+        packer, rewrite = self._current(state.read(), pending)
+        before = packer.builder.pending
         batches: list[TrainBatch] = []
         if isinstance(item, EndOfInput):
             packer.groups_expected = item.groups
@@ -71,12 +80,25 @@ class _PackFn(beam.DoFn):
             final = packer.builder.flush()
             batches += [final] if final is not None else []
         packer.revision += 1
-        state.write(packer)
+        self._store(packer, before, rewrite, state, pending)
         with _MIRRORS_LOCK:
             _MIRRORS[self._run_id] = packer
         for batch in batches:
             if batch.step <= self._config.run.max_steps:
                 yield batch
+
+    @staticmethod
+    def _store(packer: _PackerState, before: list, rewrite: bool, state, pending) -> None:
+        rest, after = packer.builder.split_pending()
+        state.write(dataclasses.replace(packer, builder=rest))
+        kept = len(before) <= len(after) and all(a is b for a, b in zip(before, after))
+        if rewrite or not kept:  # a batch was cut (or Beam's copy was behind): store what is left
+            pending.clear()
+            added = after
+        else:
+            added = after[len(before):]
+        for group in added:
+            pending.add(group)
 
 
 class PackBatches(beam.PTransform):
