@@ -61,6 +61,7 @@ class _Progress:
     last_committed: int = 0
     last_stop_check: float = 0.0
     last_status: float = 0.0
+    last_history: float = -1e9
 
 
 def _serialized(method):
@@ -78,6 +79,7 @@ def _serialized(method):
 class RolloutSource:
     STOP_CHECK_S = 0.25  # how often the run directory is asked whether max_steps is committed
     STATUS_S = 1.0
+    HISTORY_S = 2.0
 
     def __init__(self, spec: SourceSpec) -> None:
         config = spec.config
@@ -248,7 +250,7 @@ class RolloutSource:
         if now - progress.last_status < self.STATUS_S:
             return
         progress.last_status = now
-        counters = self._dispatcher.counters()
+        counters, servers = self._dispatcher.counters_and_servers()
         self._check_servers(counters)
         self._run_dir.write_status({
             "updated_at": time.time(),
@@ -262,8 +264,18 @@ class RolloutSource:
             "weight_reloads": [{"version": v, "seconds": round(s, 3)} for v, s in self._weights.reloads],
             "all_servers_down_for_s": (round(now - progress.all_down_since, 1)
                                        if progress.all_down_since is not None else None),
+            "max_inflight": self.spec.config.inference.max_inflight,
+            "servers": servers,
             **counters,
         })
+        # The same load as history (`beam-rl report` plots utilization from it), less often: the
+        # live display rereads metrics.jsonl.
+        if now - progress.last_history < self.HISTORY_S:
+            return
+        progress.last_history = now
+        self._run_dir.append_metrics({"dispatch": {
+            "t": time.time(), "inflight": counters["inflight"],
+            "max_inflight": self.spec.config.inference.max_inflight, "servers": servers}})
 
     @_serialized
     def idle(self) -> bool:

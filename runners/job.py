@@ -38,6 +38,7 @@ def progress_table(run_dir: RunDir, config: RunConfig, started: float) -> Table:
         + ("  |  waiting for trainer" if status.get("waiting_for_trainer") else "") + last_eval))
     for column in ("step", "reward", "rollouts/s", "trained", "errored", "filtered", "lag max", "loss", "trainer wait s"):
         table.add_column(column, justify="right")
+    table.caption = server_line(status)
     for row in rows[-12:]:
         trainer = row.trainer or {}
         table.add_row(
@@ -51,6 +52,18 @@ def progress_table(run_dir: RunDir, config: RunConfig, started: float) -> Table:
             f"{trainer['wait_s']:.1f}" if "wait_s" in trainer else "-",
         )
     return table
+
+
+def server_line(status: dict) -> str:
+    """One entry per inference server: our rollouts on it, and its own running/waiting queue."""
+    entries = []
+    for server in status.get("servers", []):
+        name = server["url"].rsplit("//", 1)[-1]
+        queue = (f" (server: {server['running']:.0f} running, {server['waiting']:.0f} waiting)"
+                 if server.get("running") is not None else "")
+        health = "" if server.get("healthy", True) else " UNHEALTHY"
+        entries.append(f"{name}: {server['inflight']} in flight{queue}{health}")
+    return "  |  ".join(entries)
 
 
 def _start_trainer(run_dir: RunDir) -> subprocess.Popen:

@@ -68,6 +68,16 @@ def test_the_job_writes_metrics_and_a_plot(tiny_run):
     trainer_steps = [m["trainer"]["step"] for m in run_dir.read_metrics() if "trainer" in m]
     assert trainer_steps == list(range(1, config.run.max_steps + 1))
     assert (run_dir.path / "report.png").stat().st_size > 0
+    # The dispatcher's load history: in flight never past the cap, and the sum of the servers' own.
+    history = [m["dispatch"] for m in run_dir.read_metrics() if "dispatch" in m]
+    assert history, "no dispatch load in metrics.jsonl"
+    for d in history:
+        assert 0 <= d["inflight"] <= d["max_inflight"] == config.inference.max_inflight
+        assert d["inflight"] == sum(s["inflight"] for s in d["servers"])
+        assert len(d["servers"]) == config.inference.embedded_servers
+    rows = step_rows(run_dir)
+    assert all(r.permits_in_use is not None and 0.0 <= r.permits_in_use <= 1.0 for r in rows)
+    assert max(r.permits_in_use for r in rows) > 0.0
 
 
 def test_held_out_eval_runs_every_k_steps_and_is_never_trained(tiny_run):

@@ -106,6 +106,11 @@ class DispatcherThread:
     def counters(self) -> dict[str, int]:
         return self._call(self._snapshot)
 
+    def counters_and_servers(self) -> tuple[dict[str, int], list[dict[str, Any]]]:
+        """`counters()` and, taken at the same instant, per server: our rollouts running on it, its
+        health, and its own last polled queue."""
+        return self._call(lambda: (self._snapshot(), self._server_loads()))
+
     def cancel_groups(self, group_ids: Iterable[str]) -> list[str]:
         """Cancel groups wherever they are; every rollout of each still comes out of `poll`."""
         return self._call(lambda: self._cancel(set(group_ids)))
@@ -203,6 +208,16 @@ class DispatcherThread:
             "inflight": self.dispatcher.inflight,
             "healthy_servers": len(self.dispatcher.pool.healthy()),
         }
+
+    def _server_loads(self) -> list[dict[str, Any]]:
+        return [{
+            "url": server.url,
+            "healthy": server.healthy,
+            "inflight": server.inflight,
+            "running": server.load.running if server.load else None,
+            "waiting": server.load.waiting if server.load else None,
+            "kv_cache_usage": server.load.kv_cache_usage if server.load else None,
+        } for server in self.dispatcher.pool.servers]
 
     def _call(self, fn: Callable[[], T], timeout_s: float = 30.0) -> T:
         """Run `fn` on the loop thread (the dispatcher is not thread-safe) and return its result."""
