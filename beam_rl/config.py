@@ -131,6 +131,9 @@ class RunnerSection(_Section):
     checkpointing_interval_ms: int | None = Field(None, gt=0)
     state_backend: Literal["rocksdb", "hashmap", "filesystem"] | None = None  # Beam's FlinkPipelineOptions values
     state_backend_storage_path: str | None = None
+    # Flink with checkpointing: how long the source stays up; checkpoints (and so TaskManager-loss
+    # recovery) only happen until then (docs/flink-cluster.md).
+    shutdown_sources_after_idle_ms: int = Field(30_000, gt=0)
 
 
 class TrainerSection(_Section):

@@ -37,8 +37,9 @@ def _dispatch_means(samples: list[dict[str, Any]]) -> tuple[float | None, dict[s
     return share, {url: sum(v) / len(v) for url, v in per_server.items()}
 
 
-def step_rows(run_dir: RunDir) -> list[StepRow]:
-    metrics = run_dir.read_metrics()
+def step_rows(run_dir: RunDir, metrics: list[dict[str, Any]] | None = None) -> list[StepRow]:
+    """One row per committed step; `metrics` are the run's metrics.jsonl records when already read."""
+    metrics = run_dir.read_metrics() if metrics is None else metrics
     trainer = {m["trainer"]["step"]: m["trainer"] for m in metrics if "trainer" in m}
     dispatch = sorted((m["dispatch"] for m in metrics if "dispatch" in m), key=lambda d: d["t"])
     rows: list[StepRow] = []

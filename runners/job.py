@@ -25,8 +25,9 @@ REFRESH_S = 0.5
 
 def progress_table(run_dir: RunDir, config: RunConfig, started: float) -> Table:
     status = run_dir.read_status()
-    rows = step_rows(run_dir)
-    evals = [m["eval"] for m in run_dir.read_metrics() if "eval" in m]
+    metrics = run_dir.read_metrics()
+    rows = step_rows(run_dir, metrics)
+    evals = [m["eval"] for m in metrics if "eval" in m]
     last_eval = ""
     if evals:
         figures = ", ".join(f"{env} pass@1 {e['pass@1']:.2f}" for env, e in evals[-1]["envs"].items()

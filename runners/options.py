@@ -24,6 +24,8 @@ class RunnerSettings:
     state_backend: str | None = None  # "hashmap" | "rocksdb" (Flink)
     state_backend_storage_path: str | None = None  # where checkpoints go, e.g. file:///shared/ckpt
     environment_type: str = "LOOPBACK"  # where the Python workers run (LOOPBACK: in this process)
+    # Flink with checkpointing only: how long the Impulse source stays up (see _flink_args).
+    shutdown_sources_after_idle_ms: int = 30_000
 
 
 def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> PipelineOptions:
@@ -56,7 +58,19 @@ def _flink_args(settings: RunnerSettings) -> list[str]:
     if settings.parallelism:
         args.append(f"--parallelism={settings.parallelism}")
     if settings.checkpointing_interval_ms:
-        args.append(f"--checkpointing_interval={settings.checkpointing_interval_ms}")
+        args += [
+            f"--checkpointing_interval={settings.checkpointing_interval_ms}",
+            # Beam 2.62 otherwise finishes an open bundle inside snapshotState() and parks its
+            # output in operator state until that operator starts another bundle or sees another
+            # watermark. The Impulse stage gets neither again, so the source's only element never
+            # reached the dispatch SDF (0 groups admitted). Finishing before the barrier emits it.
+            "--finish_bundle_before_checkpointing",
+            # With checkpointing Beam keeps the Impulse source up forever, so the job could never
+            # FINISH. Once it ends, the SDF's stage drains inside finish() and declines every
+            # checkpoint ("task is closing"): recovery from a killed TaskManager is covered only
+            # while the source is up, i.e. for this long after the (re)start.
+            f"--shutdown_sources_after_idle_ms={settings.shutdown_sources_after_idle_ms}",
+        ]
     if settings.state_backend:
         args.append(f"--state_backend={settings.state_backend}")
     if settings.state_backend_storage_path:

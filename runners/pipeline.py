@@ -41,7 +41,8 @@ def runner_settings(config: RunConfig) -> RunnerSettings:
     r = config.runner
     return RunnerSettings(name=r.name, flink_master=r.flink_master, parallelism=r.parallelism,
                           checkpointing_interval_ms=r.checkpointing_interval_ms, state_backend=r.state_backend,
-                          state_backend_storage_path=r.state_backend_storage_path)
+                          state_backend_storage_path=r.state_backend_storage_path,
+                          shutdown_sources_after_idle_ms=r.shutdown_sources_after_idle_ms)
 
 
 class RolloutJob:

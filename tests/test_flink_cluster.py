@@ -2,9 +2,11 @@
 PyPI apache-flink wheel, and the rollout pipeline submitted to it with runner "flink".
 
 The cluster itself (start-up, a killed TaskManager noticed, a new one joining) and the rollout
-pipeline at parallelism 2 without checkpointing work. With checkpointing on (needed to survive a
-TaskManager kill) the job stalls on Beam 2.62 (NOT_ON_A_CLUSTER_YET): those tests keep the end-to-end
-assertions as strict xfails, so they fail the day it works and the marker must go.
+pipeline at parallelism 2 with and without checkpointing work (with checkpointing only since
+runners/options.py passes --finish_bundle_before_checkpointing: Beam 2.62 otherwise parks the
+Impulse stage's only output in operator state and the dispatch SDF never starts). Surviving a
+TaskManager kill exactly once works only sometimes (NOT_EXACTLY_ONCE_AFTER_A_RESTART_YET): that
+test keeps its end-to-end assertions as a non-strict xfail until a restart is handled reliably.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ RUN_TIMEOUT_S = 240.0
 
 pytestmark = pytest.mark.skipif(shutil.which("java") is None, reason="needs a Java 11+ runtime for Flink")
 
-NOT_ON_A_CLUSTER_YET = (
-    "Beam 2.62's portable Flink runner with checkpointing on, even at parallelism 1 (and on embedded "
-    "Flink): the job runs and checkpoints but the dispatch splittable DoFn never admits a group "
-    "(0 requests in 300 s). (Parallelism 2 without checkpoints works since the source's element is "
-    "a plain (run id, size) tuple with a deterministic coder.)")
+NOT_EXACTLY_ONCE_AFTER_A_RESTART_YET = (
+    "With checkpointing the job now runs (runners/options.py: --finish_bundle_before_checkpointing), "
+    "but a Flink restart replays the source while this LOOPBACK process keeps its RolloutSource and "
+    "packer mirror (same run id): seen once 304 of 256 rollouts (steps 5-10 re-ran committed groups, "
+    "restart with no completed checkpoint), once no step after a restore from checkpoint 2, once "
+    "exactly once (restore from checkpoint 1): flaky, so not strict.")
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +128,13 @@ def test_rollouts_stream_out_exactly_once_on_the_cluster_without_checkpoints(clu
     # four fused stages holds a bundle up to Beam's 1 s max bundle time on Flink.
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=NOT_ON_A_CLUSTER_YET)
 def test_rollouts_stream_out_exactly_once_at_parallelism_2_with_checkpoints(cluster, servers, tmp_path):
     run_dir = RunDir(tmp_path)
     _run_to_the_end(cluster, servers, run_dir, _config(tmp_path, cluster.master))
     _assert_exactly_once(run_dir)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=NOT_ON_A_CLUSTER_YET)
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason=NOT_EXACTLY_ONCE_AFTER_A_RESTART_YET)
 def test_a_taskmanager_killed_mid_run_loses_and_duplicates_no_step(cluster, servers, tmp_path):
     job = start_rollouts(_config(tmp_path, cluster.master), servers, str(tmp_path), with_trainer=False)
     run_dir = RunDir(tmp_path)
