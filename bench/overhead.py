@@ -78,8 +78,10 @@ def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
         tokens = sum(c["counts"]["tokens"] for c in commits)
         committed_at = np.array([c["committed_at"] for c in commits])
         latency = np.array([c["committed_at"] - c["extra"]["last_rollout_finished_at"] for c in commits])
-        # Sustained: from the first commit to the last, so runner start-up is not in the rate.
-        sustained = (rollouts - commits[0]["window"]["rollouts"]) / (committed_at[-1] - committed_at[0]) if len(commits) > 1 else None
+        # Sustained: from the first rollout's start to the last commit, so runner start-up is not in
+        # the rate (first-to-last commit would overstate it when several steps commit at once).
+        first_start = min(min(rundir.read_window(s).column("t_start").to_pylist()) for s in steps)
+        sustained = rollouts / (committed_at[-1] - first_start)
         warm, last = rss.get(marks[0]), rss.get(marks[1])
         return {
             "runner": runner,

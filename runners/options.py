@@ -13,6 +13,10 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from runners import bootstrap
 
 RUNNERS = ("direct", "flink-local", "flink")
+# Beam's portable runner waits on the job's state stream with a deadline of --job_server_timeout
+# (default 60 s), so on Prism any job running longer than that failed with DEADLINE_EXCEEDED. RL
+# runs last days; the other calls it bounds answer at once.
+JOB_SERVER_TIMEOUT_S = 365 * 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,8 @@ def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> Pipeli
         settings = RunnerSettings(name=settings)
     if settings.name not in RUNNERS:
         raise ValueError(f"unknown runner {settings.name!r}; choose one of {', '.join(RUNNERS)}")
-    args = ["--streaming", f"--environment_type={settings.environment_type}", *extra_args]
+    args = ["--streaming", f"--environment_type={settings.environment_type}",
+            f"--job_server_timeout={JOB_SERVER_TIMEOUT_S}", *extra_args]
     if settings.name == "direct":
         args += ["--runner=PrismRunner", f"--prism_location={bootstrap.ensure_prism()}"]
     else:

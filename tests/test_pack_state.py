@@ -61,7 +61,8 @@ def _elements():
     return [_scored(i, v) for i, v in enumerate(versions)] + [EndOfInput(GROUPS)]
 
 
-def _pack(run_id: str, forget_between_elements: bool):
+def _pack(run_id: str, forget_between_elements: bool, chunks: tuple[int, ...] = (1,)):
+    """Feed the groups in elements of `chunks[i % len(chunks)]` groups each, as the runner would."""
     config = config_from_dict({
         "run": {"dir": "/unused", "max_steps": 100},
         "envs": [{"name": "reverse_text", "group_size": GROUP_SIZE}],
@@ -70,7 +71,10 @@ def _pack(run_id: str, forget_between_elements: bool):
     })
     fn, state, pending, batches = _PackFn(config, run_id, 1, check_staleness=True), _Value(), _Bag(), []
     try:
-        for element in _elements():
+        items, i = _elements(), 0
+        while items:
+            size = chunks[i % len(chunks)]
+            element, items, i = items[:size], items[size:], i + 1
             if forget_between_elements:
                 forget_packer(run_id)
             batches += fn.process(("packer", element), state=state, pending=pending)
@@ -88,6 +92,8 @@ def test_a_packer_restored_from_beam_state_alone_cuts_the_same_batches():
     uninterrupted, _, _ = _pack("run-a", forget_between_elements=False)
     restored, _, _ = _pack("run-b", forget_between_elements=True)
     assert _summary(restored) == _summary(uninterrupted)
+    chunked, _, _ = _pack("run-d", forget_between_elements=True, chunks=(3, 1, 4))
+    assert _summary(chunked) == _summary(uninterrupted)
     assert [b.step for b in uninterrupted] == [1, 2, 3, 4, 5]
     stale = {rid for _, _, window, _ in _summary(uninterrupted) for rid, why in window if why == "stale"}
     assert stale == {f"g6/{a}" for a in range(GROUP_SIZE)}  # the flag reached the window records

@@ -24,7 +24,7 @@ class _WriteStepFn(beam.DoFn):
             committed = self._dir.read_commit(batch.step)["group_ids"]
             if committed != list(batch.group_ids):
                 raise RuntimeError(f"step {batch.step} is committed with other groups than this replay "
-                                   f"produced ({len(committed)} vs {len(batch.group_ids)} groups)")
+                                   f"produced: committed {committed}, replay {list(batch.group_ids)}")
             beam.metrics.Metrics.counter("beam_rl", "steps_replayed").inc()
             return
         offsets = sorted({(r.env_name, r.epoch, r.index) for r in batch.rollouts})
