@@ -24,7 +24,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from beam_rl import components
 from beam_rl.config import RunConfig
-from beam_rl.rollout_source import EndOfInput
+from beam_rl.rollout_source import EndOfInput, note_packed
 from beam_rl.sink import BatchBuilder
 from beam_rl.types import TrainBatch
 
@@ -63,9 +63,10 @@ class _PackFn(beam.DoFn):
     def _current(self, durable: _PackerState | None, pending) -> tuple[_PackerState, bool]:
         """The packer to continue from, and whether Beam's copy was behind (and must be rewritten)."""
         mirror = _MIRRORS.get(self._run_id)
+        if mirror is not None and durable is not None and durable.revision == mirror.revision:
+            return mirror, False  # the same packer, already in memory: its pending bag is not read
         if mirror is not None and (durable is None or durable.revision < mirror.revision):
-            if durable is not None or mirror.revision > 0:
-                beam.metrics.Metrics.counter("beam_rl", "packer_state_restored_from_mirror").inc()
+            beam.metrics.Metrics.counter("beam_rl", "packer_state_restored_from_mirror").inc()
             return mirror, True
         if durable is None:
             return _PackerState(components.batch_builder(self._config, self._first_step, self._check_staleness)), False
@@ -103,6 +104,7 @@ class _PackFn(beam.DoFn):
         packer.revision += 1
         self._store(packer, before, rewrite, state, pending)
         _MIRRORS[self._run_id] = packer
+        note_packed(self._run_id, packer.groups_seen)
         return batches
 
     @staticmethod
