@@ -142,6 +142,9 @@ class FlinkCluster:
 
     def stop(self) -> None:
         stop_processes([p for p in [*self.taskmanagers, self.jobmanager] if p is not None], timeout_s=20)
+        # Flink's scratch (io.tmp.dirs: blob caches, every job's uploaded jars) is ~1 GB per run;
+        # conf/ and log/ stay for a post-mortem.
+        shutil.rmtree(self.workdir / "tmp", ignore_errors=True)
 
     # -- REST ------------------------------------------------------------------------------------
 
