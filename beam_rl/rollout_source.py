@@ -103,7 +103,7 @@ class RolloutSource:
     STATUS_S = 1.0
     HISTORY_S = 2.0
 
-    def __init__(self, spec: SourceSpec) -> None:
+    def __init__(self, spec: SourceSpec, restored: Restored | None = None) -> None:
         config = spec.config
         self.spec = spec
         self._lock = threading.RLock()
@@ -137,7 +137,31 @@ class RolloutSource:
         self._next_eval = (last // config.eval.every_steps + 1) * config.eval.every_steps if config.eval.every_steps else None
         self._weights.poll()  # servers start on the newest published policy, not the initial one
         self._partial: dict[str, list[Rollout]] = {}  # group id -> its finished rollouts so far
+        self._outstanding: dict[str, int] = {}  # admitted group id -> its position, until poll returns it
         self.waiting_for_trainer = False
+        self.token: str | None = None  # the checkpoint token the next process() call must bring
+        if restored is not None:
+            self._restore(restored)
+
+    def _restore(self, restored: Restored) -> None:
+        """Continue from a runner checkpoint (Flink restored an older restriction than this process last
+        saw): the same rules as --resume, applied to what the checkpoint says was admitted."""
+        # Groups admitted before the checkpoint and returned by then are downstream in the same
+        # checkpoint (or committed): count them as admitted, so EndOfInput's count matches the
+        # restored packer's. Groups in flight then are lost downstream: dispatch them again unless
+        # a step committed since holds them.
+        at_start = self.schedule.positions_of(self._run_dir.consumed_offsets(before_step=self.spec.first_step))
+        self._progress.admitted = sum(1 for p in range(restored.start) if p not in at_start) - len(restored.redo)
+        self._progress.last_committed = self._run_dir.last_committed_step() or 0
+        last = self._progress.last_committed
+        if self._next_eval is not None:
+            self._next_eval = (last // self._eval.every_steps + 1) * self._eval.every_steps
+        for position in restored.redo:
+            self.admit(position)
+        _LOG.warning("source restored from a runner checkpoint at position %d: %d groups counted as "
+                     "admitted before it, %d in flight then dispatched again, %d prompt offsets committed",
+                     restored.start, self._progress.admitted - len(self._outstanding),
+                     len(self._outstanding), len(self._consumed))
 
     def __len__(self) -> int:
         return len(self.schedule)
@@ -228,8 +252,16 @@ class RolloutSource:
         if position in self._consumed:
             self._progress.skipped_consumed += 1
             return
-        self._dispatcher.add_groups([self.schedule.group(position, self.policy_version())])
+        group = self.schedule.group(position, self.policy_version())
+        self._dispatcher.add_groups([group])
+        self._outstanding[group.group_id] = position
         self._progress.admitted += 1
+
+    @_serialized
+    def outstanding(self) -> tuple[int, ...]:
+        """Positions admitted whose group has not been returned by `poll` yet (what a runner
+        checkpoint must remember to dispatch again)."""
+        return tuple(sorted(self._outstanding.values()))
 
     @property
     def admitted(self) -> int:
@@ -254,6 +286,7 @@ class RolloutSource:
                 if rollout.is_eval:
                     self._collect_eval(group)  # measured here, never sent on to training
                 else:
+                    self._outstanding.pop(rollout.group_id, None)
                     complete.append(group)
         self._progress.emitted_rollouts += sum(len(g) for g in complete)
         self._progress.emitted_groups += len(complete)
@@ -341,17 +374,45 @@ class RolloutSource:
         self._dispatcher.close()
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What a runner checkpoint holds of the source: the first position not yet claimed, and the
+    positions admitted before it whose groups were still in flight."""
+
+    start: int
+    redo: tuple[int, ...] = ()
+
+
 _SOURCES: dict[str, RolloutSource] = {}
 _SOURCES_LOCK = threading.Lock()
 
 
-def source_for(spec: SourceSpec) -> RolloutSource:
+def source_for(spec: SourceSpec, token: str | None = None, restored: Restored | None = None) -> RolloutSource:
     """The worker-wide source of a run: every DoFn instance (and every resumed bundle) shares it,
-    because in-flight rollouts live in its event loop, not in any one bundle."""
+    because in-flight rollouts live in its event loop, not in any one bundle.
+
+    `token` is the one the caller's restriction was saved with. Each process() call gets a new one
+    (`RolloutSource.token`), so a token the source does not expect means the runner replayed an
+    older restriction: Flink restored a checkpoint (or restarted with none) while this process, in
+    LOOPBACK mode, kept the old source. That source is ahead of the checkpoint, so it is closed (its
+    in-flight groups cancelled) and a new one built from the run directory and `restored`.
+    """
     with _SOURCES_LOCK:
         source = _SOURCES.get(spec.run_id)
+        if source is not None and token != source.token:
+            _LOG.warning("run %s: the runner replayed an older checkpoint of the source (restriction from "
+                         "position %d); rebuilding the source from it and the run directory",
+                         spec.run_id, restored.start if restored else -1)
+            source.close()
+            source = None
+            replayed = True
+        else:
+            replayed = False
         if source is None:
-            source = _SOURCES[spec.run_id] = RolloutSource(spec)
+            # A first call of a new job has no token; a token with no source here is a checkpoint
+            # restored into a fresh worker process (PROCESS/EXTERNAL environments).
+            restore = replayed or token is not None
+            source = _SOURCES[spec.run_id] = RolloutSource(spec, restored if restore else None)
         return source
 
 

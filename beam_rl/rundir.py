@@ -204,11 +204,12 @@ class RunDir:
         except FileNotFoundError:
             raise StepNotCommittedError(f"{path}: step {step} is not committed") from None
 
-    def consumed_offsets(self) -> set[Offset]:
-        """Every (env, epoch, index) some committed step consumed: what a resumed source must skip."""
+    def consumed_offsets(self, before_step: int | None = None) -> set[Offset]:
+        """Every (env, epoch, index) some committed step (before `before_step`, if given) consumed:
+        what a resumed source must skip."""
         return {
             (env, epoch, index)
-            for step in self.committed_steps()
+            for step in self.committed_steps() if before_step is None or step < before_step
             for env, epoch, index in self.read_commit(step)["offsets"]
         }
 

@@ -112,6 +112,22 @@ class BatchBuilder:
         window = {r.rollout_id: r for r in self._window}
         self._pending = [dataclasses.replace(g, clean=[window.get(r.rollout_id, r) for r in g.clean]) for g in groups]
 
+    def drop_committed(self, consumed: set[tuple[str, int, int]], next_step: int) -> int:
+        """Forget the groups a committed step already holds (their prompt offsets are `consumed`)
+        and never give out a committed step number again (`next_step`: the run directory's next);
+        returns how many groups were dropped. For a packer restored from a checkpoint older than the
+        run directory, which is never rolled back."""
+        def committed(records) -> bool:
+            return any((r.env_name, r.epoch, r.index) in consumed for r in records)
+
+        dropped = {r.group_id for r in self._window if (r.env_name, r.epoch, r.index) in consumed}
+        dropped |= {g.group_id for g in self._pending if committed(g.clean)}
+        self._pending = [g for g in self._pending if g.group_id not in dropped]
+        self._window = [r for r in self._window if r.group_id not in dropped]
+        self._window_groups = [g for g in self._window_groups if g not in dropped]
+        self.next_step = max(self.next_step, next_step)
+        return len(dropped)
+
     def add(self, group: ScoredGroup) -> list[TrainBatch]:
         """Take one scored group; return the batches it completed (usually none or one)."""
         # The clean records are shared with the pending group: a post-batch filter flag set on one

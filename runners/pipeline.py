@@ -33,7 +33,7 @@ def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PC
               | "Score" >> ScoreGroups(spec.config))
     return ((scored, dispatched[END_OF_INPUT])
             | "WithEndOfInput" >> beam.Flatten()
-            | "PackBatches" >> PackBatches(spec.config, spec.run_id, spec.first_step, spec.with_trainer)
+            | "PackBatches" >> PackBatches(spec.config, spec.run_id, spec.first_step, spec.with_trainer, spec.run_dir)
             | "WriteTrainBatches" >> WriteTrainBatches(spec.run_dir))
 
 

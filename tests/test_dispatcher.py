@@ -573,6 +573,22 @@ def test_failing_server_is_marked_unhealthy_skipped_and_reprobed():
     asyncio.run(main())
 
 
+def test_a_refused_connection_takes_a_server_out_at_once():
+    # Nothing listening is not a slow or sick server: it is down, whatever unhealthy_after says.
+    async def s0_gone(call: Call) -> None:
+        if call.server == "http://s0":
+            raise InferenceConnectionError("http://s0: cannot connect", "http://s0", refused=True)
+
+    async def main() -> None:
+        dispatcher, _ = make(2, 1, Source(groups(4, 1)), s0_gone, unhealthy_after=3, reprobe_s=60.0)
+        rollouts = await collect(dispatcher, 4)
+        assert [(r.server, r.ok) for r in rollouts] == [
+            ("http://s0", False), ("http://s1", True), ("http://s1", True), ("http://s1", True)]
+        assert not dispatcher.pool.servers[0].healthy
+
+    asyncio.run(main())
+
+
 def test_group_moves_off_its_pinned_server_when_that_server_turns_unhealthy():
     async def s0_down(call: Call) -> None:
         if call.server == "http://s0":

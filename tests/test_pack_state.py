@@ -105,3 +105,43 @@ def test_each_pending_group_is_stored_once_and_the_value_holds_no_tokens():
     assert pending.added == 5 and not pending.items  # g0, g2, g4, g6, g8 waited; all cut by the end
     sample_bytes = len(pickle.dumps(_scored(0, 0)))
     assert max(state.writes) < 4 * sample_bytes  # window records and counts, not the pending groups
+
+
+def test_on_flink_a_packer_restored_from_an_older_checkpoint_skips_what_was_committed_since(tmp_path):
+    """Flink restores Beam's copy from a checkpoint while this (LOOPBACK) process keeps a mirror that
+    is ahead, and the run directory keeps the steps committed since: Beam's copy wins, the groups
+    those steps hold are dropped and their step numbers are not given out again."""
+    import copy
+
+    from beam_rl.rundir import RunDir
+    from transforms.write import _WriteStepFn
+
+    config = config_from_dict({
+        "run": {"dir": str(tmp_path), "max_steps": 100},
+        "envs": [{"name": "reverse_text", "group_size": GROUP_SIZE}],
+        "batch": {"rollouts_per_step": 2 * GROUP_SIZE},
+        "runner": {"name": "flink-local"},
+    })
+    groups = [_scored(i, 0) for i in range(8)]
+    for i, group in enumerate(groups):  # each group its own prompt offset
+        for record in group.rollouts:
+            record.index = i
+    writer = _WriteStepFn(str(tmp_path))
+    writer.setup()
+    fn, state, pending = _PackFn(config, "run-d", 1, False, str(tmp_path)), _Value(), _Bag()
+
+    def feed(group):
+        return [step for batch in fn.process(("packer", [group]), state=state, pending=pending)
+                for step in writer.process(batch)]
+
+    try:
+        assert feed(groups[0]) + feed(groups[1]) + feed(groups[2]) == [1]
+        checkpoint = copy.deepcopy((state, pending))  # g2 pending, next step 2
+        assert feed(groups[3]) == [2]  # g2 + g3, committed after the checkpoint
+        state, pending = checkpoint  # the restore; the mirror stays ahead
+        assert feed(groups[4]) == [] and feed(groups[5]) == [3]  # g2 dropped, step 2 not reused
+    finally:
+        forget_packer("run-d")
+    run_dir = RunDir(tmp_path)
+    assert run_dir.committed_steps() == [1, 2, 3]
+    assert [run_dir.read_commit(s)["group_ids"] for s in (1, 2, 3)] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]

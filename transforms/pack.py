@@ -25,6 +25,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 from beam_rl import components
 from beam_rl.config import RunConfig
 from beam_rl.rollout_source import EndOfInput, note_packed
+from beam_rl.rundir import RunDir
 from beam_rl.sink import BatchBuilder
 from beam_rl.types import TrainBatch
 
@@ -42,8 +43,10 @@ class _PackerState:
 
 
 # The packer state of each run in this worker process, by run id. Beam state is the durable copy
-# (what a restarted Flink worker restores); this mirror wins whenever Beam's copy is older, which
-# Prism 2.62 does to keyed state in global windows once its watermark has run ahead (README).
+# (what a restarted Flink worker restores). On Prism this mirror wins whenever Beam's copy is older,
+# which Prism 2.62 does to keyed state in global windows once its watermark has run ahead (README).
+# On Flink keyed state is never lost, so a Beam copy other than the one this process last wrote was
+# restored from a checkpoint: it is the truth, and the mirror (ahead of it) is ignored.
 _MIRRORS: dict[str, _PackerState] = {}
 # Held for a whole element: should the runner ever run two bundles of the packer at once, the second
 # continues from the first's result (the newer mirror) instead of numbering the same step twice.
@@ -54,17 +57,22 @@ class _PackFn(beam.DoFn):
     STATE = userstate.ReadModifyWriteStateSpec("packer", PickleCoder())  # _PackerState, no pending groups
     PENDING = userstate.BagStateSpec("pending", PickleCoder())  # its pending groups, oldest first
 
-    def __init__(self, config: RunConfig, run_id: str, first_step: int, check_staleness: bool) -> None:
+    def __init__(self, config: RunConfig, run_id: str, first_step: int, check_staleness: bool,
+                 run_dir: str | None = None) -> None:
         self._config = config
         self._run_id = run_id
         self._first_step = first_step
         self._check_staleness = check_staleness
+        self._run_dir = run_dir
+        self._state_is_durable = config.runner.name != "direct"  # Flink: Beam state is never reset
 
     def _current(self, durable: _PackerState | None, pending) -> tuple[_PackerState, bool]:
         """The packer to continue from, and whether Beam's copy was behind (and must be rewritten)."""
         mirror = _MIRRORS.get(self._run_id)
         if mirror is not None and durable is not None and durable.revision == mirror.revision:
             return mirror, False  # the same packer, already in memory: its pending bag is not read
+        if self._state_is_durable:
+            return self._restored(durable, pending), True
         if mirror is not None and (durable is None or durable.revision < mirror.revision):
             beam.metrics.Metrics.counter("beam_rl", "packer_state_restored_from_mirror").inc()
             return mirror, True
@@ -72,6 +80,24 @@ class _PackFn(beam.DoFn):
             return _PackerState(components.batch_builder(self._config, self._first_step, self._check_staleness)), False
         durable.builder.restore_pending(list(pending.read()))
         return durable, False
+
+    def _restored(self, durable: _PackerState | None, pending) -> _PackerState:
+        """Beam's copy (or a new packer) after a Flink restore or the first element: steps committed
+        since that checkpoint stay committed (the run directory is never rolled back), so the groups
+        they hold are dropped and their step numbers are not given out again."""
+        if durable is None:
+            packer = _PackerState(components.batch_builder(self._config, self._first_step, self._check_staleness))
+        else:
+            packer = durable
+            packer.builder.restore_pending(list(pending.read()))
+        if self._run_dir is not None:
+            run_dir = RunDir(self._run_dir)
+            dropped = packer.builder.drop_committed(run_dir.consumed_offsets(), run_dir.next_step())
+            if dropped:
+                beam.metrics.Metrics.counter("beam_rl", "packer_groups_dropped_after_restore").inc(dropped)
+                _LOG.warning("packer restored at step %d: dropped %d groups a step committed since holds",
+                             packer.builder.next_step, dropped)
+        return packer
 
     def process(self, keyed: Tuple[str, Any], state=beam.DoFn.StateParam(STATE),
                 pending=beam.DoFn.StateParam(PENDING)):
@@ -146,9 +172,10 @@ class _PerBundle(beam.DoFn):
 
 
 class PackBatches(beam.PTransform):
-    def __init__(self, config: RunConfig, run_id: str, first_step: int, check_staleness: bool = True) -> None:
+    def __init__(self, config: RunConfig, run_id: str, first_step: int, check_staleness: bool = True,
+                 run_dir: str | None = None) -> None:
         super().__init__()
-        self._fn = _PackFn(config, run_id, first_step, check_staleness)
+        self._fn = _PackFn(config, run_id, first_step, check_staleness, run_dir)
 
     def expand(self, scored_groups_and_end) -> beam.PCollection[TrainBatch]:
         return (scored_groups_and_end

@@ -72,9 +72,11 @@ class ServerPool:
         server.consecutive_failures = 0
 
     def record_failure(self, server: Server, error: BaseException) -> None:
-        """Count a failure that says the server is sick; enough in a row take it out of selection."""
+        """Count a failure that says the server is sick; enough in a row (or one refused connection)
+        take it out of selection until a health probe succeeds."""
         server.consecutive_failures += 1
-        if server.healthy and server.consecutive_failures >= self.unhealthy_after:
+        refused = getattr(error, "refused", False)  # nothing listening: down, not just slow
+        if server.healthy and (refused or server.consecutive_failures >= self.unhealthy_after):
             server.healthy = False
             server.unhealthy_since = self._clock()
             log.warning(

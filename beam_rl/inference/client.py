@@ -59,6 +59,12 @@ class InferenceConnectionError(InferenceError):
     server_fault = True
     retryable = True
 
+    def __init__(self, message: str, url: str, refused: bool = False) -> None:
+        super().__init__(message, url)
+        #: No connection could be made at all: the server is down rather than slow or sick, so the
+        #: pool takes it out of selection at once instead of after several failures.
+        self.refused = refused
+
 
 class InferenceBadResponse(InferenceError):
     """A 2xx answer that is not what the protocol promises (bad JSON, missing or mismatched fields)."""
@@ -302,6 +308,10 @@ class InferenceClient:
         except TimeoutError as exc:  # aiohttp's own timeouts subclass it
             raise InferenceTimeout(
                 f"{method} {url}: no answer within {timeout_s:g}s ({type(exc).__name__})", url
+            ) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise InferenceConnectionError(
+                f"{method} {url}: cannot connect ({type(exc).__name__}: {exc})", url, refused=True
             ) from None
         except aiohttp.ClientError as exc:
             raise InferenceConnectionError(
