@@ -138,6 +138,7 @@ class RolloutSource:
         self._weights.poll()  # servers start on the newest published policy, not the initial one
         self._partial: dict[str, list[Rollout]] = {}  # group id -> its finished rollouts so far
         self._outstanding: dict[str, int] = {}  # admitted group id -> its position, until poll returns it
+        self._claimed = 0  # positions admit() has taken, from every part of the restriction
         self.waiting_for_trainer = False
         self.token: str | None = None  # the checkpoint token the next process() call must bring
         if restored is not None:
@@ -158,6 +159,7 @@ class RolloutSource:
             self._next_eval = (last // self._eval.every_steps + 1) * self._eval.every_steps
         for position in restored.redo:
             self.admit(position)
+        self._claimed = restored.start  # everything before the restored restriction was claimed
         _LOG.warning("source restored from a runner checkpoint at position %d: %d groups counted as "
                      "admitted before it, %d in flight then dispatched again, %d prompt offsets committed",
                      restored.start, self._progress.admitted - len(self._outstanding),
@@ -249,6 +251,8 @@ class RolloutSource:
 
     @_serialized
     def admit(self, position: int) -> None:
+        """Take a position claimed from the source's restriction (each exactly once, by any part)."""
+        self._claimed += 1
         if position in self._consumed:
             self._progress.skipped_consumed += 1
             return
@@ -266,6 +270,13 @@ class RolloutSource:
     @property
     def admitted(self) -> int:
         return self._progress.admitted
+
+    @_serialized
+    def claimed_all(self, end: int) -> bool:
+        """Every position before `end` has been claimed. The runner may split the restriction: the
+        part holding the end marker must not announce the end while another part still has
+        positions to claim (the packer would cut its last batch early, and then again)."""
+        return self._claimed >= end
 
     # -- completion -----------------------------------------------------------------------------
 

@@ -99,11 +99,14 @@ class _DispatchFn(beam.DoFn):
             watermark.note(token, source.outstanding())
             watermark.set_watermark(now)
             exhausted = position >= stop or source.stopping()
-            if exhausted and source.idle():
+            # The part holding the end marker ends last: after every other part has claimed all
+            # its positions (the runner may have split the restriction), or on a stop.
+            final = restriction.stop - 1
+            ends_input = final == end_marker
+            if exhausted and source.idle() and (not ends_input or source.stopping() or source.claimed_all(end_marker)):
                 # Claiming the last position finishes this part (skipping what a stop left
                 # unclaimed); only the part holding the end marker announces the end.
-                final = restriction.stop - 1
-                if position <= final and tracker.try_claim(final) and final == end_marker:
+                if position <= final and tracker.try_claim(final) and ends_input:
                     yield beam.pvalue.TaggedOutput(END_OF_INPUT, EndOfInput(source.admitted))
                 return
             if time.monotonic() >= deadline:
