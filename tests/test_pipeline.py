@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import shutil
 
 import pyarrow as pa
 import pytest
@@ -16,13 +17,13 @@ from runners.pipeline import run_rollouts
 PROMPTS, GROUP_SIZE, ROLLOUTS_PER_STEP = 32, 8, 64
 
 
-def _config(run_dir, runner="direct", max_steps=10, **inference):
+def _config(run_dir, runner="direct", max_steps=10, runner_options=None, **inference):
     return config_from_dict({
         "run": {"dir": str(run_dir), "max_steps": max_steps},
         "envs": [{"name": "reverse_text", "group_size": GROUP_SIZE, "limit": PROMPTS}],
         "batch": {"rollouts_per_step": ROLLOUTS_PER_STEP},
         "inference": {"max_tokens": 8, "max_inflight": 16, **inference},
-        "runner": {"name": runner},
+        "runner": {"name": runner, **(runner_options or {})},
     })
 
 
@@ -52,13 +53,26 @@ def _trained_rollout_ids(run_dir: RunDir, step: int) -> list[str]:
     return table.column("rollout_id").to_pylist()
 
 
-def test_every_group_is_dispatched_and_lands_in_one_step(finished_run):
-    windows = _windows(finished_run)
-    assert finished_run.committed_steps() == list(range(1, len(windows) + 1))
+def _assert_every_group_once(run_dir: RunDir) -> None:
+    windows = _windows(run_dir)
+    assert run_dir.committed_steps() == list(range(1, len(windows) + 1))
     ids = [rid for table in windows.values() for rid in table.column("rollout_id").to_pylist()]
     assert len(ids) == PROMPTS * GROUP_SIZE and len(set(ids)) == len(ids)  # none lost, none twice
     groups = collections.Counter(rid.rsplit("/", 1)[0] for rid in ids)
     assert len(groups) == PROMPTS and set(groups.values()) == {GROUP_SIZE}
+
+
+def test_every_group_is_dispatched_and_lands_in_one_step(finished_run):
+    _assert_every_group_once(finished_run)
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="needs a Java 11+ runtime for Flink")
+def test_flink_local_with_checkpoints_keeps_every_group_exactly_once(servers, tmp_path):
+    # Checkpoints every 0.5 s while the source runs (3 s idle window instead of 30 s, to keep it short).
+    config = _config(tmp_path, runner="flink-local",
+                     runner_options={"checkpointing_interval_ms": 500, "shutdown_sources_after_idle_ms": 3000})
+    run_rollouts(config, servers, with_trainer=False)
+    _assert_every_group_once(RunDir(tmp_path))
 
 
 def test_every_ok_rollout_is_trained_once_or_counted_as_filtered(finished_run):
