@@ -43,10 +43,13 @@ def _watch(run_dir: RunDir, per_step: int, marks: list[int], pids: list[int] | N
            out: dict[int, int], stop: threading.Event) -> None:
     """Record the orchestrator's RSS as committed rollouts cross each mark."""
     pending = sorted(marks)
-    while pending and not stop.wait(0.05):
+    while pending:
         committed = len(run_dir.committed_steps()) * per_step
         while pending and committed >= pending[0]:
             out[pending.pop(0)] = procs.rss_bytes(procs.tree_pids(os.getpid(), exclude))
+        if stop.is_set():  # looked once more after the run ended: the last mark lands then
+            return
+        stop.wait(0.05)
 
 
 def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
