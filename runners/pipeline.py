@@ -15,6 +15,7 @@ from beam_rl.config import RunConfig
 from beam_rl.rollout_source import SourceSpec, close_source
 from beam_rl.rundir import RunDir
 from runners.options import RunnerSettings, pipeline_options
+from transforms.coders import PackerItem
 from transforms.dispatch import END_OF_INPUT, DispatchRollouts
 from transforms.groups import CompleteGroups
 from transforms.pack import PackBatches, forget_packer
@@ -32,7 +33,7 @@ def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PC
               | "CompleteGroups" >> CompleteGroups()
               | "Score" >> ScoreGroups(spec.config))
     return ((scored, dispatched[END_OF_INPUT])
-            | "WithEndOfInput" >> beam.Flatten()
+            | "WithEndOfInput" >> beam.Flatten().with_output_types(PackerItem)
             | "PackBatches" >> PackBatches(spec.config, spec.run_id, spec.first_step, spec.with_trainer, spec.run_dir)
             | "WriteTrainBatches" >> WriteTrainBatches(spec.run_dir))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Tuple
+from typing import List, Tuple
 
 import apache_beam as beam
 from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
@@ -19,6 +19,8 @@ from apache_beam.transforms.core import WatermarkEstimatorProvider
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from beam_rl.rollout_source import EndOfInput, Restored, SourceSpec, source_for
+from beam_rl.types import Rollout
+from transforms import coders  # noqa: F401  (registers the coder of List[Rollout])
 from transforms.sdf import OffsetRestrictions
 
 END_OF_INPUT = "end_of_input"
@@ -128,4 +130,5 @@ class DispatchRollouts(beam.PTransform):
         return (pbegin
                 | beam.Impulse()
                 | "RunAndSize" >> beam.Map(lambda _: element).with_output_types(Tuple[str, int])
-                | beam.ParDo(_DispatchFn(spec)).with_outputs(END_OF_INPUT, main="rollouts"))
+                | beam.ParDo(_DispatchFn(spec)).with_output_types(List[Rollout])
+                .with_outputs(END_OF_INPUT, main="rollouts"))

@@ -11,13 +11,14 @@ exactly once), so every admitted group is released; its state is cleared on rele
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import List, Tuple
 
 import apache_beam as beam
 from apache_beam.coders import PickleCoder, VarIntCoder
 from apache_beam.transforms import userstate
 
 from beam_rl.types import Rollout
+from transforms import coders  # noqa: F401  (registers the coder of Rollout)
 
 _PARTS = "parts"
 
@@ -58,8 +59,10 @@ class CompleteGroups(beam.PTransform):
     """(group id, the group's rollouts ordered by attempt), once per group."""
 
     def expand(self, rollouts):
-        split = rollouts | "WholeOrPart" >> beam.ParDo(_WholeOrPart()).with_outputs(_PARTS, main="whole")
+        split = (rollouts | "WholeOrPart" >> beam.ParDo(_WholeOrPart()).with_output_types(Tuple[str, List[Rollout]])
+                 .with_outputs(_PARTS, main="whole"))
         completed = (split[_PARTS]
-                     | "KeyByGroup" >> beam.Map(lambda part: (part[0].group_id, part)).with_output_types(Tuple[str, Any])
-                     | "CollectParts" >> beam.ParDo(_CollectParts()))
+                     | "KeyByGroup" >> beam.Map(lambda part: (part[0].group_id, part))
+                     .with_output_types(Tuple[str, List[Rollout]])
+                     | "CollectParts" >> beam.ParDo(_CollectParts()).with_output_types(Tuple[str, List[Rollout]]))
         return (split.whole, completed) | "Released" >> beam.Flatten()

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, List, Tuple
 
 import apache_beam as beam
 from apache_beam.coders import PickleCoder
@@ -28,6 +28,7 @@ from beam_rl.rollout_source import EndOfInput, note_packed
 from beam_rl.rundir import RunDir
 from beam_rl.sink import BatchBuilder
 from beam_rl.types import TrainBatch
+from transforms.coders import PackerItem
 
 _PACKER_KEY = "packer"
 BATCH_GROUPS = 64  # at most this many scored groups reach the packer as one element
@@ -182,9 +183,9 @@ class PackBatches(beam.PTransform):
                 # Up to a bundle's worth of groups per element: the packer's state is read and written
                 # once per element, and on Prism each element for the single key cost a bundle round
                 # trip (the runner's CPU per rollout fell ~3x; bench/README.md).
-                | "PerBundle" >> beam.ParDo(_PerBundle())
-                | "OneKey" >> beam.Map(lambda x: (_PACKER_KEY, x)).with_output_types(Tuple[str, Any])
-                | beam.ParDo(self._fn))
+                | "PerBundle" >> beam.ParDo(_PerBundle()).with_output_types(List[PackerItem])
+                | "OneKey" >> beam.Map(lambda x: (_PACKER_KEY, x)).with_output_types(Tuple[str, List[PackerItem]])
+                | beam.ParDo(self._fn).with_output_types(TrainBatch))
 
 
 def forget_packer(run_id: str) -> None:

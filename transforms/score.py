@@ -7,6 +7,7 @@ import apache_beam as beam
 from beam_rl import components
 from beam_rl.config import RunConfig
 from beam_rl.sink import ScoredGroup, score_group
+from transforms import coders  # noqa: F401  (registers the coder of ScoredGroup)
 
 
 class _ScoreFn(beam.DoFn):
@@ -33,4 +34,4 @@ class ScoreGroups(beam.PTransform):
         self._config = config
 
     def expand(self, groups) -> beam.PCollection[ScoredGroup]:
-        return groups | beam.ParDo(_ScoreFn(self._config))
+        return groups | beam.ParDo(_ScoreFn(self._config)).with_output_types(ScoredGroup)

@@ -42,4 +42,4 @@ class WriteTrainBatches(beam.PTransform):
         self._run_dir = run_dir
 
     def expand(self, batches):
-        return batches | beam.ParDo(_WriteStepFn(self._run_dir))
+        return batches | beam.ParDo(_WriteStepFn(self._run_dir)).with_output_types(int)
