@@ -180,7 +180,7 @@ def test_complete_sends_token_in_token_out_request_and_orders_choices_by_index()
         "n": 3,
         "max_tokens": 7,
         "temperature": 0.8,
-        "logprobs": 1,
+        "logprobs": 0,
         "return_token_ids": True,
         "skip_special_tokens": False,
         "stop_token_ids": [2, 99],
