@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import shutil
 
 import pyarrow as pa
@@ -109,5 +110,8 @@ def test_batches_hold_whole_groups_and_the_configured_size(finished_run):
 
 def test_max_steps_stops_the_run_early(servers, tmp_path):
     # 1 step of 64 rollouts out of 256: in-flight groups are cancelled once step 1 commits.
+    gc.unfreeze()
     run_rollouts(_config(tmp_path, max_steps=1), servers, with_trainer=False)
     assert RunDir(tmp_path).committed_steps() == [1]
+    # LOOPBACK: the worker is this process, and its long-lived heap left the collector's full passes.
+    assert gc.get_freeze_count() > 100_000
