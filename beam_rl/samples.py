@@ -5,9 +5,15 @@ Works from the ids the server returned, never from text, so what the trainer see
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 
 from beam_rl.types import Rollout, Sample
+
+_PER_TOKEN = ("input_ids", "loss_mask", "logprobs", "advantages", "temperatures")
+_PER_SAMPLE = tuple(f.name for f in dataclasses.fields(Sample) if f.name not in _PER_TOKEN)
 
 
 def trace_to_samples(rollout: Rollout) -> list[Sample]:
@@ -73,3 +79,25 @@ def _as_logprobs(logprobs: list[float], rollout: Rollout, turn: int) -> np.ndarr
         bad = int(np.flatnonzero(~np.isfinite(arr))[0])
         raise ValueError(f"rollout {rollout.rollout_id} turn {turn}: logprob {bad} is {arr[bad]}")
     return arr
+
+
+def samples_to_columns(samples: list[Sample]) -> tuple[Any, ...] | None:
+    """Samples as columns, to pickle: one array per per-token field (the samples' arrays end to
+    end), their lengths, and their other fields as tuples. A group's 8 samples pickle ~5x faster
+    both ways as 5 arrays than as 40 (bench/README.md)."""
+    if not samples:
+        return None
+    columns = tuple(np.concatenate([getattr(s, name) for s in samples]) for name in _PER_TOKEN)
+    scalars = [tuple(getattr(s, name) for name in _PER_SAMPLE) for s in samples]
+    return [len(s) for s in samples], scalars, columns
+
+
+def samples_from_columns(packed: tuple[Any, ...] | None) -> list[Sample]:
+    """The samples `samples_to_columns` packed; their arrays are views into the columns."""
+    if packed is None:
+        return []
+    lengths, scalars, columns = packed
+    ends = np.cumsum(lengths).tolist()
+    return [Sample(**{name: column[start:end] for name, column in zip(_PER_TOKEN, columns)},
+                   **dict(zip(_PER_SAMPLE, values)))
+            for start, end, values in zip([0, *ends[:-1]], ends, scalars)]

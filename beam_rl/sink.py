@@ -18,7 +18,7 @@ import numpy as np
 from beam_rl.advantages import AdvantageAlgorithm
 from beam_rl.filters import FilterCounts, RolloutFilter, apply_filters
 from beam_rl.packing import BatchCutter, pack_for_ranks
-from beam_rl.samples import trace_to_samples
+from beam_rl.samples import samples_from_columns, samples_to_columns, trace_to_samples
 from beam_rl.types import MicroBatch, Rollout, RolloutRecord, RolloutStatus, Sample, TrainBatch
 
 
@@ -34,6 +34,13 @@ class ScoredGroup:
     clean: list[RolloutRecord]  # ok and not filtered, in arrival order
     samples: list[Sample]  # trace_to_samples of the clean rollouts
     counts: FilterCounts = field(default_factory=FilterCounts)
+
+    # Pickled between pipeline stages and into the packer's state: the samples go as columns.
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "samples": samples_to_columns(self.samples)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, samples=samples_from_columns(state["samples"]))
 
 
 def score_group(

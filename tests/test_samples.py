@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 
-from beam_rl.samples import trace_to_samples
+from beam_rl.samples import samples_from_columns, samples_to_columns, trace_to_samples
 from beam_rl.types import Rollout, Turn
 
 
@@ -59,3 +61,19 @@ def test_ids_outside_int32_are_an_error():
 
 def test_rollout_without_turns_has_no_sample():
     assert trace_to_samples(_rollout([])) == []
+
+
+def test_samples_round_trip_through_columns_and_stay_independent():
+    samples = [s for n in (1, 4, 2) for s in trace_to_samples(
+        _rollout([Turn(completion_ids=list(range(10, 10 + n)), logprobs=[-0.5] * n)], advantage=n, reward=n))]
+    back = samples_from_columns(pickle.loads(pickle.dumps(samples_to_columns(samples))))
+    assert [(s.rollout_id, s.group_id, s.policy_version, s.reward) for s in back] == \
+        [(s.rollout_id, s.group_id, s.policy_version, s.reward) for s in samples]
+    for a, b in zip(back, samples, strict=True):
+        for name in ("input_ids", "loss_mask", "logprobs", "advantages", "temperatures"):
+            got, want = getattr(a, name), getattr(b, name)
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+    back[0].advantages *= 0  # a batch normalisation writes in place: the neighbours keep theirs
+    np.testing.assert_array_equal(back[1].advantages, samples[1].advantages)
+    assert samples_from_columns(samples_to_columns([])) == []
