@@ -40,6 +40,15 @@ def tree_pids(root: int, exclude: set[int] = frozenset()) -> list[int]:
     return out
 
 
+def name(pid: int) -> str | None:
+    """The process's command name (`comm`), or None once it has exited."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds of the live processes, and of the children they have reaped."""
     total = 0.0

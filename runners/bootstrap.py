@@ -1,7 +1,8 @@
 """Fetch or build the runner binaries that must match the installed Beam SDK exactly.
 
 - Prism (the DirectRunner's engine): Beam would download it from GitHub releases, which this kind of
-  machine cannot reach, so it is built from the Go module at the SDK's version and cached.
+  machine cannot reach, so it is built from the Go module at the SDK's version, with the fixes in
+  `runners/prism_patches/`, and cached.
 - Flink job server: the shaded `beam-runners-flink-<flink>-job-server` jar is not served by the Maven
   registry reachable here, so it is assembled from the `beam-runners-flink-<flink>` runner artifact
   and its dependencies (resolved by Maven) as a launcher jar whose manifest names them.
@@ -10,9 +11,10 @@ Both are cached under `$BEAM_RL_CACHE` (default `~/.cache/beam-rl`); a second ca
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
-import shlex
 import shutil
 import subprocess
 import tempfile
@@ -41,57 +43,63 @@ def _require_tool(tool: str, how: str) -> str:
     return path
 
 
-def _run(cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+def _run(cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
     _LOG.info("%s: %s", what, " ".join(cmd))
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip()[-3000:]
         raise BootstrapError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return proc.stdout
+
+
+PRISM_PATCHES = sorted((Path(__file__).parent / "prism_patches").glob("*.patch"))
+
+
+def _patches_digest(patches: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for patch in patches:
+        digest.update(patch.name.encode() + b"\0" + patch.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def prism_path(version: str = BEAM_VERSION) -> Path:
+    """Where the Prism binary of `version` and the current patches is cached."""
+    return cache_root() / "prism" / f"v{version}-{_patches_digest(PRISM_PATCHES)}" / "prism"
 
 
 def ensure_prism(version: str = BEAM_VERSION) -> Path:
-    """The Prism binary for `version`, building it with `go install` on first use."""
-    target = cache_root() / "prism" / f"v{version}" / "prism"
+    """The Prism binary for `version`, built on first use from Beam's Go module with our fixes applied
+    (`runners/prism_patches/`: two scheduling loops that each kept a core busy while a job ran).
+    The cache path names the patches (`prism_path`), so changing them builds a new binary."""
+    target = prism_path(version)
     if target.is_file():
         return target
     go = _require_tool("go", "install Go >= 1.22 (https://go.dev/doc/install) to build Prism")
+    git = _require_tool("git", "install git (its `git apply` patches Prism's source)")
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(dir=target.parent) as gobin:
-        env = dict(os.environ, GOBIN=gobin, GOFLAGS="-mod=mod")
-        # The Go checksum database does not list every Beam release; the module proxy still
-        # serves it, so only Beam's own module skips the sumdb lookup.
-        env["GONOSUMDB"] = "github.com/apache/beam"
-        _run([go, "install", f"github.com/apache/beam/sdks/v2/go/cmd/prism@v{version}"],
-             f"building Prism v{version}", env=env, cwd=Path(gobin))
-        os.replace(Path(gobin) / "prism", target)
-    _LOG.info("built Prism v%s in %.1fs -> %s", version, time.monotonic() - started, target)
+    # The Go checksum database does not list every Beam release; the module proxy still serves it,
+    # so only Beam's own module skips the sumdb lookup.
+    env = dict(os.environ, GOFLAGS="-mod=mod", GONOSUMDB="github.com/apache/beam")
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        module = f"github.com/apache/beam/sdks/v2@v{version}"
+        download = json.loads(_run([go, "mod", "download", "-json", module], f"downloading {module}", env=env, cwd=Path(work)))
+        source, tree = Path(download["Dir"]), Path(work) / "sdks"
+        # The Go sources only (the module also holds Java, Python and TypeScript), made writable:
+        # the module cache is read-only.
+        shutil.copytree(source / "go", tree / "go", copy_function=shutil.copyfile)
+        for name in ("go.mod", "go.sum"):
+            shutil.copyfile(source / name, tree / name)
+        for directory, _, _ in os.walk(tree):
+            os.chmod(directory, 0o755)
+        for patch in PRISM_PATCHES:
+            _run([git, "apply", "-p1", str(patch)], f"patching Prism ({patch.name})", cwd=tree)
+        _run([go, "build", "-o", str(Path(work) / "prism"), "./go/cmd/prism"], f"building Prism v{version}",
+             env=env, cwd=tree)
+        os.replace(Path(work) / "prism", target)
+    _LOG.info("built Prism v%s (%d patches) in %.1fs -> %s", version, len(PRISM_PATCHES),
+              time.monotonic() - started, target)
     return target
-
-
-PRISM_NICENESS = 10
-
-
-def prism_launcher(version: str = BEAM_VERSION) -> Path:
-    """What the runner starts: Prism at a lower CPU priority (`nice`).
-
-    Prism (2.62, and 2.70 when tried) keeps a core busy for as long as a streaming job runs: its
-    element manager advances "test mode" processing time in a loop instead of waiting. Niced, that
-    loop takes only CPU that nothing else wants; measured, Prism's share of the orchestrator's CPU
-    per rollout fell from ~0.8 to ~0.3 ms (bench/README.md).
-    """
-    binary = ensure_prism(version)
-    nice = shutil.which("nice")
-    if nice is None:
-        return binary
-    launcher = binary.with_name("prism-niced")
-    script = f'#!/bin/sh\nexec {shlex.quote(nice)} -n {PRISM_NICENESS} {shlex.quote(str(binary))} "$@"\n'
-    if not launcher.is_file() or launcher.read_text() != script:
-        partial = launcher.with_name(f".{launcher.name}.{os.getpid()}")
-        partial.write_text(script)
-        partial.chmod(0o755)
-        os.replace(partial, launcher)
-    return launcher
 
 
 _JOB_SERVER_POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">

@@ -41,7 +41,7 @@ def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> Pipeli
     args = ["--streaming", f"--environment_type={settings.environment_type}",
             f"--job_server_timeout={JOB_SERVER_TIMEOUT_S}", *extra_args]
     if settings.name == "direct":
-        args += ["--runner=PrismRunner", f"--prism_location={bootstrap.prism_launcher()}"]
+        args += ["--runner=PrismRunner", f"--prism_location={bootstrap.ensure_prism()}"]
     else:
         args += _flink_args(settings)
     return PipelineOptions(args)

@@ -82,7 +82,7 @@ def test_direct_names_prism_never_the_falling_back_direct_runner():
 
 def test_broken_prism_fails_loudly_instead_of_falling_back(tmp_path, monkeypatch):
     monkeypatch.setenv("BEAM_RL_CACHE", str(tmp_path))
-    fake = tmp_path / "prism" / f"v{bootstrap.BEAM_VERSION}" / "prism"
+    fake = bootstrap.prism_path()
     fake.parent.mkdir(parents=True)
     fake.write_text("#!/bin/sh\necho 'prism exploded' >&2\nexit 3\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
