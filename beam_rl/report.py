@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right, insort
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from beam_rl.rundir import RunDir
+from beam_rl.rundir import MetricsTail, RunDir
 
 
 @dataclass
@@ -41,25 +44,91 @@ def step_rows(run_dir: RunDir, metrics: list[dict[str, Any]] | None = None) -> l
     """One row per committed step; `metrics` are the run's metrics.jsonl records when already read."""
     metrics = run_dir.read_metrics() if metrics is None else metrics
     trainer = {m["trainer"]["step"]: m["trainer"] for m in metrics if "trainer" in m}
-    dispatch = sorted((m["dispatch"] for m in metrics if "dispatch" in m), key=lambda d: d["t"])
+    dispatch = sorted((m["dispatch"] for m in metrics if "dispatch" in m), key=_time)
+    commits = (run_dir.read_commit(step) for step in run_dir.committed_steps())
+    return _rows(commits, None, dispatch, trainer)
+
+
+class RunTail:
+    """What the live progress display shows of a run directory, kept current by reading only what the
+    run gained since the last `update`: the new lines of metrics.jsonl and the commit records of the
+    steps committed since. Memory stays bounded however long the run: the last `keep` steps' commit
+    records (plus the one before, for its commit time), their trainer records, and the dispatch
+    samples from the commit before the first shown step on."""
+
+    def __init__(self, run_dir: RunDir, keep: int) -> None:
+        self.run_dir = run_dir
+        self.keep = keep
+        self.last_eval: dict[str, Any] | None = None
+        self._metrics = MetricsTail(run_dir.metrics_path)
+        self._commits: deque[dict[str, Any]] = deque(maxlen=keep + 1)
+        self._next_step: int | None = None  # the step whose commit record comes next
+        self._trainer: dict[int, dict[str, Any]] = {}
+        self._dispatch: list[dict[str, Any]] = []  # sorted by time, as in `step_rows`
+
+    def update(self) -> list[StepRow]:
+        """Read what is new; the rows of the last `keep` committed steps, equal to `step_rows`' last ones."""
+        # Commits before metrics: the dispatch samples taken before a commit seen are then written too.
+        self._read_new_commits()
+        for record in self._metrics.read_new():
+            if "trainer" in record:
+                self._trainer[record["trainer"]["step"]] = record["trainer"]
+            if "dispatch" in record:
+                insort(self._dispatch, record["dispatch"], key=_time)
+            if "eval" in record:
+                self.last_eval = record["eval"]
+        commits = list(self._commits)
+        if len(commits) <= self.keep:
+            return _rows(commits, None, self._dispatch, self._trainer)  # every step since the first
+        before = commits.pop(0)
+        self._forget_before(before)
+        return _rows(commits, before["committed_at"], self._dispatch, self._trainer)
+
+    def _read_new_commits(self) -> None:
+        if self._next_step is None:
+            # Listing the step directories costs O(all steps): once. Then steps commit in order
+            # (`RunDir.next_step`), so probing the next one finds each new commit.
+            steps = self.run_dir.committed_steps()
+            self._commits.extend(self.run_dir.read_commit(step) for step in steps[-(self.keep + 1):])
+            self._next_step = steps[-1] + 1 if steps else 1
+        while self.run_dir.is_committed(self._next_step):
+            self._commits.append(self.run_dir.read_commit(self._next_step))
+            self._next_step += 1
+
+    def _forget_before(self, commit: dict[str, Any]) -> None:
+        """Drop what no shown row needs: `commit` is the one before the first shown step."""
+        self._trainer = {step: record for step, record in self._trainer.items() if step > commit["step"]}
+        # The last sample at or before that commit stays: a step with no sample of its own shows it.
+        at_or_before = bisect_right(self._dispatch, commit["committed_at"], key=_time)
+        del self._dispatch[:max(at_or_before - 1, 0)]
+
+
+def _time(sample: dict[str, Any]) -> float:
+    return sample["t"]
+
+
+def _rows(commits: Iterable[dict[str, Any]], previous: float | None, dispatch: list[dict[str, Any]],
+          trainer: dict[int, dict[str, Any]]) -> list[StepRow]:
+    """One row per commit record, in step order. `previous`: the commit time of the step before the first
+    (None: the first is the run's first); `dispatch`: load samples sorted by time."""
+    times = [d["t"] for d in dispatch]
     rows: list[StepRow] = []
-    previous: float | None = None
-    for step in run_dir.committed_steps():
-        commit = run_dir.read_commit(step)
+    for commit in commits:
         window = commit["window"]
         at = commit["committed_at"]
         rate = window.get("rollouts", 0) / (at - previous) if previous is not None and at > previous else None
         # The dispatcher's load samples since the previous commit; the last one before, if none.
-        span = [d for d in dispatch if (previous is None or d["t"] > previous) and d["t"] <= at]
-        span = span or [d for d in dispatch if d["t"] <= at][-1:]
-        share, per_server = _dispatch_means(span)
+        end = bisect_right(times, at)
+        start = 0 if previous is None else bisect_right(times, previous)
+        share, per_server = _dispatch_means(dispatch[start:end] or dispatch[max(end - 1, 0):end])
         previous = at
         rows.append(StepRow(
-            step=step, committed_at=at, rollouts=window.get("rollouts", 0),
+            step=commit["step"], committed_at=at, rollouts=window.get("rollouts", 0),
             trained=window.get("trained_rollouts", 0), reward_mean=window.get("reward_mean"),
             errored=window.get("errored", 0), filtered=window.get("filtered", {}),
             policy_version_min=window.get("policy_version_min"), staleness_max=window.get("staleness_max"),
-            rollouts_per_s=rate, trainer=trainer.get(step), permits_in_use=share, server_inflight=per_server))
+            rollouts_per_s=rate, trainer=trainer.get(commit["step"]), permits_in_use=share,
+            server_inflight=per_server))
     return rows
 
 

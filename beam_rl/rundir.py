@@ -285,20 +285,7 @@ class RunDir:
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """All metrics lines; a torn last line (a crash mid-append) is skipped, a torn earlier one is an error."""
-        if not self.metrics_path.exists():
-            return []
-        lines = self.metrics_path.read_text(encoding="utf-8").splitlines()
-        records = []
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                if number == len(lines):
-                    break
-                raise ValueError(f"{self.metrics_path}:{number}: not valid JSON: {exc}") from None
-        return records
+        return MetricsTail(self.metrics_path).read_new()
 
     # -- weights side: published by the trainer -------------------------------------------------------
 
@@ -348,6 +335,43 @@ class RunDir:
     def latest_stable_weights(self) -> tuple[int, Path] | None:
         steps = self.stable_weight_steps()
         return (steps[-1], self.weights_path(steps[-1])) if steps else None
+
+
+class MetricsTail:
+    """Reads a metrics.jsonl incrementally: each `read_new` parses only the lines appended since the last.
+
+    A last line without its newline (a writer mid-append) is left for a later call, and so is a last line
+    that is not valid JSON (torn by a crash): it is an error only once a line follows it, as in
+    `RunDir.read_metrics`. A file shorter than what was read was truncated or replaced: reading restarts.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0  # bytes read: just past the last line consumed
+        self._line = 0  # lines consumed, to name a bad line by its number
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset:
+                    self.offset = self._line = 0
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        *lines, unterminated = data.split(b"\n")
+        records = []
+        for index, line in enumerate(lines):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    if index == len(lines) - 1 and not unterminated:
+                        break  # the file's last line
+                    raise ValueError(f"{self.path}:{self._line + 1}: not valid JSON: {exc}") from None
+            self.offset += len(line) + 1
+            self._line += 1
+        return records
 
 
 def _window_table(window: Sequence[Rollout] | pa.Table) -> pa.Table:

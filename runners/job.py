@@ -15,24 +15,25 @@ from rich.live import Live
 from rich.table import Table
 
 from beam_rl.config import RunConfig
-from beam_rl.report import step_rows, write_plot
+from beam_rl.report import RunTail, write_plot
 from beam_rl.rundir import RunDir
 from beam_rl.servers import inference_servers
 from runners.pipeline import start_rollouts
 
 REFRESH_S = 0.5
+TABLE_ROWS = 12  # the last steps the progress table shows
 
 
-def progress_table(run_dir: RunDir, config: RunConfig, started: float) -> Table:
+def progress_table(tail: RunTail, config: RunConfig, started: float) -> Table:
+    """Called every REFRESH_S for days: `tail` reads only what the run directory gained since the last call."""
+    run_dir = tail.run_dir
     status = run_dir.read_status()
-    metrics = run_dir.read_metrics()
-    rows = step_rows(run_dir, metrics)
-    evals = [m["eval"] for m in metrics if "eval" in m]
+    rows = tail.update()
     last_eval = ""
-    if evals:
-        figures = ", ".join(f"{env} pass@1 {e['pass@1']:.2f}" for env, e in evals[-1]["envs"].items()
+    if tail.last_eval is not None:
+        figures = ", ".join(f"{env} pass@1 {e['pass@1']:.2f}" for env, e in tail.last_eval["envs"].items()
                             if e["pass@1"] is not None)
-        last_eval = f"  |  eval@{evals[-1]['after_step']}: {figures}"
+        last_eval = f"  |  eval@{tail.last_eval['after_step']}: {figures}"
     table = Table(title=(
         f"beam-rl  {run_dir.path}  |  {time.monotonic() - started:.0f}s  |  policy v{status.get('policy_version', 0)}"
         f"  |  in flight {status.get('inflight', 0)}"
@@ -40,7 +41,7 @@ def progress_table(run_dir: RunDir, config: RunConfig, started: float) -> Table:
     for column in ("step", "reward", "rollouts/s", "trained", "errored", "filtered", "lag max", "loss", "trainer wait s"):
         table.add_column(column, justify="right")
     table.caption = server_line(status)
-    for row in rows[-12:]:
+    for row in rows:
         trainer = row.trainer or {}
         table.add_row(
             f"{row.step}/{config.run.max_steps}",
@@ -99,16 +100,17 @@ def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
         waiter.start()
         if config.trainer.kind == "reference":
             trainer = _start_trainer(run_dir)
+        tail = RunTail(run_dir, keep=TABLE_ROWS)
         try:
-            with Live(progress_table(run_dir, config, started), console=console, refresh_per_second=2) as live:
+            with Live(progress_table(tail, config, started), console=console, refresh_per_second=2) as live:
                 while waiter.is_alive() or (trainer is not None and trainer.poll() is None):
                     if trainer is not None and trainer.poll() not in (None, 0):
                         raise RuntimeError(f"the trainer exited with {trainer.returncode}; see {run_dir.path}/trainer.log")
                     if pipeline_error:
                         break
                     time.sleep(REFRESH_S)
-                    live.update(progress_table(run_dir, config, started))
-                live.update(progress_table(run_dir, config, started))
+                    live.update(progress_table(tail, config, started))
+                live.update(progress_table(tail, config, started))
         except KeyboardInterrupt:
             with contextlib.suppress(Exception):  # Ctrl-C reached the runner's process too
                 job.cancel()

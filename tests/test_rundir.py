@@ -15,7 +15,12 @@ import pytest
 
 from beam_rl import rundir as rundir_module
 from beam_rl.config import config_from_dict
-from beam_rl.rundir import RunDir, StepAlreadyCommittedError, StepNotCommittedError
+from beam_rl.rundir import (
+    MetricsTail,
+    RunDir,
+    StepAlreadyCommittedError,
+    StepNotCommittedError,
+)
 from beam_rl.types import MicroBatch, Rollout, Sample, TrainBatch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -205,6 +210,51 @@ def test_a_torn_last_metrics_line_is_skipped_but_a_torn_middle_line_is_an_error(
         f.write('\n{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
         run.read_metrics()
+
+
+def _append(run: RunDir, text: str) -> None:
+    with run.metrics_path.open("a") as f:
+        f.write(text)
+
+
+def test_the_metrics_tail_reads_in_rounds_what_read_metrics_reads_at_once(tmp_path):
+    run = RunDir(tmp_path)
+    tail = MetricsTail(run.metrics_path)
+    assert tail.read_new() == []  # no file yet
+    read: list[dict] = []
+    rounds = ['{"step": 1}\n', '\n{"step": 2}\n{"step": 3, "rew', 'ard": 0.5}\n', '{"step": 4}', '\n{"step": 5}\n']
+    for text in rounds:
+        _append(run, text)
+        read += tail.read_new()
+        assert read == run.read_metrics()
+    assert read == [{"step": 1}, {"step": 2}, {"step": 3, "reward": 0.5}, {"step": 4}, {"step": 5}]
+    assert tail.offset == run.metrics_path.stat().st_size
+
+
+def test_the_metrics_tail_skips_a_torn_last_line_and_names_it_once_a_line_follows(tmp_path):
+    run = RunDir(tmp_path)
+    tail = MetricsTail(run.metrics_path)
+    run.append_metrics({"step": 1})
+    _append(run, '{"step": 2, "rew')  # a crash mid-append; the restarted writer appends after it
+    assert tail.read_new() == [{"step": 1}]
+    run.append_metrics({"step": 3})
+    assert tail.read_new() == [] and run.read_metrics() == [{"step": 1}]
+    run.append_metrics({"step": 4})
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
+        tail.read_new()
+
+
+def test_the_metrics_tail_reads_only_new_bytes_and_restarts_on_a_shorter_file(tmp_path):
+    run = RunDir(tmp_path)
+    tail = MetricsTail(run.metrics_path)
+    run.append_metrics({"step": 1, "padding": "x" * 50})
+    assert tail.read_new() == [{"step": 1, "padding": "x" * 50}]
+    # Garbage where the read lines were: a reader that reread them would fail.
+    run.metrics_path.write_bytes(b"?" * (run.metrics_path.stat().st_size - 1) + b"\n")
+    run.append_metrics({"step": 2})
+    assert tail.read_new() == [{"step": 2}]
+    run.metrics_path.write_text('{"step": 1}\n')  # replaced by a shorter file
+    assert tail.read_new() == [{"step": 1}]
 
 
 # -- weights ----------------------------------------------------------------------------------------
