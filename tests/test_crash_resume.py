@@ -15,28 +15,10 @@ from pathlib import Path
 import pyarrow as pa
 
 from beam_rl.rundir import RunDir
+from small_run import write_small_run_config
 
 KILLS = 5
 MAX_STEPS = 24  # enough steps that five kills always land before the run ends
-
-CONFIG = """
-[run]
-dir = "{run_dir}"
-max_steps = {max_steps}
-[model]
-max_context = 256
-[inference]
-embedded_mode = "instant"
-max_tokens = 8
-max_inflight = 32
-[[envs]]
-name = "reverse_text"
-group_size = 4
-epochs = 20
-[batch]
-rollouts_per_step = 16
-seq_len = 256
-"""
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
@@ -55,8 +37,7 @@ def _kill_all(proc: subprocess.Popen) -> None:
 
 def test_killed_runs_resume_without_losing_or_duplicating_a_step(tmp_path):
     run_dir = RunDir(tmp_path / "run")
-    config = tmp_path / "crash.toml"
-    config.write_text(CONFIG.format(run_dir=run_dir.path, max_steps=MAX_STEPS))
+    config = write_small_run_config(tmp_path / "crash.toml", run_dir.path, max_steps=MAX_STEPS, epochs=20)
     log = tmp_path / "orchestrator.log"
     rng = random.Random(7)
     kills = 0

@@ -10,22 +10,7 @@ import sys
 import time
 
 from beam_rl.rundir import RunDir
-
-CONFIG = """
-[run]
-dir = "{run_dir}"
-max_steps = 6
-[inference]
-embedded_mode = "instant"
-max_tokens = 8
-max_inflight = 32
-[[envs]]
-name = "reverse_text"
-group_size = 4
-epochs = 10
-[batch]
-rollouts_per_step = 16
-"""
+from small_run import write_small_run_config
 
 
 def _session_alive(session: int) -> list[int]:
@@ -43,8 +28,7 @@ def _session_alive(session: int) -> list[int]:
 
 def test_ctrl_c_stops_everything_and_resume_finishes(tmp_path):
     run_dir = RunDir(tmp_path / "run")
-    config = tmp_path / "run.toml"
-    config.write_text(CONFIG.format(run_dir=run_dir.path))
+    config = write_small_run_config(tmp_path / "run.toml", run_dir.path, max_steps=6, epochs=10)
     proc = subprocess.Popen([sys.executable, "-m", "beam_rl.cli", "run", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
