@@ -19,6 +19,7 @@ from beam_rl.inference.client import (
     InferenceHTTPError,
     InferenceTimeout,
     ServerLoad,
+    parse_completions,
     parse_server_load,
 )
 
@@ -270,8 +271,6 @@ def test_mismatched_ids_and_logprobs_is_a_bad_response():
 
 
 def test_wrong_number_of_choices_is_a_bad_response():
-    from beam_rl.inference.client import parse_completions
-
     body = {"choices": [{"index": 0, "token_ids": [1], "logprobs": {"token_logprobs": [-1.0]}}]}
     with pytest.raises(InferenceBadResponse, match="n=2"):
         parse_completions(body, "http://x", n=2)
@@ -333,3 +332,21 @@ def test_hundreds_of_concurrent_requests_share_one_client():
 
     stub = run_with_stub(test)
     assert stub.peak_concurrent == 256
+
+
+def _answer(token_ids, logprobs) -> dict:
+    return {"choices": [{"index": 0, "token_ids": token_ids, "logprobs": {"token_logprobs": logprobs},
+                         "finish_reason": "stop"}]}
+
+
+def test_well_formed_ids_and_logprobs_are_taken_as_parsed():
+    ids, logprobs = [5, 6], [-0.5, -1.0]
+    (completion,) = parse_completions(_answer(ids, logprobs), "http://s", 1)
+    assert completion.token_ids == [5, 6] and completion.logprobs == [-0.5, -1.0]
+    # Integral logprobs (JSON `0`) and numeric strings are converted; anything else is a bad answer.
+    (completion,) = parse_completions(_answer(["7", 8], [0, -1.5]), "http://s", 1)
+    assert completion.token_ids == [7, 8] and completion.logprobs == [0.0, -1.5]
+    assert all(type(lp) is float for lp in completion.logprobs)
+    for token_ids, lps in (([1, "x"], [-1.0, -1.0]), ([1, None], [-1.0, -1.0]), ([1, 2], [-1.0, "y"])):
+        with pytest.raises(InferenceBadResponse, match="non-numeric token id or logprob"):
+            parse_completions(_answer(token_ids, lps), "http://s", 1)

@@ -134,6 +134,14 @@ def parse_server_load(text: str) -> ServerLoad:
     )
 
 
+def _as(kind: type, values: list[Any]) -> list[Any]:
+    """`values` as a list of `kind`: itself when it already is one (what orjson parses from a
+    well-formed answer; the type check runs in C), else converted item by item."""
+    if set(map(type, values)) <= {kind}:
+        return values
+    return [kind(v) for v in values]
+
+
 def parse_completions(body: Any, url: str, n: int) -> list[Completion]:
     """The choices of a `/v1/completions` answer, ordered by `index`, with ids and logprobs checked."""
 
@@ -163,8 +171,8 @@ def parse_completions(body: Any, url: str, n: int) -> list[Completion]:
         try:
             completions.append(
                 Completion(
-                    token_ids=[int(t) for t in token_ids],
-                    logprobs=[float(lp) for lp in logprobs],
+                    token_ids=_as(int, token_ids),
+                    logprobs=_as(float, logprobs),
                     finish_reason=choice.get("finish_reason"),
                 )
             )
