@@ -49,6 +49,14 @@ def name(pid: int) -> str | None:
         return None
 
 
+def cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
 def cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds of the live processes, and of the children they have reaped."""
     total = 0.0

@@ -30,6 +30,7 @@ class RunnerSettings:
     environment_type: str = "LOOPBACK"  # where the Python workers run (LOOPBACK: in this process)
     # Flink with checkpointing only: how long the Impulse source stays up (see _flink_args).
     shutdown_sources_after_idle_ms: int = 30_000
+    jvm_heap_mb: int | None = None  # flink-local: the embedded Flink's JVM heap (-Xmx); None = Java's default
 
 
 def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> PipelineOptions:
@@ -60,6 +61,8 @@ def _flink_args(settings: RunnerSettings) -> list[str]:
         f"--flink_version={bootstrap.FLINK_VERSION}",
         f"--flink_job_server_jar={bootstrap.ensure_flink_job_server()}",
     ]
+    if settings.name == "flink-local" and settings.jvm_heap_mb:
+        args.append(f"--job_server_jvm_properties=-Xmx{settings.jvm_heap_mb}m")
     if settings.parallelism:
         args.append(f"--parallelism={settings.parallelism}")
     if settings.checkpointing_interval_ms:

@@ -6,6 +6,7 @@ RunSpec -> DispatchRollouts -> CompleteGroups -> ScoreGroups -> PackBatches -> W
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 
 import apache_beam as beam
@@ -38,12 +39,19 @@ def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PC
             | "WriteTrainBatches" >> WriteTrainBatches(spec.run_dir))
 
 
+_SAMPLE_BYTES_PER_TOKEN = 20  # five per-token arrays (17 bytes) and their pickling
+
+
 def runner_settings(config: RunConfig) -> RunnerSettings:
     r = config.runner
+    heap_mb = r.flink_local_heap_mb
+    if heap_mb is None:  # the packer's state holds up to ~2 steps of samples; checkpoints copy it
+        step_mb = config.batch.rollouts_per_step * config.model.max_context * _SAMPLE_BYTES_PER_TOKEN / 2**20
+        heap_mb = 512 + math.ceil(4 * step_mb)
     return RunnerSettings(name=r.name, flink_master=r.flink_master, parallelism=r.parallelism,
                           checkpointing_interval_ms=r.checkpointing_interval_ms, state_backend=r.state_backend,
                           state_backend_storage_path=r.state_backend_storage_path,
-                          shutdown_sources_after_idle_ms=r.shutdown_sources_after_idle_ms)
+                          shutdown_sources_after_idle_ms=r.shutdown_sources_after_idle_ms, jvm_heap_mb=heap_mb)
 
 
 class RolloutJob:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import os
 import shutil
 
 import pyarrow as pa
@@ -13,7 +14,8 @@ from beam_rl.config import config_from_dict
 from beam_rl.inference.server import EmbeddedServer
 from beam_rl.rundir import RunDir
 from beam_rl.tinymodel import tiny_model_dir
-from runners.pipeline import run_rollouts
+from bench import procs
+from runners.pipeline import run_rollouts, runner_settings
 
 PROMPTS, GROUP_SIZE, ROLLOUTS_PER_STEP = 32, 8, 64
 
@@ -74,6 +76,10 @@ def test_flink_local_with_checkpoints_keeps_every_group_exactly_once(servers, tm
                      runner_options={"checkpointing_interval_ms": 500, "shutdown_sources_after_idle_ms": 3000})
     run_rollouts(config, servers, with_trainer=False)
     _assert_every_group_once(RunDir(tmp_path))
+    # Beam keeps the job server (the embedded Flink) running: it was started with a bounded heap.
+    heap = f"-Xmx{runner_settings(config).jvm_heap_mb}m"
+    java = [pid for pid in procs.tree_pids(os.getpid()) if procs.name(pid) == "java"]
+    assert any(heap in procs.cmdline(pid) for pid in java), f"no java process runs with {heap}"
 
 
 def test_every_ok_rollout_is_trained_once_or_counted_as_filtered(finished_run):
