@@ -39,17 +39,39 @@ def bench_config(run_dir: str, urls: list[str], size: dict[str, Any], runner: st
     })
 
 
-def _watch(run_dir: RunDir, per_step: int, marks: list[int], pids: list[int] | None, exclude: set[int],
-           out: dict[int, int], stop: threading.Event) -> None:
-    """Record the orchestrator's RSS as committed rollouts cross each mark."""
-    pending = sorted(marks)
-    while pending:
-        committed = len(run_dir.committed_steps()) * per_step
-        while pending and committed >= pending[0]:
-            out[pending.pop(0)] = procs.rss_bytes(procs.tree_pids(os.getpid(), exclude))
-        if stop.is_set():  # looked once more after the run ended: the last mark lands then
-            return
-        stop.wait(0.05)
+class _CommitWatcher(threading.Thread):
+    """Follows the committed steps: the orchestrator's RSS as committed rollouts cross each mark, and
+    its CPU at the first and the latest commit (steady-state CPU, without the runner's start-up)."""
+
+    def __init__(self, run_dir: RunDir, per_step: int, marks: list[int], exclude: set[int]) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.per_step, self.exclude = run_dir, per_step, exclude
+        self.pending = sorted(marks)
+        self.rss: dict[int, int] = {}
+        self.cpu_at: list[tuple[int, float]] = []  # (rollouts committed, CPU s): first and latest commit
+        self.stop = threading.Event()
+        self._pids: list[int] | None = None
+
+    def run(self) -> None:
+        seen = 0
+        while True:
+            committed = len(self.run_dir.committed_steps()) * self.per_step
+            if committed > seen:
+                seen = committed
+                if self._pids is None:  # the tree is whole once a step is committed
+                    self._pids = procs.tree_pids(os.getpid(), self.exclude)
+                self.cpu_at[1:] = [(committed, procs.cpu_s(self._pids))]
+                while self.pending and committed >= self.pending[0]:
+                    self.rss[self.pending.pop(0)] = procs.rss_bytes(procs.tree_pids(os.getpid(), self.exclude))
+            if self.stop.is_set():  # looked once more after the run ended: the last mark lands then
+                return
+            self.stop.wait(0.05)
+
+    def steady_cpu_ms_per_rollout(self) -> float | None:
+        if len(self.cpu_at) < 2 or self.cpu_at[1][0] == self.cpu_at[0][0]:
+            return None
+        (first_n, first_cpu), (last_n, last_cpu) = self.cpu_at
+        return 1000 * (last_cpu - first_cpu) / (last_n - first_n)
 
 
 def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
@@ -61,17 +83,15 @@ def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
         config = bench_config(run_dir, urls, size, runner)
         exclude = set(server_pids)
         rundir = RunDir(run_dir)
-        rss: dict[int, int] = {}
-        stop = threading.Event()
         marks = [size["rss_warm_rollouts"], config.run.max_steps * per_step]
-        watcher = threading.Thread(target=_watch, args=(rundir, per_step, marks, None, exclude, rss, stop), daemon=True)
+        watcher = _CommitWatcher(rundir, per_step, marks, exclude)
         cpu0 = procs.cpu_s(procs.tree_pids(os.getpid(), exclude))
         server_cpu0 = procs.cpu_s(server_pids)
         t0 = time.time()
         watcher.start()
         run_rollouts(config, urls, with_trainer=False)
         wall = time.time() - t0
-        stop.set()
+        watcher.stop.set()
         watcher.join()
         cpu = procs.cpu_s(procs.tree_pids(os.getpid(), exclude)) - cpu0
         server_cpu = procs.cpu_s(server_pids) - server_cpu0
@@ -85,7 +105,8 @@ def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
         # the rate (first-to-last commit would overstate it when several steps commit at once).
         first_start = min(min(rundir.read_window(s).column("t_start").to_pylist()) for s in steps)
         sustained = rollouts / (committed_at[-1] - first_start)
-        warm, last = rss.get(marks[0]), rss.get(marks[1])
+        warm, last = watcher.rss.get(marks[0]), watcher.rss.get(marks[1])
+        steady_cpu = watcher.steady_cpu_ms_per_rollout()
         return {
             "runner": runner,
             "steps": len(steps),
@@ -94,12 +115,15 @@ def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
             "wall_s": round(wall, 3),
             "rollouts_per_s_wall": round(rollouts / wall, 1),
             "rollouts_per_s_sustained": round(sustained, 1) if sustained else None,
-            "orchestrator_cpu_ms_per_rollout": round(1000 * cpu / rollouts, 3),
+            # Steady state, first to last commit: like the sustained rate, without the runner's
+            # start-up (the loop's figure leaves out its set-up too); the whole run's is next to it.
+            "orchestrator_cpu_ms_per_rollout": round(steady_cpu, 3) if steady_cpu else None,
+            "orchestrator_cpu_ms_per_rollout_whole_run": round(1000 * cpu / rollouts, 3),
             "servers_cpu_ms_per_rollout": round(1000 * server_cpu / rollouts, 3),
             "commit_latency_s": {"p50": round(float(np.percentile(latency, 50)), 4),
                                  "p99": round(float(np.percentile(latency, 99)), 4),
                                  "max": round(float(latency.max()), 4)},
-            "rss_mb": {str(k): round(v / 2**20, 1) for k, v in sorted(rss.items())},
+            "rss_mb": {str(k): round(v / 2**20, 1) for k, v in sorted(watcher.rss.items())},
             "rss_growth_after_warmup": round((last - warm) / warm, 4) if warm and last else None,
         }
 
@@ -157,6 +181,7 @@ def measure(size: dict[str, Any], runners: list[str]) -> dict[str, Any]:
         run = pipeline_run(size, runner)
         rate = run["rollouts_per_s_sustained"] or run["rollouts_per_s_wall"]
         run["throughput_ratio_vs_loop"] = round(lower["rollouts_per_s"] / rate, 2)
-        run["cpu_ratio_vs_loop"] = round(run["orchestrator_cpu_ms_per_rollout"] / lower["cpu_ms_per_rollout"], 2)
+        cpu_ms = run["orchestrator_cpu_ms_per_rollout"] or run["orchestrator_cpu_ms_per_rollout_whole_run"]
+        run["cpu_ratio_vs_loop"] = round(cpu_ms / lower["cpu_ms_per_rollout"], 2)
         out["runners"][runner] = run
     return out
