@@ -41,14 +41,14 @@ def bench_config(run_dir: str, urls: list[str], size: dict[str, Any], runner: st
 
 class _CommitWatcher(threading.Thread):
     """Follows the committed steps: the orchestrator's RSS as committed rollouts cross each mark, and
-    its CPU at the first and the latest commit (steady-state CPU, without the runner's start-up)."""
+    its CPU at each commit (for the steady-state CPU per rollout)."""
 
     def __init__(self, run_dir: RunDir, per_step: int, marks: list[int], exclude: set[int]) -> None:
         super().__init__(daemon=True)
         self.run_dir, self.per_step, self.exclude = run_dir, per_step, exclude
         self.pending = sorted(marks)
         self.rss: dict[int, int] = {}
-        self.cpu_at: list[tuple[int, float]] = []  # (rollouts committed, CPU s): first and latest commit
+        self.cpu_at: list[tuple[int, float]] = []  # (rollouts committed, CPU s) at each commit seen
         self.stop = threading.Event()
         self._pids: list[int] | None = None
 
@@ -60,7 +60,7 @@ class _CommitWatcher(threading.Thread):
                 seen = committed
                 if self._pids is None:  # the tree is whole once a step is committed
                     self._pids = procs.tree_pids(os.getpid(), self.exclude)
-                self.cpu_at[1:] = [(committed, procs.cpu_s(self._pids))]
+                self.cpu_at.append((committed, procs.cpu_s(self._pids)))
                 while self.pending and committed >= self.pending[0]:
                     self.rss[self.pending.pop(0)] = procs.rss_bytes(procs.tree_pids(os.getpid(), self.exclude))
             if self.stop.is_set():  # looked once more after the run ended: the last mark lands then
@@ -68,9 +68,17 @@ class _CommitWatcher(threading.Thread):
             self.stop.wait(0.05)
 
     def steady_cpu_ms_per_rollout(self) -> float | None:
-        if len(self.cpu_at) < 2 or self.cpu_at[1][0] == self.cpu_at[0][0]:
+        """CPU per rollout from the commit at 10% of the run to the one at 90%. Both ends are then in
+        steady state, with as much work in flight (permits, groups on their way to the packer): from
+        the first commit on, the work buffered before it would be missing, and from the last one, the
+        final drain would be in."""
+        if not self.cpu_at:
             return None
-        (first_n, first_cpu), (last_n, last_cpu) = self.cpu_at
+        total = self.cpu_at[-1][0]
+        inside = [(n, cpu) for n, cpu in self.cpu_at if 0.1 * total <= n <= 0.9 * total]
+        if len(inside) < 2:
+            return None
+        (first_n, first_cpu), (last_n, last_cpu) = inside[0], inside[-1]
         return 1000 * (last_cpu - first_cpu) / (last_n - first_n)
 
 
@@ -115,8 +123,8 @@ def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
             "wall_s": round(wall, 3),
             "rollouts_per_s_wall": round(rollouts / wall, 1),
             "rollouts_per_s_sustained": round(sustained, 1) if sustained else None,
-            # Steady state, first to last commit: like the sustained rate, without the runner's
-            # start-up (the loop's figure leaves out its set-up too); the whole run's is next to it.
+            # Steady state (10% to 90% of the commits): without the runner's start-up, as the loop's
+            # figure leaves out its set-up; the whole run's is next to it.
             "orchestrator_cpu_ms_per_rollout": round(steady_cpu, 3) if steady_cpu else None,
             "orchestrator_cpu_ms_per_rollout_whole_run": round(1000 * cpu / rollouts, 3),
             "servers_cpu_ms_per_rollout": round(1000 * server_cpu / rollouts, 3),

@@ -34,7 +34,10 @@ def test_small_benchmark_reports_every_figure(tmp_path):
     assert pipe["lower_bound_loop"]["rollouts"] > 0 and pipe["lower_bound_loop"]["cpu_ms_per_rollout"] > 0
     direct = pipe["runners"]["direct"]
     assert direct["rollouts"] == pipe["lower_bound_loop"]["rollouts"]
-    assert direct["orchestrator_cpu_ms_per_rollout"] > 0 and direct["throughput_ratio_vs_loop"] > 0
+    # The steady-state CPU needs commits spread over the run; a small run may commit in a few bursts.
+    assert direct["orchestrator_cpu_ms_per_rollout"] is None or direct["orchestrator_cpu_ms_per_rollout"] > 0
+    assert direct["orchestrator_cpu_ms_per_rollout_whole_run"] > 0
+    assert direct["throughput_ratio_vs_loop"] > 0 and direct["cpu_ratio_vs_loop"] > 0
     assert set(figures["commit_latency"]["direct"]) == {"p50", "p99", "max"}
     assert figures["commit_latency"]["direct"]["p50"] >= 0
     memory = figures["memory"]["direct"]
