@@ -19,7 +19,14 @@ from beam_rl.advantages import AdvantageAlgorithm
 from beam_rl.filters import FilterCounts, RolloutFilter, apply_filters
 from beam_rl.packing import BatchCutter, pack_for_ranks
 from beam_rl.samples import samples_from_columns, samples_to_columns, trace_to_samples
-from beam_rl.types import MicroBatch, Rollout, RolloutRecord, RolloutStatus, Sample, TrainBatch
+from beam_rl.types import (
+    MicroBatch,
+    Rollout,
+    RolloutRecord,
+    RolloutStatus,
+    Sample,
+    TrainBatch,
+)
 
 
 @dataclass

@@ -23,7 +23,6 @@ from transforms.pack import PackBatches, forget_packer
 from transforms.score import ScoreGroups
 from transforms.write import WriteTrainBatches
 
-
 _LOG = logging.getLogger(__name__)
 
 

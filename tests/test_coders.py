@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-from typing import List
 
 import apache_beam as beam
 import numpy as np
@@ -34,7 +33,7 @@ def test_the_registry_gives_domain_values_the_domain_coder():
     for hint in (Rollout, ScoredGroup, EndOfInput, PackerItem):
         assert isinstance(registry.get_coder(hint), DomainCoder)
     # Type hints are converted so when a transform declares them (with_output_types).
-    listed = registry.get_coder(convert_to_beam_type(List[Rollout]))
+    listed = registry.get_coder(convert_to_beam_type(list[Rollout]))
     assert isinstance(listed, beam.coders.ListCoder) and isinstance(listed.value_coder(), DomainCoder)
 
 

@@ -11,8 +11,8 @@ import apache_beam as beam
 import pytest
 from apache_beam.options.pipeline_options import PortableOptions
 
-from bench import overhead, procs
 from beam_rl.config import config_from_dict
+from bench import overhead, procs
 from runners.options import JOB_SERVER_TIMEOUT_S, RunnerSettings, pipeline_options
 from runners.pipeline import runner_settings
 
