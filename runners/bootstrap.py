@@ -71,6 +71,9 @@ def ensure_prism(version: str = BEAM_VERSION) -> Path:
     """The Prism binary for `version`, built on first use from Beam's Go module with our fixes applied
     (`runners/prism_patches/`: two scheduling loops that each kept a core busy while a job ran).
     The cache path names the patches (`prism_path`), so changing them builds a new binary."""
+    if not PRISM_PATCHES:
+        raise BootstrapError(f"no Prism patches in {Path(__file__).parent / 'prism_patches'}: a stock Prism "
+                             "would keep a core busy; reinstall beam-rl from its source tree")
     target = prism_path(version)
     if target.is_file():
         return target

@@ -99,6 +99,13 @@ def test_missing_go_is_a_clear_error(tmp_path, monkeypatch):
         bootstrap.ensure_prism()
 
 
+def test_prism_is_never_built_without_its_patches(tmp_path, monkeypatch):
+    monkeypatch.setenv("BEAM_RL_CACHE", str(tmp_path))
+    monkeypatch.setattr(bootstrap, "PRISM_PATCHES", [])  # e.g. an install that left the patch files out
+    with pytest.raises(bootstrap.BootstrapError, match="no Prism patches"):
+        bootstrap.ensure_prism()
+
+
 def test_missing_java_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("BEAM_RL_CACHE", str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))
