@@ -12,7 +12,7 @@ import gc
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from beam_rl import components
 from beam_rl.config import RunConfig
@@ -69,17 +69,29 @@ class EndOfInput:
 
 
 @dataclass
+class _HeldBack:
+    """How long admission has been held back for one reason, in total."""
+
+    total_s: float = 0.0
+    since: float | None = None
+
+    def note(self, held: bool) -> None:
+        now = time.monotonic()
+        if self.since is not None:
+            self.total_s += now - self.since
+        self.since = now if held else None
+
+
+@dataclass
 class _Progress:
     admitted: int = 0
     cancelled_stale: int = 0
     skipped_consumed: int = 0
     all_down_since: float | None = None
-    trainer_wait_s: float = 0.0
-    gated_since: float | None = None
+    for_trainer: _HeldBack = field(default_factory=_HeldBack)  # the pipeline waiting on training
+    for_sink: _HeldBack = field(default_factory=_HeldBack)  # the packer behind (_sink_is_behind)
     emitted_rollouts: int = 0
     emitted_groups: int = 0
-    waited_for_sink_s: float = 0.0
-    sink_gated_since: float | None = None
     stopped: bool = False
     last_committed: int = 0
     last_stop_check: float = 0.0
@@ -134,8 +146,7 @@ class RolloutSource:
         self._consumed = self.schedule.positions_of(self._run_dir.consumed_offsets())
         self._eval = config.eval
         self._eval_rounds: dict[int, EvalRound] = {}
-        last = spec.first_step - 1
-        self._next_eval = (last // config.eval.every_steps + 1) * config.eval.every_steps if config.eval.every_steps else None
+        self._next_eval = self._first_eval_after(spec.first_step - 1)
         self._weights.poll()  # servers start on the newest published policy, not the initial one
         self._partial: dict[str, list[Rollout]] = {}  # group id -> its finished rollouts so far
         self._outstanding: dict[str, int] = {}  # admitted group id -> its position, until poll returns it
@@ -155,9 +166,7 @@ class RolloutSource:
         at_start = self.schedule.positions_of(self._run_dir.consumed_offsets(before_step=self.spec.first_step))
         self._progress.admitted = sum(1 for p in range(restored.start) if p not in at_start) - len(restored.redo)
         self._progress.last_committed = self._run_dir.last_committed_step() or 0
-        last = self._progress.last_committed
-        if self._next_eval is not None:
-            self._next_eval = (last // self._eval.every_steps + 1) * self._eval.every_steps
+        self._next_eval = self._first_eval_after(self._progress.last_committed)
         for position in restored.redo:
             self.admit(position)
         self._claimed = restored.start  # everything before the restored restriction was claimed
@@ -199,7 +208,7 @@ class RolloutSource:
             producing = self._progress.last_committed + 1  # the step groups admitted now will likely train
             lag = producing - 1 - self.policy_version()
             waiting = lag > self._off_policy.max_async_level
-            self._account_trainer_wait(waiting)
+            self._progress.for_trainer.note(waiting)
             self.waiting_for_trainer = waiting
             if len(self._dispatcher.inflight_groups()) >= self._max_groups_out:
                 return False
@@ -208,24 +217,19 @@ class RolloutSource:
         return self._dispatcher.pending_groups() < self._backlog_groups
 
     def _sink_is_behind(self) -> bool:
-        """Backpressure from the packer: at most MAX_GROUPS_IN_TRANSIT groups emitted but not yet taken
-        in by it, so a pipeline slower than inference queues neither memory nor latency. Where
-        the packer runs in another process its intake is unknown here and this never holds back."""
+        """Backpressure from the packer: at most `_max_groups_in_transit` groups (MIN_GROUPS_IN_TRANSIT,
+        or two steps' worth if more) emitted but not yet taken in by it, so a pipeline slower than
+        inference queues neither memory nor latency. Where the packer runs in another process its
+        intake is unknown here and this never holds back."""
         packed = packed_groups(self.spec.run_id)
         behind = packed is not None and self._progress.emitted_groups - packed >= self._max_groups_in_transit
-        progress, now = self._progress, time.monotonic()
-        if progress.sink_gated_since is not None:
-            progress.waited_for_sink_s += now - progress.sink_gated_since
-        progress.sink_gated_since = now if behind else None
+        self._progress.for_sink.note(behind)
         return behind
 
-    def _account_trainer_wait(self, waiting: bool) -> None:
-        """Total time admission was held back for the trainer (the pipeline waiting on training)."""
-        now = time.monotonic()
-        progress = self._progress
-        if progress.gated_since is not None:
-            progress.trainer_wait_s += now - progress.gated_since
-        progress.gated_since = now if waiting else None
+    def _first_eval_after(self, step: int) -> int | None:
+        """The first step after `step` that eval.every_steps divides (None: no evaluation)."""
+        every = self._eval.every_steps
+        return (step // every + 1) * every if every else None
 
     def _maybe_start_eval(self) -> None:
         """Every eval.every_steps committed steps, the held-out split goes through the dispatcher."""
@@ -337,8 +341,8 @@ class RolloutSource:
             "updated_at": time.time(),
             "policy_version": self.policy_version(),
             "waiting_for_trainer": self.waiting_for_trainer,
-            "waited_for_trainer_s": round(progress.trainer_wait_s, 3),
-            "waited_for_sink_s": round(progress.waited_for_sink_s, 3),
+            "waited_for_trainer_s": round(progress.for_trainer.total_s, 3),
+            "waited_for_sink_s": round(progress.for_sink.total_s, 3),
             "groups_admitted": progress.admitted,
             "rollouts_emitted": progress.emitted_rollouts,
             "cancelled_stale_groups": progress.cancelled_stale,
