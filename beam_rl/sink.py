@@ -131,11 +131,8 @@ class BatchBuilder:
         and never give out a committed step number again (`next_step`: the run directory's next);
         returns how many groups were dropped. For a packer restored from a checkpoint older than the
         run directory, which is never rolled back."""
-        def committed(records) -> bool:
-            return any((r.env_name, r.epoch, r.index) in consumed for r in records)
-
-        dropped = {r.group_id for r in self._window if (r.env_name, r.epoch, r.index) in consumed}
-        dropped |= {g.group_id for g in self._pending if committed(g.clean)}
+        dropped = {r.group_id for r in self._window if r.prompt_offset in consumed}
+        dropped |= {g.group_id for g in self._pending if any(r.prompt_offset in consumed for r in g.clean)}
         self._pending = [g for g in self._pending if g.group_id not in dropped]
         self._window = [r for r in self._window if r.group_id not in dropped]
         self._window_groups = [g for g in self._window_groups if g not in dropped]

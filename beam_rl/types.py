@@ -92,6 +92,11 @@ class Rollout:
         return self.status is RolloutStatus.OK
 
     @property
+    def prompt_offset(self) -> tuple[str, int, int]:
+        """(env, epoch, index) of the prompt answered: what a committed step records as consumed."""
+        return self.env_name, self.epoch, self.index
+
+    @property
     def truncated(self) -> bool:
         return bool(self.turns) and self.turns[-1].truncated
 
@@ -154,6 +159,7 @@ class RolloutRecord:
 
     rollout_id = Rollout.rollout_id
     ok = Rollout.ok
+    prompt_offset = Rollout.prompt_offset
 
     def record(self) -> RolloutRecord:
         return self

@@ -173,7 +173,7 @@ def plain_loop(size: dict[str, Any]) -> dict[str, Any]:
                                 config.inference.temperature)
             rollouts += len(group.rollouts)
             for batch in builder.add(group):
-                rundir.write_step(batch, offsets={(r.env_name, r.epoch, r.index) for r in batch.rollouts},
+                rundir.write_step(batch, offsets={r.prompt_offset for r in batch.rollouts},
                                   window=batch.rollouts, extra={"last_rollout_finished_at": time.time()})
                 steps += 1
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0

@@ -67,6 +67,9 @@ class _PackFn(beam.DoFn):
         self._run_dir = run_dir
         self._state_is_durable = config.runner.name != "direct"  # Flink: Beam state is never reset
 
+    def _new_packer(self) -> _PackerState:
+        return _PackerState(components.batch_builder(self._config, self._first_step, self._check_staleness))
+
     def _current(self, durable: _PackerState | None, pending) -> tuple[_PackerState, bool]:
         """The packer to continue from, and whether Beam's copy was behind (and must be rewritten)."""
         mirror = _MIRRORS.get(self._run_id)
@@ -78,7 +81,7 @@ class _PackFn(beam.DoFn):
             beam.metrics.Metrics.counter("beam_rl", "packer_state_restored_from_mirror").inc()
             return mirror, True
         if durable is None:
-            return _PackerState(components.batch_builder(self._config, self._first_step, self._check_staleness)), False
+            return self._new_packer(), False
         durable.builder.restore_pending(list(pending.read()))
         return durable, False
 
@@ -87,7 +90,7 @@ class _PackFn(beam.DoFn):
         since that checkpoint stay committed (the run directory is never rolled back), so the groups
         they hold are dropped and their step numbers are not given out again."""
         if durable is None:
-            packer = _PackerState(components.batch_builder(self._config, self._first_step, self._check_staleness))
+            packer = self._new_packer()
         else:
             packer = durable
             packer.builder.restore_pending(list(pending.read()))

@@ -27,7 +27,7 @@ class _WriteStepFn(beam.DoFn):
                                    f"produced: committed {committed}, replay {list(batch.group_ids)}")
             beam.metrics.Metrics.counter("beam_rl", "steps_replayed").inc()
             return
-        offsets = sorted({(r.env_name, r.epoch, r.index) for r in batch.rollouts})
+        offsets = sorted({r.prompt_offset for r in batch.rollouts})
         last_finished = max((r.t_end for r in batch.rollouts), default=0.0)
         self._dir.write_step(batch, offsets=offsets, window=batch.rollouts,
                              extra={"last_rollout_finished_at": last_finished})
