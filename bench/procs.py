@@ -49,6 +49,11 @@ def name(pid: int) -> str | None:
         return None
 
 
+def descendants_named(command: str) -> list[int]:
+    """This process's descendants whose command name is `command` (e.g. "prism", "java")."""
+    return [pid for pid in tree_pids(os.getpid()) if name(pid) == command]
+
+
 def cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

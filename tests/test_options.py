@@ -41,10 +41,6 @@ def test_a_job_outliving_the_job_server_timeout_fails_so_ours_is_days():
     assert JOB_SERVER_TIMEOUT_S >= 30 * 24 * 3600
 
 
-def _prism_pids() -> list[int]:
-    return [pid for pid in procs.tree_pids(os.getpid()) if procs.name(pid) == "prism"]
-
-
 def test_prism_does_not_spin_while_a_rollout_run_runs():
     """Stock Prism 2.62 (and 2.70, 2.75) keeps a core busy for as long as a job runs: a bundle's
     progress loop selects on a data channel that is closed once its outputs are in, and the
@@ -53,13 +49,13 @@ def test_prism_does_not_spin_while_a_rollout_run_runs():
     size = {"rollouts_per_step": 256, "group_size": 8, "pipeline_rollouts": 4096, "tokens": 64,
             "pipeline_permits": 256, "pipeline_servers": 2, "rss_warm_rollouts": 1024}
     # Beam keeps the job server (Prism) of an earlier job in this process: count CPU from now on.
-    start_cpu = {pid: procs.cpu_s([pid]) for pid in _prism_pids()}
+    start_cpu = {pid: procs.cpu_s([pid]) for pid in procs.descendants_named("prism")}
     latest: dict[int, float] = {}
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            for pid in _prism_pids():
+            for pid in procs.descendants_named("prism"):
                 latest[pid] = procs.cpu_s([pid])
             done.wait(0.2)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import gc
-import os
 import shutil
 
 import pyarrow as pa
@@ -78,8 +77,8 @@ def test_flink_local_with_checkpoints_keeps_every_group_exactly_once(servers, tm
     _assert_every_group_once(RunDir(tmp_path))
     # Beam keeps the job server (the embedded Flink) running: it was started with a bounded heap.
     heap = f"-Xmx{runner_settings(config).jvm_heap_mb}m"
-    java = [pid for pid in procs.tree_pids(os.getpid()) if procs.name(pid) == "java"]
-    assert any(heap in procs.cmdline(pid) for pid in java), f"no java process runs with {heap}"
+    assert any(heap in procs.cmdline(pid) for pid in procs.descendants_named("java")), \
+        f"no java process runs with {heap}"
 
 
 def test_every_ok_rollout_is_trained_once_or_counted_as_filtered(finished_run):
