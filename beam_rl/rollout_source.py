@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from beam_rl import components
 from beam_rl.config import RunConfig
 from beam_rl.evaluation import EvalRound, eval_groups
+from beam_rl.rewards import assign_rewards
 from beam_rl.rundir import RunDir
 from beam_rl.schedule import EnvSchedule, PromptSchedule
 from beam_rl.types import Rollout
@@ -246,6 +247,7 @@ class RolloutSource:
         self._next_eval += self._eval.every_steps
 
     def _collect_eval(self, group: list[Rollout]) -> None:
+        assign_rewards(group, self.envs[group[0].env_name])
         after_step = int(group[0].group_id.split("/", 1)[0].split("@", 1)[1])
         round_ = self._eval_rounds[after_step]
         round_.rollouts += group

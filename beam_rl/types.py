@@ -67,7 +67,9 @@ class Rollout:
     group_size: int
     prompt_ids: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
-    reward: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)  # what the environment's turn loop recorded for its reward
+    row: dict[str, Any] = field(default_factory=dict)  # the dataset row: the scoring stage's reward reads it
+    reward: float = 0.0  # set by the scoring stage
     status: RolloutStatus = RolloutStatus.OK
     errors: list[str] = field(default_factory=list)
     policy_version_start: int = 0

@@ -15,6 +15,7 @@ import numpy as np
 
 from beam_rl import components
 from beam_rl.config import RunConfig, config_from_dict
+from beam_rl.envs.base import Trajectory
 from beam_rl.inference.generator import GenerationParams, InstantGenerator
 from beam_rl.rundir import RunDir
 from beam_rl.sink import score_group
@@ -144,12 +145,14 @@ def instant_rollouts(config: RunConfig, env: Any, generator: InstantGenerator, p
     n = request.group_size
     state = generator.start(GenerationParams(tuple(prompt), n=n, max_tokens=config.inference.max_tokens, seed=position))
     now = time.time()
-    return [
-        Rollout(group_id=request.group_id, env_name=request.env_name, attempt=i, group_size=n, prompt_ids=list(prompt),
-                turns=[Turn(c.token_ids, c.logprobs, c.finish_reason)], reward=env.reward(request.row, env.decode(c.token_ids)),
-                t_start=now, t_end=now, epoch=request.epoch, index=request.index)
-        for i, c in enumerate(state.choices)
-    ]
+    rollouts = []
+    for i, c in enumerate(state.choices):
+        turns = [Turn(c.token_ids, c.logprobs, c.finish_reason)]
+        rollouts.append(Rollout(
+            group_id=request.group_id, env_name=request.env_name, attempt=i, group_size=n, prompt_ids=list(prompt),
+            turns=turns, reward=env.reward(request.row, Trajectory(turns)), t_start=now, t_end=now,
+            epoch=request.epoch, index=request.index))
+    return rollouts
 
 
 def plain_loop(size: dict[str, Any]) -> dict[str, Any]:

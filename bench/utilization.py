@@ -38,13 +38,13 @@ class SyntheticEnv(Environment):
     def render_prompt(self, row: dict[str, Any]) -> list[int]:
         return list(row["prompt_ids"])
 
-    def reward(self, row: dict[str, Any], completion_text: str) -> float:
-        return 0.0
+    def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float:
+        return float(len(trajectory.turns[0].completion_ids) % 7)
 
     async def run(self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int],
                   sampling: SamplingParams) -> Trajectory:
         (c,) = await client.complete(prompt_ids, sampling, n=1)
-        return Trajectory([Turn(c.token_ids, c.logprobs, c.finish_reason)], float(len(c.token_ids) % 7))
+        return Trajectory([Turn(c.token_ids, c.logprobs, c.finish_reason)])
 
 
 class RoundRobinDispatcher(Dispatcher):

@@ -18,7 +18,7 @@ from beam_rl.dispatch import (
     ServerPool,
     rollout_seed,
 )
-from beam_rl.envs.base import Completion, Environment, SamplingParams
+from beam_rl.envs.base import Completion, Environment, SamplingParams, Trajectory
 from beam_rl.inference.client import (
     InferenceConnectionError,
     InferenceHTTPError,
@@ -102,8 +102,8 @@ class FakeEnv(Environment):
     def decode(self, token_ids: list[int]) -> str:
         return " ".join(map(str, token_ids))
 
-    def reward(self, row: dict[str, Any], completion_text: str) -> float:
-        return 1.0 if completion_text.startswith("7 ") else 0.0
+    def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float:
+        return 1.0 if self.final_text(trajectory).startswith("7 ") else 0.0
 
 
 class Source:
@@ -457,7 +457,8 @@ def test_rollout_carries_group_prompt_trajectory_and_provenance():
         assert [(t.completion_ids, t.logprobs, t.finish_reason) for t in r.turns] == [
             ([7, 8, 2], [-0.1, -0.2, -0.3], "stop")
         ]
-        assert r.reward == 1.0 and r.ok and r.errors == []
+        # Generation only: the row travels with the rollout, and the scoring stage rewards it.
+        assert r.row == {"q": 5} and r.reward == 0.0 and r.ok and r.errors == []
         assert r.server == "http://s0" and r.temperature == 0.7
         assert 0 < r.t_start <= r.t_end
 
@@ -764,7 +765,7 @@ def test_thread_host_with_real_clients_against_a_stub_server():
         server_thread.join(10)
         loop.close()
     r = got[make_group_id(0, 2), 1]
-    assert r.ok and r.server == url and r.prompt_ids == [102, 1] and r.reward == 1.0
+    assert r.ok and r.server == url and r.prompt_ids == [102, 1] and r.row == {"q": 2}
     assert [(t.completion_ids, t.logprobs) for t in r.turns] == [([7, 102], [-0.5, -0.25])]
     assert sorted(b["seed"] for b in seen) == sorted(
         rollout_seed(1, make_group_id(0, g), a) for g in range(4) for a in range(2)

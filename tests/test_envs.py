@@ -15,7 +15,8 @@ import beam_rl.envs as envs
 from beam_rl.datasets import DatasetError
 from beam_rl.envs import ENVIRONMENTS, make_env, register_env
 from beam_rl.envs.arithmetic import Arithmetic, ArithmeticEasy, first_integer
-from beam_rl.envs.base import Completion, Environment, SamplingParams, chat_prompt_ids
+from beam_rl.envs.base import Completion, Environment, SamplingParams, Trajectory, chat_prompt_ids
+from beam_rl.types import Turn
 from beam_rl.envs.data import make_datasets
 from beam_rl.envs.guess_number import CORRECT, HIGHER, LOWER, NO_GUESS, GuessNumber, hint
 from beam_rl.envs.reverse_text import ReverseText, similarity
@@ -53,6 +54,12 @@ class ScriptedClient:
     @property
     def prompts(self) -> list[list[int]]:
         return [call[0] for call in self.calls]
+
+
+def answer(tok: Any, text: str) -> Trajectory:
+    """A single-turn trajectory whose completion is `text` (tokenized, no EOS)."""
+    token_ids = ids(tok, text)
+    return Trajectory([Turn(token_ids, [-0.1] * len(token_ids), "stop")])
 
 
 def completion(tok: Any, text: str, stop: bool = True) -> Completion:
@@ -240,9 +247,9 @@ def test_first_integer(text: str, value: int | None) -> None:
 )
 def test_arithmetic_reward(tok: Any, text: str, plain: float, easy: float) -> None:
     row = {"question": "12 + 7", "answer": "19"}
-    assert make_env("arithmetic", tok).reward(row, text) == plain
-    assert make_env("arithmetic", tok, partial_credit=0.1).reward(row, text) == easy
-    assert make_env("arithmetic", tok).reward({"question": "2 - 5", "answer": "-3"}, "-3") == 1.0
+    assert make_env("arithmetic", tok).reward(row, answer(tok, text)) == plain
+    assert make_env("arithmetic", tok, partial_credit=0.1).reward(row, answer(tok, text)) == easy
+    assert make_env("arithmetic", tok).reward({"question": "2 - 5", "answer": "-3"}, answer(tok, "-3")) == 1.0
 
 
 def test_arithmetic_rejects_partial_credit_outside_unit_interval(tok: Any) -> None:
@@ -257,7 +264,7 @@ def test_arithmetic_rejects_partial_credit_outside_unit_interval(tok: Any) -> No
     [("olleh", 1.0), (" olleh\n", 1.0), ("oll", 2 * 3 / 8), ("hello", 2 * 2 / 10), ("xyz", 0.0), ("", 0.0)],
 )
 def test_reverse_text_reward(tok: Any, text: str, expected: float) -> None:
-    assert make_env("reverse_text", tok).reward({"text": "hello"}, text) == pytest.approx(expected)
+    assert make_env("reverse_text", tok).reward({"text": "hello"}, answer(tok, text)) == pytest.approx(expected)
     assert similarity(text.strip(), "olleh") == pytest.approx(expected)
 
 
@@ -267,7 +274,7 @@ def test_reward_reads_the_completion_only_up_to_eos(tok: Any) -> None:
     assert env.decode(token_ids) == "olleh"
     client = ScriptedClient([Completion(token_ids, [-0.1] * len(token_ids), "stop")])
     trajectory = asyncio.run(env.run(client, {"text": "hello"}, [1, 2, 3], SamplingParams()))
-    assert trajectory.reward == 1.0
+    assert env.reward({"text": "hello"}, trajectory) == 1.0
     assert trajectory.turns[0].completion_ids == token_ids  # the trajectory keeps every id as returned
 
 
@@ -280,7 +287,7 @@ def test_run_group_asks_for_n_choices_in_one_request(tok: Any) -> None:
     sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
     trajectories = asyncio.run(env.run_group(client, row, prompt_ids, sampling, n=4))
     assert client.calls == [(prompt_ids, sampling, 4)]
-    assert [t.reward for t in trajectories] == [1.0, 0.1, 0.0, 1.0]
+    assert [env.reward(row, t) for t in trajectories] == [1.0, 0.1, 0.0, 1.0]
     assert [t.turns[0].completion_ids for t in trajectories] == [ids(tok, x) + [tok.eos_token_id] for x in texts]
     assert all(t.turns[0].env_ids == [] and t.turns[0].finish_reason == "stop" for t in trajectories)
 
@@ -296,8 +303,10 @@ def test_hint(guess: int | None, expected: str) -> None:
 def test_game_reward_scales_down_by_turns(tok: Any) -> None:
     env = make_env("guess_number", tok, max_turns=4)
     assert [env.game_reward(k) for k in (1, 2, 3, 4)] == [1.0, 0.75, 0.5, 0.25]
-    assert env.reward({"secret": 7, "low": 1, "high": 10}, "7") == 1.0
-    assert env.reward({"secret": 7, "low": 1, "high": 10}, "6") == 0.0
+    row = {"secret": 7, "low": 1, "high": 10}
+    assert env.reward(row, Trajectory([], {"found_on_turn": 1})) == 1.0
+    assert env.reward(row, Trajectory([], {"found_on_turn": 3})) == 0.5
+    assert env.reward(row, Trajectory([])) == 0.0
 
 
 def play(tok: Any, env: GuessNumber, *responses: Completion, sampling: SamplingParams | None = None):
@@ -329,7 +338,7 @@ def test_each_turn_continues_the_exact_ids_of_the_last(tok: Any) -> None:
     ]
     assert client.prompts[2] == tok.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False)
     # Found on turn 3 of 5.
-    assert trajectory.reward == pytest.approx(3 / 5)
+    assert env.reward(ROW, trajectory) == pytest.approx(3 / 5)
 
 
 def test_generated_ids_are_never_retokenized(tok: Any) -> None:
@@ -360,7 +369,7 @@ def test_game_ends_on_correct(tok: Any) -> None:
     env = make_env("guess_number", tok, max_turns=5)
     trajectory, client, _ = play(tok, env, completion(tok, "2"), completion(tok, "7"), completion(tok, "7"))
     assert len(client.calls) == 2 and len(trajectory.turns) == 2
-    assert trajectory.reward == pytest.approx(4 / 5)
+    assert env.reward(ROW, trajectory) == pytest.approx(4 / 5)
 
 
 def test_game_stops_after_max_turns_with_zero_reward(tok: Any) -> None:
@@ -369,7 +378,7 @@ def test_game_stops_after_max_turns_with_zero_reward(tok: Any) -> None:
         tok, env, completion(tok, "1"), completion(tok, "I think"), completion(tok, "2"), completion(tok, "7")
     )
     assert len(client.calls) == 3 and len(trajectory.turns) == 3
-    assert trajectory.reward == 0.0
+    assert env.reward(ROW, trajectory) == 0.0
     assert trajectory.turns[2].env_ids == hint_ids(tok, NO_GUESS)
 
 
@@ -393,7 +402,7 @@ def test_max_context_stops_the_game_and_caps_max_tokens(tok: Any) -> None:
     assert len(client.calls) == 2 and len(trajectory.turns) == 2
     assert [call[1].max_tokens for call in client.calls] == [8, 3]
     assert max(len(p) for p in client.prompts) < max_context
-    assert trajectory.reward == 0.0
+    assert env.reward(ROW, trajectory) == 0.0
 
     with pytest.raises(ValueError, match="leaves no room under max_context"):
         play(tok, make_env("guess_number", tok, max_context=prompt_len), guess)

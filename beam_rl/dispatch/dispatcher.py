@@ -224,10 +224,10 @@ class Dispatcher:
             self.pool.record_success(launch.server)
             try:
                 for rollout, trajectory in zip(rollouts, task.result(), strict=True):
-                    rollout.turns, rollout.reward = list(trajectory.turns), float(trajectory.reward)
+                    rollout.turns, rollout.info = list(trajectory.turns), dict(trajectory.info)
             except Exception as exc:  # a malformed trajectory must not lose the rollout
                 for rollout in rollouts:
-                    rollout.turns, rollout.reward = [], 0.0
+                    rollout.turns, rollout.info = [], {}
                     rollout.capture_error(f"BadTrajectory: {type(exc).__name__}: {exc}")
             for rollout in rollouts:
                 if rollout.ok and (rollout.num_turns == 0 or rollout.completion_tokens == 0):
@@ -262,6 +262,7 @@ class Dispatcher:
             t_start=t_start,
             t_end=t_end,
             temperature=sampling.temperature,
+            row=request.row,
             epoch=request.epoch,
             index=request.index,
             is_eval=request.is_eval,

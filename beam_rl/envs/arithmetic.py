@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from beam_rl.datasets import BadRows, PromptText
 from beam_rl.envs import register_env
-from beam_rl.envs.base import DatasetEnvironment, chat_prompt_ids
+from beam_rl.envs.base import DatasetEnvironment, Trajectory, chat_prompt_ids
 
 # ASCII digits only, with an optional minus sign glued to them: "-3" is -3, "5-3" starts with 5,
 # "7.5" starts with 7. Unicode digits (str.isdigit) are not answers to an ASCII question.
@@ -84,8 +84,8 @@ class Arithmetic(DatasetEnvironment):
         content = self.PROMPT.format(question=row["question"])
         return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": content}])
 
-    def reward(self, row: dict[str, Any], completion_text: str) -> float:
-        predicted = first_integer(completion_text)
+    def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float:
+        predicted = first_integer(self.final_text(trajectory))
         if predicted is None:
             return 0.0
         return 1.0 if predicted == int(row["answer"]) else self.partial_credit

@@ -1,15 +1,16 @@
-"""What an environment is: a dataset, a prompt renderer, a reward, and (optionally) a turn loop.
+"""What an environment is: a dataset, a prompt renderer, a turn loop, and a reward.
 
-The dispatcher only calls `run` (one trajectory) or `run_group` (all of a group's trajectories in
-one request, sharing the prompt's prefill). Both return `Trajectory` objects; the dispatcher turns
-them into `Rollout`s and stamps versions, servers and timings.
+Generation and scoring are separate stages. The dispatcher calls `run` (one trajectory) or `run_group`
+(all of a group's trajectories in one request, sharing the prompt's prefill) and turns the returned
+`Trajectory` objects into `Rollout`s; the scoring stage, possibly in another worker process, later calls
+`reward(row, trajectory)` on an environment built from the same config.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,8 +48,17 @@ class CompletionClient(Protocol):
 
 @dataclass
 class Trajectory:
+    """What generation produced: the model's turns, plus `info`, the JSON-able facts the environment's
+    turn loop learned that its reward needs (it travels with the rollout to the scoring stage)."""
+
     turns: list[Turn] = field(default_factory=list)
-    reward: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class RewardUnavailable(Exception):
+    """The reward could not be computed for a reason outside the policy's control (a sandbox or judge
+    that failed, timed out or answered nonsense): the rollout is left out of its group's advantages
+    rather than scored 0."""
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -85,13 +95,18 @@ class Environment(abc.ABC):
         """The prompt's token ids, rendered with the tokenizer's chat template."""
 
     @abc.abstractmethod
-    def reward(self, row: dict[str, Any], completion_text: str) -> float:
-        """Score one (final) answer."""
+    def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float | Awaitable[float]:
+        """Score one trajectory (a plain or an `async` method). Raise RewardUnavailable when the score
+        cannot be known for reasons that are not the policy's fault."""
 
     def stop_token_ids(self) -> list[int]:
         """Generation stops at the end of the assistant's message (the tokenizer's eos)."""
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return [eos] if eos is not None else []
+
+    def final_text(self, trajectory: Trajectory) -> str:
+        """The text of the last turn's completion up to its first EOS: a single-turn answer."""
+        return self.decode(trajectory.turns[-1].completion_ids) if trajectory.turns else ""
 
     def decode(self, token_ids: list[int]) -> str:
         """The completion's text up to its first EOS: what a model writes after EOS is not its answer."""
@@ -122,8 +137,7 @@ class Environment(abc.ABC):
         return [self._single_turn(row, c) for c in completions]
 
     def _single_turn(self, row: dict[str, Any], completion: Completion) -> Trajectory:
-        turn = Turn(completion.token_ids, completion.logprobs, completion.finish_reason)
-        return Trajectory([turn], self.reward(row, self.decode(completion.token_ids)))
+        return Trajectory([Turn(completion.token_ids, completion.logprobs, completion.finish_reason)])
 
 
 class DatasetEnvironment(Environment):

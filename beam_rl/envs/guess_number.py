@@ -111,9 +111,10 @@ class GuessNumber(DatasetEnvironment):
         """The reward for finding the secret on 1-based `turn`."""
         return (self.max_turns - turn + 1) / self.max_turns
 
-    def reward(self, row: dict[str, Any], completion_text: str) -> float:
-        """The reward of a game whose first guess is `completion_text`, if it were also its last."""
-        return self.game_reward(1) if first_integer(completion_text) == row["secret"] else 0.0
+    def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float:
+        """game_reward of the turn the secret was found on (the turn loop records it), else 0."""
+        found = trajectory.info.get("found_on_turn")
+        return self.game_reward(found) if found is not None else 0.0
 
     def hint_ids(self, hint_text: str, close_turn: bool) -> list[int]:
         """Token ids that answer the model and open its next turn.
@@ -157,9 +158,9 @@ class GuessNumber(DatasetEnvironment):
             context += completion_ids
             guess = first_integer(self.decode(completion_ids))
             if guess == secret:
-                return Trajectory(turns, self.game_reward(turn))
+                return Trajectory(turns, {"found_on_turn": turn})
             if turn < self.max_turns:
                 closed = bool(completion_ids) and completion_ids[-1] == self._im_end_id
                 env_ids = self.hint_ids(hint(guess, secret), close_turn=not closed)
                 context += env_ids
-        return Trajectory(turns, 0.0)
+        return Trajectory(turns)

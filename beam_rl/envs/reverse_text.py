@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 from beam_rl.datasets import PromptText
 from beam_rl.envs import register_env
-from beam_rl.envs.base import DatasetEnvironment, chat_prompt_ids
+from beam_rl.envs.base import DatasetEnvironment, Trajectory, chat_prompt_ids
 
 
 class ReverseTextRow(BaseModel):
@@ -44,6 +44,6 @@ class ReverseText(DatasetEnvironment):
         content = self.PROMPT.format(text=row["text"])
         return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": content}])
 
-    def reward(self, row: dict[str, Any], completion_text: str) -> float:
+    def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float:
         # Surrounding whitespace is formatting (a newline after the assistant header), not content.
-        return similarity(completion_text.strip(), row["text"][::-1])
+        return similarity(self.final_text(trajectory).strip(), row["text"][::-1])
