@@ -64,6 +64,14 @@ def build_schedule(config: RunConfig, envs: dict[str, Environment], split: str |
     ])
 
 
+def eval_schedule(config: RunConfig, envs: dict[str, Environment]) -> PromptSchedule:
+    """The held-out prompts of an evaluation round: each environment's eval split (its first eval.limit
+    rows), once, `eval.samples_per_prompt` rollouts each."""
+    ev = config.eval
+    return PromptSchedule([EnvSchedule(e.name, envs[e.name].load_rows("eval")[:ev.limit], ev.samples_per_prompt, 1)
+                           for e in config.envs])
+
+
 def algorithms(config: RunConfig) -> dict[str, AdvantageAlgorithm]:
     return {e.name: get_algorithm(e.algorithm, **e.algorithm_args) for e in config.envs}
 
@@ -116,18 +124,24 @@ def checkpoint_validator(config: RunConfig) -> Callable[[Path], None]:
     return validate
 
 
+# A source whose dispatch transform stopped calling it (the job was cancelled, or the runner restored the
+# work elsewhere) closes itself after this long; a restore that comes back later rebuilds it.
+ABANDONED_SOURCE_S = 120.0
+
+
 def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str, Environment],
-                      policy_version: Callable[[], int]) -> DispatcherThread:
-    """A dispatcher on its own event-loop thread, with one client per inference server."""
+                      policy_version: Callable[[], int], max_inflight: int | None = None) -> DispatcherThread:
+    """A dispatcher on its own event-loop thread, with one client per inference server and
+    `max_inflight` permits (default: the config's)."""
     inf = config.inference
     modes = {e.name: e.mode for e in config.envs}
     sampling = sampling_params(config, envs)
 
-    def build(next_group) -> Dispatcher:
+    def build(emit) -> Dispatcher:
         clients = [InferenceClient(url, model=config.model.name, timeout_s=inf.request_timeout_s,
                                    max_retries=inf.max_retries, backoff_s=inf.retry_backoff_s)
                    for url in server_urls]
-        return Dispatcher(ServerPool(clients), envs, modes, sampling, inf.max_inflight,
-                          policy_version, next_group, seed=config.run.seed)
+        return Dispatcher(ServerPool(clients), envs, modes, sampling, max_inflight or inf.max_inflight,
+                          policy_version, emit, seed=config.run.seed)
 
-    return DispatcherThread(build)
+    return DispatcherThread(build, abandoned_after_s=ABANDONED_SOURCE_S)

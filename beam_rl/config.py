@@ -124,16 +124,24 @@ class OffPolicySection(_Section):
     max_off_policy_steps: int = Field(2, ge=0)  # hard staleness bound checked before packing
 
 
+class DispatchSection(_Section):
+    # The dispatch source as this many elements: each shard owns every shards-th prompt, every
+    # shards-th inference server and its share of the permits, so dispatch spreads over workers.
+    shards: int = Field(1, ge=1)
+
+
 class RunnerSection(_Section):
     name: Literal["direct", "flink-local", "flink"] = "direct"
     flink_master: str | None = None  # host:port of a Flink cluster's REST endpoint
+    # Where the Python stages run: "loopback" in this process, "external" in Beam worker pools beside the
+    # cluster's TaskManagers, "process" as workers each TaskManager starts. None: loopback for direct and
+    # flink-local, external for flink (docs/flink-cluster.md).
+    environment: Literal["loopback", "external", "process"] | None = None
+    worker_pool: str = "localhost:50000"  # external: the worker pool's address as each TaskManager sees it
     parallelism: int = Field(1, ge=1)
     checkpointing_interval_ms: int | None = Field(None, gt=0)
     state_backend: Literal["rocksdb", "hashmap", "filesystem"] | None = None  # Beam's FlinkPipelineOptions values
     state_backend_storage_path: str | None = None
-    # Flink with checkpointing: how long the source stays up; checkpoints (and so TaskManager-loss
-    # recovery) only happen until then (docs/flink-cluster.md).
-    shutdown_sources_after_idle_ms: int = Field(30_000, gt=0)
     # flink-local's JVM heap (job server, embedded cluster, keyed state), MB. None: 512 plus four
     # steps of samples. Unbounded, G1 grew it through a whole run (RSS +11% over 20k rollouts).
     flink_local_heap_mb: int | None = Field(None, ge=256)
@@ -175,6 +183,7 @@ class RunConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection = Field(default_factory=ModelSection)
     inference: InferenceSection = Field(default_factory=InferenceSection)
+    dispatch: DispatchSection = Field(default_factory=DispatchSection)
     envs: list[EnvConfig] = Field(min_length=1)
     batch: BatchSection = Field(default_factory=BatchSection)
     filters: FiltersSection = Field(default_factory=FiltersSection)
@@ -199,12 +208,14 @@ class RunConfig(_Section):
                     f"{batch.rollouts_per_step} is not a multiple of envs[{i}].group_size "
                     f"({env.group_size}, env {env.name!r})",
                 ))
-            # A group-mode request holds group_size permits at once; fewer permits would never admit it.
-            if env.mode == "group" and env.group_size > inference.max_inflight:
+            # A group-mode request holds group_size permits at once; fewer permits (a shard's share of
+            # them) would never admit it.
+            shard_permits = inference.max_inflight // self.dispatch.shards
+            if env.mode == "group" and env.group_size > shard_permits:
                 problems.append((
                     "inference.max_inflight",
-                    f"{inference.max_inflight} permits cannot admit a group of envs[{i}].group_size "
-                    f"({env.group_size}) in group mode",
+                    f"{inference.max_inflight} permits ({shard_permits} per dispatch shard) cannot admit a group "
+                    f"of envs[{i}].group_size ({env.group_size}) in group mode",
                 ))
         off = self.off_policy
         if off.max_off_policy_steps < off.max_async_level:
@@ -227,6 +238,13 @@ class RunConfig(_Section):
                 f"{batch.seq_len} is below model.max_context ({self.model.max_context}): "
                 "a long trajectory could not be packed",
             ))
+        servers = len(inference.urls) or inference.embedded_servers
+        if 0 < servers < self.dispatch.shards:
+            problems.append(("dispatch.shards", f"{self.dispatch.shards} shards need at least as many inference "
+                                                f"servers; there are {servers}"))
+        if self.dispatch.shards > inference.max_inflight:
+            problems.append(("dispatch.shards", f"{self.dispatch.shards} shards cannot share "
+                                                f"inference.max_inflight = {inference.max_inflight} permits"))
         runner = self.runner
         if runner.name == "flink" and not runner.flink_master:
             problems.append(("runner.flink_master", 'required when runner.name = "flink" (host:port of the cluster)'))
@@ -239,6 +257,13 @@ class RunConfig(_Section):
         if problems:
             raise _CrossFieldErrors(problems)
         return self
+
+    @property
+    def worker_environment(self) -> str:
+        """runner.environment with its default filled in."""
+        if self.runner.environment is not None:
+            return self.runner.environment
+        return "external" if self.runner.name == "flink" else "loopback"
 
     def env(self, name: str) -> EnvConfig:
         for env in self.envs:

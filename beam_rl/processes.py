@@ -1,9 +1,16 @@
-"""Stopping the child processes a run started (servers, clusters): politely, then for sure."""
+"""Processes of a run: which worker this is, and stopping the children a run started."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 from collections.abc import Iterable
+
+
+def worker_id() -> str:
+    """host:pid of this process: which worker dispatched or scored a rollout."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def stop_processes(procs: Iterable[subprocess.Popen], timeout_s: float = 10.0) -> None:

@@ -26,6 +26,7 @@ from schemas.train_batch import (
 )
 
 COMMIT_FILE = "COMMIT.json"
+INPUT_EXHAUSTED_FILE = "INPUT_EXHAUSTED.json"
 STABLE_FILE = "STABLE"
 WINDOW_FILE = "window.arrow"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -185,6 +186,18 @@ class RunDir:
             raise RunDirError(f"{step_dir}: step {step} is not committed: writing it failed: {err}") from err
         return step_dir
 
+    @property
+    def input_exhausted_path(self) -> Path:
+        return self.path / INPUT_EXHAUSTED_FILE
+
+    def mark_input_exhausted(self, last_step: int) -> None:
+        """Every group of the run's input is in a committed step up to `last_step`: the run is over."""
+        _atomic_write(self.input_exhausted_path, _json_writer({"last_step": last_step, "at": time.time()}))
+
+    def run_over(self, max_steps: int) -> bool:
+        """max_steps are committed, or the input is exhausted: the job may be ended."""
+        return self.input_exhausted_path.is_file() or (self.last_committed_step() or 0) >= max_steps
+
     def committed_steps(self) -> list[int]:
         return sorted(step for step, path in self._step_dirs() if (path / COMMIT_FILE).is_file())
 
@@ -262,19 +275,22 @@ class RunDir:
     def read_config(self) -> dict[str, Any]:
         return json.loads(self.config_path.read_text())
 
-    @property
-    def status_path(self) -> Path:
-        return self.path / "status.json"
+    def status_path(self, shard: int = 0) -> Path:
+        return self.path / f"status-{shard}.json"
 
-    def write_status(self, status: dict[str, Any]) -> None:
-        """The orchestrator's live state (in flight, policy version, ...), replaced as it changes."""
-        _atomic_write(self.status_path, _json_writer(status), fsync_dir=False)
+    def write_status(self, status: dict[str, Any], shard: int = 0) -> None:
+        """A dispatch shard's live state (in flight, policy version, ...), replaced as it changes."""
+        _atomic_write(self.status_path(shard), _json_writer(status), fsync_dir=False)
 
     def read_status(self) -> dict[str, Any]:
-        try:
-            return json.loads(self.status_path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
+        """Every dispatch shard's live state, merged (see merge_status); {} before any is written."""
+        shards = []
+        for path in sorted(self.path.glob("status-*.json")):
+            try:
+                shards.append(json.loads(path.read_text()))
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+        return merge_status(shards)
 
     def append_metrics(self, metrics: dict[str, Any]) -> None:
         """Append one JSON line; numpy scalars and arrays are converted (metrics often come from numpy)."""
@@ -335,6 +351,27 @@ class RunDir:
     def latest_stable_weights(self) -> tuple[int, Path] | None:
         steps = self.stable_weight_steps()
         return (steps[-1], self.weights_path(steps[-1])) if steps else None
+
+
+_SUMMED_STATUS = ("inflight", "max_inflight", "started", "ok", "errored", "cancelled", "groups_admitted",
+                  "healthy_servers", "groups_out", "groups_in_transit", "groups_emitted", "cancelled_stale_groups")
+
+
+def merge_status(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's live state from its shards': counts summed, servers listed together, the oldest policy
+    version, waiting for the trainer if any shard is, the newest update time."""
+    if not shards:
+        return {}
+    merged = dict(shards[0])
+    for key in _SUMMED_STATUS:
+        if any(key in s for s in shards):
+            merged[key] = sum(s.get(key, 0) for s in shards)
+    merged["servers"] = [server for s in shards for server in s.get("servers", [])]
+    merged["policy_version"] = min(s.get("policy_version", 0) for s in shards)
+    merged["waiting_for_trainer"] = any(s.get("waiting_for_trainer") for s in shards)
+    merged["updated_at"] = max(s.get("updated_at", 0.0) for s in shards)
+    merged["shards"] = len(shards)
+    return merged
 
 
 class MetricsTail:

@@ -49,7 +49,8 @@ class PromptSchedule:
         """The positions of those offsets this schedule has (a changed dataset may lack some)."""
         return {self._position[tuple(o)] for o in offsets if tuple(o) in self._position}
 
-    def group(self, position: int, policy_version: int = 0) -> GroupRequest:
+    def group(self, position: int, attempts: tuple[int, ...] | None = None) -> GroupRequest:
+        """The group at `position`: all its attempts, or only `attempts` (a restored group's missing ones)."""
         name, epoch, index = self._offsets[position]
         env = self._envs[name]
         return GroupRequest(
@@ -59,5 +60,5 @@ class PromptSchedule:
             env_name=name,
             group_size=env.group_size,
             row=dict(env.rows[index]),
-            policy_version=policy_version,
+            attempts=attempts,
         )

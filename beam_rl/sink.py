@@ -29,6 +29,14 @@ from beam_rl.types import (
 )
 
 
+@dataclass(frozen=True)
+class InputExhausted:
+    """The packer cut its last batch: every group of the run's input is in a committed step up to
+    `last_step` (the writer records the end of the run)."""
+
+    last_step: int
+
+
 @dataclass
 class ScoredGroup:
     """One complete group after scoring: every rollout (to measure), the clean ones and their samples

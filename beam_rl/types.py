@@ -34,8 +34,15 @@ class GroupRequest:
     env_name: str
     group_size: int
     row: dict[str, Any]  # the dataset row the environment renders and scores
-    policy_version: int = 0  # the policy version when the group was admitted
     is_eval: bool = False  # held-out evaluation: measured, never trained on
+    eval_round: int = 0  # evaluation only: the committed step the round follows
+    # The attempts to run; None = all of 0..group_size-1. A group restored from a runner checkpoint
+    # runs again only the attempts whose rollouts had not left the source yet.
+    attempts: tuple[int, ...] | None = None
+
+    @property
+    def attempts_to_run(self) -> tuple[int, ...]:
+        return tuple(range(self.group_size)) if self.attempts is None else self.attempts
 
 
 @dataclass
@@ -84,6 +91,9 @@ class Rollout:
     epoch: int = 0
     index: int = 0
     is_eval: bool = False
+    eval_round: int = 0  # evaluation only: the committed step the round follows
+    dispatch_worker: str = ""  # host:pid of the worker that dispatched it
+    score_worker: str = ""  # host:pid of the worker that scored it
 
     @property
     def rollout_id(self) -> str:
@@ -127,7 +137,8 @@ class Rollout:
             advantage=self.advantage, filtered=self.filtered, num_turns=self.num_turns,
             completion_tokens=self.completion_tokens, num_tokens=self.num_tokens, truncated=self.truncated,
             policy_version_start=self.policy_version_start, policy_version_end=self.policy_version_end,
-            server=self.server, errors=list(self.errors), t_start=self.t_start, t_end=self.t_end)
+            server=self.server, errors=list(self.errors), t_start=self.t_start, t_end=self.t_end,
+            dispatch_worker=self.dispatch_worker, score_worker=self.score_worker)
 
 
 @dataclass
@@ -158,6 +169,8 @@ class RolloutRecord:
     errors: list[str]
     t_start: float
     t_end: float
+    dispatch_worker: str = ""
+    score_worker: str = ""
 
     rollout_id = Rollout.rollout_id
     ok = Rollout.ok

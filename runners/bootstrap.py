@@ -36,7 +36,7 @@ class BootstrapError(RuntimeError):
     """A runner prerequisite is missing; the message says what and how to get it."""
 
 
-def _require_tool(tool: str, how: str) -> str:
+def require_tool(tool: str, how: str) -> str:
     path = shutil.which(tool)
     if path is None:
         raise BootstrapError(f"`{tool}` was not found on PATH; {how}")
@@ -62,23 +62,26 @@ def _patches_digest(patches: list[Path]) -> str:
     return digest.hexdigest()[:12]
 
 
-def prism_path(version: str = BEAM_VERSION) -> Path:
-    """Where the Prism binary of `version` and the current patches is cached."""
-    return cache_root() / "prism" / f"v{version}-{_patches_digest(PRISM_PATCHES)}" / "prism"
+def prism_path(version: str = BEAM_VERSION, patches: list[Path] | None = None) -> Path:
+    """Where the Prism binary of `version` with `patches` (default: all of ours) is cached."""
+    digest = _patches_digest(PRISM_PATCHES if patches is None else patches)
+    return cache_root() / "prism" / f"v{version}-{digest}" / "prism"
 
 
-def ensure_prism(version: str = BEAM_VERSION) -> Path:
+def ensure_prism(version: str = BEAM_VERSION, patches: list[Path] | None = None) -> Path:
     """The Prism binary for `version`, built on first use from Beam's Go module with our fixes applied
-    (`runners/prism_patches/`: two scheduling loops that each kept a core busy while a job ran).
-    The cache path names the patches (`prism_path`), so changing them builds a new binary."""
+    (`runners/prism_patches/`, README "Runners"). The cache path names the patches (`prism_path`), so
+    changing them builds a new binary. `patches` selects a subset: tests build Prism without one of
+    them to show what it fixes."""
     if not PRISM_PATCHES:
         raise BootstrapError(f"no Prism patches in {Path(__file__).parent / 'prism_patches'}: a stock Prism "
-                             "would keep a core busy; reinstall beam-rl from its source tree")
-    target = prism_path(version)
+                             "loses keyed state and data; reinstall beam-rl from its source tree")
+    patches = PRISM_PATCHES if patches is None else patches
+    target = prism_path(version, patches)
     if target.is_file():
         return target
-    go = _require_tool("go", "install Go >= 1.22 (https://go.dev/doc/install) to build Prism")
-    git = _require_tool("git", "install git (its `git apply` patches Prism's source)")
+    go = require_tool("go", "install Go >= 1.22 (https://go.dev/doc/install) to build Prism")
+    git = require_tool("git", "install git (its `git apply` patches Prism's source)")
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     # The Go checksum database does not list every Beam release; the module proxy still serves it,
@@ -95,12 +98,12 @@ def ensure_prism(version: str = BEAM_VERSION) -> Path:
             shutil.copyfile(source / name, tree / name)
         for directory, _, _ in os.walk(tree):
             os.chmod(directory, 0o755)
-        for patch in PRISM_PATCHES:
+        for patch in patches:
             _run([git, "apply", "-p1", str(patch)], f"patching Prism ({patch.name})", cwd=tree)
         _run([go, "build", "-o", str(Path(work) / "prism"), "./go/cmd/prism"], f"building Prism v{version}",
              env=env, cwd=tree)
         os.replace(Path(work) / "prism", target)
-    _LOG.info("built Prism v%s (%d patches) in %.1fs -> %s", version, len(PRISM_PATCHES),
+    _LOG.info("built Prism v%s (%d patches) in %.1fs -> %s", version, len(patches),
               time.monotonic() - started, target)
     return target
 
@@ -127,8 +130,8 @@ def ensure_flink_job_server(version: str = BEAM_VERSION, flink: str = FLINK_VERS
     jar = home / f"beam-runners-flink-{flink}-job-server-{version}.jar"
     if jar.is_file():
         return jar
-    _require_tool("java", "install a Java 11+ runtime (e.g. `apt-get install openjdk-17-jre-headless`)")
-    mvn = _require_tool("mvn", "install Maven (e.g. `apt-get install maven`) to fetch the Flink runner")
+    require_tool("java", "install a Java 11+ runtime (e.g. `apt-get install openjdk-17-jre-headless`)")
+    mvn = require_tool("mvn", "install Maven (e.g. `apt-get install maven`) to fetch the Flink runner")
     started = time.monotonic()
     home.mkdir(parents=True, exist_ok=True)
     (home / "pom.xml").write_text(_JOB_SERVER_POM.format(beam=version, flink=flink))

@@ -6,6 +6,7 @@ switches to its batch-style runners when it meets a feature it thinks Prism lack
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -27,9 +28,14 @@ class RunnerSettings:
     checkpointing_interval_ms: int | None = None
     state_backend: str | None = None  # "hashmap" | "rocksdb" (Flink)
     state_backend_storage_path: str | None = None  # where checkpoints go, e.g. file:///shared/ckpt
-    environment_type: str = "LOOPBACK"  # where the Python workers run (LOOPBACK: in this process)
-    # Flink with checkpointing only: how long the Impulse source stays up (see _flink_args).
-    shutdown_sources_after_idle_ms: int = 30_000
+    # Where the Python workers run: "loopback" (in this process), "external" (worker pools at
+    # `worker_pool`, one beside each TaskManager) or "process" (each TaskManager starts `worker_command`).
+    environment: str = "loopback"
+    worker_pool: str = "localhost:50000"
+    worker_command: str | None = None  # process: default, this machine's runners.workers boot program
+    job_endpoint: str | None = None  # Flink: a running job server (runners.job_server); None: Beam starts one
+    job_name: str | None = None  # the name the job gets on the runner (Flink lists jobs by it)
+    prism_location: str | None = None  # direct: a Prism binary (default: ours, runners.bootstrap)
     jvm_heap_mb: int | None = None  # flink-local: the embedded Flink's JVM heap (-Xmx); None = Java's default
 
 
@@ -39,13 +45,27 @@ def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> Pipeli
         settings = RunnerSettings(name=settings)
     if settings.name not in RUNNERS:
         raise ValueError(f"unknown runner {settings.name!r}; choose one of {', '.join(RUNNERS)}")
-    args = ["--streaming", f"--environment_type={settings.environment_type}",
-            f"--job_server_timeout={JOB_SERVER_TIMEOUT_S}", *extra_args]
+    args = ["--streaming", *_environment_args(settings), f"--job_server_timeout={JOB_SERVER_TIMEOUT_S}", *extra_args]
+    if settings.job_name:
+        args.append(f"--job_name={settings.job_name}")
     if settings.name == "direct":
-        args += ["--runner=PrismRunner", f"--prism_location={bootstrap.ensure_prism()}"]
+        args += ["--runner=PrismRunner", f"--prism_location={settings.prism_location or bootstrap.ensure_prism()}"]
     else:
         args += _flink_args(settings)
     return PipelineOptions(args)
+
+
+def _environment_args(settings: RunnerSettings) -> list[str]:
+    if settings.environment == "loopback":
+        return ["--environment_type=LOOPBACK"]
+    if settings.environment == "external":
+        return ["--environment_type=EXTERNAL", f"--environment_config={settings.worker_pool}"]
+    if settings.environment == "process":
+        from runners.workers import boot_command
+
+        command = settings.worker_command or str(boot_command())
+        return ["--environment_type=PROCESS", f"--environment_config={json.dumps({'command': command})}"]
+    raise ValueError(f"unknown worker environment {settings.environment!r}; choose loopback, external or process")
 
 
 def _flink_args(settings: RunnerSettings) -> list[str]:
@@ -55,14 +75,13 @@ def _flink_args(settings: RunnerSettings) -> list[str]:
         master = settings.flink_master
     else:
         master = "[local]"
-    args = [
-        "--runner=FlinkRunner",
-        f"--flink_master={master}",
-        f"--flink_version={bootstrap.FLINK_VERSION}",
-        f"--flink_job_server_jar={bootstrap.ensure_flink_job_server()}",
-    ]
-    if settings.name == "flink-local" and settings.jvm_heap_mb:
-        args.append(f"--job_server_jvm_properties=-Xmx{settings.jvm_heap_mb}m")
+    args = ["--runner=FlinkRunner", f"--flink_master={master}", f"--flink_version={bootstrap.FLINK_VERSION}"]
+    if settings.job_endpoint:
+        args.append(f"--job_endpoint={settings.job_endpoint}")
+    else:
+        args.append(f"--flink_job_server_jar={bootstrap.ensure_flink_job_server()}")
+        if settings.name == "flink-local" and settings.jvm_heap_mb:
+            args.append(f"--job_server_jvm_properties=-Xmx{settings.jvm_heap_mb}m")
     if settings.parallelism:
         args.append(f"--parallelism={settings.parallelism}")
     if settings.checkpointing_interval_ms:
@@ -73,11 +92,11 @@ def _flink_args(settings: RunnerSettings) -> list[str]:
             # watermark. The Impulse stage gets neither again, so the source's only element never
             # reached the dispatch SDF (0 groups admitted). Finishing before the barrier emits it.
             "--finish_bundle_before_checkpointing",
-            # With checkpointing Beam keeps the Impulse source up forever, so the job could never
-            # FINISH. Once it ends, the SDF's stage drains inside finish() and declines every
-            # checkpoint ("task is closing"): recovery from a killed TaskManager is covered only
-            # while the source is up, i.e. for this long after the (re)start.
-            f"--shutdown_sources_after_idle_ms={settings.shutdown_sources_after_idle_ms}",
+            # No --shutdown_sources_after_idle_ms: with checkpointing Beam then keeps the Impulse
+            # source up for good. Once a source task ends, the stages after it drain inside finish()
+            # and Flink declines every checkpoint from then on ("task is closing"). So the job runs,
+            # and checkpoints, until the orchestrator ends it once the run is over
+            # (runners.pipeline.RolloutJob).
         ]
     if settings.state_backend:
         args.append(f"--state_backend={settings.state_backend}")

@@ -1,29 +1,44 @@
-"""Assembles the rollout pipeline; the same graph runs on Prism and on Flink.
+"""Assembles the rollout pipeline, the same graph on Prism and on Flink, and follows the job it runs.
 
 RunSpec -> DispatchRollouts -> CompleteGroups -> ScoreGroups -> PackBatches -> WriteTrainBatches
+                                                        \\-> EvaluateRounds (held-out rounds)
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
+from dataclasses import dataclass
+from typing import Protocol
 
 import apache_beam as beam
+from apache_beam.runners.runner import PipelineState
 
 from beam_rl import components
 from beam_rl.config import RunConfig
-from beam_rl.rollout_source import SourceSpec, close_source
+from beam_rl.lease import RunLease, read_job_record, write_job_record
+from beam_rl.processes import worker_id
 from beam_rl.rundir import RunDir
+from beam_rl.source import SourceSpec
+from runners.flink_rest import TERMINAL, FlinkRest
+from runners.job_server import JobServer, start_job_server
 from runners.options import RunnerSettings, pipeline_options
 from transforms.coders import PackerItem
 from transforms.dispatch import END_OF_INPUT, DispatchRollouts
+from transforms.evaluate import EvaluateRounds
 from transforms.groups import CompleteGroups
-from transforms.pack import PackBatches, forget_packer
-from transforms.score import ScoreGroups
+from transforms.pack import PackBatches
+from transforms.score import EVALUATION, ScoreGroups
 from transforms.write import WriteTrainBatches
 
 _LOG = logging.getLogger(__name__)
+
+# Once the run is over (max_steps committed, or the input exhausted) a job whose sources end by
+# themselves finishes within seconds; one kept up for checkpoints is cancelled after this long.
+END_GRACE_S = 5.0
+POLL_S = 0.5
 
 
 def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PCollection[int]:
@@ -32,70 +47,205 @@ def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PC
     scored = (dispatched.rollouts
               | "CompleteGroups" >> CompleteGroups()
               | "Score" >> ScoreGroups(spec.config))
-    return ((scored, dispatched[END_OF_INPUT])
+    if spec.config.eval.every_steps:
+        scored[EVALUATION] | "Evaluate" >> EvaluateRounds(spec.config, spec.run_dir)
+    return ((scored.scored, dispatched[END_OF_INPUT])
             | "WithEndOfInput" >> beam.Flatten().with_output_types(PackerItem)
-            | "PackBatches" >> PackBatches(spec.config, spec.run_id, spec.first_step, spec.with_trainer, spec.run_dir)
+            | "PackBatches" >> PackBatches(spec.config, spec.first_step, spec.with_trainer, spec.run_dir)
             | "WriteTrainBatches" >> WriteTrainBatches(spec.run_dir))
 
 
 _SAMPLE_BYTES_PER_TOKEN = 20  # five per-token arrays (17 bytes) and their pickling
 
 
-def runner_settings(config: RunConfig) -> RunnerSettings:
+def flink_local_heap_mb(config: RunConfig) -> int:
+    """runner.flink_local_heap_mb, or 512 MB plus four steps of samples (the packer's state holds up to
+    ~2 steps of samples and checkpoints copy it)."""
+    if config.runner.flink_local_heap_mb is not None:
+        return config.runner.flink_local_heap_mb
+    step_mb = config.batch.rollouts_per_step * config.model.max_context * _SAMPLE_BYTES_PER_TOKEN / 2**20
+    return 512 + math.ceil(4 * step_mb)
+
+
+def runner_settings(config: RunConfig, job_endpoint: str | None = None, job_name: str | None = None) -> RunnerSettings:
     r = config.runner
-    heap_mb = r.flink_local_heap_mb
-    if heap_mb is None:  # the packer's state holds up to ~2 steps of samples; checkpoints copy it
-        step_mb = config.batch.rollouts_per_step * config.model.max_context * _SAMPLE_BYTES_PER_TOKEN / 2**20
-        heap_mb = 512 + math.ceil(4 * step_mb)
-    return RunnerSettings(name=r.name, flink_master=r.flink_master, parallelism=r.parallelism,
-                          checkpointing_interval_ms=r.checkpointing_interval_ms, state_backend=r.state_backend,
-                          state_backend_storage_path=r.state_backend_storage_path,
-                          shutdown_sources_after_idle_ms=r.shutdown_sources_after_idle_ms, jvm_heap_mb=heap_mb)
+    return RunnerSettings(
+        name=r.name, flink_master=r.flink_master, parallelism=r.parallelism,
+        checkpointing_interval_ms=r.checkpointing_interval_ms, state_backend=r.state_backend,
+        state_backend_storage_path=r.state_backend_storage_path, environment=config.worker_environment,
+        worker_pool=r.worker_pool, jvm_heap_mb=flink_local_heap_mb(config) if r.name == "flink-local" else None,
+        job_endpoint=job_endpoint, job_name=job_name)
+
+
+class _JobHandle(Protocol):
+    def state(self) -> str: ...
+
+    def cancel(self) -> None: ...
+
+    def raise_if_failed(self) -> None: ...
+
+
+@dataclass
+class _BeamJob:
+    """A job followed through the Beam job service that runs it."""
+
+    result: beam.runners.runner.PipelineResult
+
+    def state(self) -> str:
+        return str(self.result.state)
+
+    def cancel(self) -> None:
+        self.result.cancel()
+
+    def raise_if_failed(self) -> None:
+        self.result.wait_until_finish()  # raises the pipeline's error when it failed
+
+
+@dataclass
+class _FlinkJob:
+    """A job followed on its Flink cluster, through the REST API (with no Beam job server left)."""
+
+    rest: FlinkRest
+    job_id: str
+
+    def state(self) -> str:
+        return self.rest.state(self.job_id)
+
+    def cancel(self) -> None:
+        self.rest.cancel(self.job_id)
+
+    def raise_if_failed(self) -> None:
+        if self.state() == "FAILED":
+            raise RuntimeError(f"Flink job {self.job_id} failed; see the cluster's logs at {self.rest.master}")
+
+
+_ENDED = {str(PipelineState.DONE), str(PipelineState.CANCELLED), str(PipelineState.FAILED), *TERMINAL}
 
 
 class RolloutJob:
-    """A submitted rollout pipeline: wait for it to finish (max_steps committed, or the data
-    exhausted), or cancel it."""
+    """A rollout job this process follows: it holds the run directory's lease, ends the job once the run
+    is over (max_steps committed, or the input exhausted), and cancels it on request."""
 
-    def __init__(self, spec: SourceSpec, result) -> None:
+    def __init__(self, spec: SourceSpec, handle: _JobHandle, lease: RunLease, job_server: JobServer | None = None) -> None:
         self.spec = spec
-        self.result = result
+        self._handle = handle
+        self._lease = lease
+        self.job_server = job_server  # the Flink job server this process started, if any
+        self._run_dir = RunDir(spec.run_dir)
 
     def wait(self) -> None:
+        """Returns once the job has ended: by itself, or cancelled here once the run is over."""
+        over_since = None
         try:
-            self.result.wait_until_finish()
+            while (state := self._handle.state()) not in _ENDED:
+                if self._run_dir.run_over(self.spec.config.run.max_steps):
+                    over_since = over_since or time.monotonic()
+                    if time.monotonic() - over_since > END_GRACE_S:
+                        _LOG.info("the run is over: ending its job")
+                        self._handle.cancel()
+                        self._wait_ended()
+                        return
+                time.sleep(POLL_S)
+            # Prism may report DONE for a job a bundle failure ended: its message stream says why.
+            self._handle.raise_if_failed()
+            if state not in (str(PipelineState.DONE), "FINISHED") and not self._run_dir.run_over(
+                    self.spec.config.run.max_steps):
+                raise RuntimeError(f"the rollout job ended as {state} before the run was over")
         finally:
             self._release()
 
     def cancel(self) -> None:
         try:
-            self.result.cancel()
+            if self._handle.state() not in _ENDED:
+                self._handle.cancel()
         finally:
             self._release()
 
+    def _wait_ended(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._handle.state() not in _ENDED and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
     def _release(self) -> None:
-        close_source(self.spec.run_id)
-        forget_packer(self.spec.run_id)
+        if self.job_server is not None:
+            self.job_server.stop()
+        self._lease.release()
+
+
+def _spec(config: RunConfig, server_urls: list[str], directory: RunDir, with_trainer: bool) -> SourceSpec:
+    envs = components.build_envs(config)
+    return SourceSpec(config=config, server_urls=tuple(server_urls), run_dir=str(directory.path),
+                      run_id=uuid.uuid4().hex, first_step=directory.next_step(), with_trainer=with_trainer,
+                      schedule_groups=len(components.build_schedule(config, envs)))
 
 
 def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,
                    with_trainer: bool = True) -> RolloutJob:
+    """Submit the rollout job for a run directory this process then follows (see RolloutJob)."""
     directory = RunDir(run_dir or config.run.dir)
     directory.check_writable()
-    removed = directory.clean_uncommitted()  # what a killed run left half-written
-    if removed:
-        _LOG.warning("removed %d uncommitted leftovers of an earlier run: %s", len(removed), removed[:5])
-    spec = SourceSpec(config=config, server_urls=tuple(server_urls), run_dir=str(directory.path),
-                      run_id=uuid.uuid4().hex, first_step=directory.next_step(), with_trainer=with_trainer,
-                      schedule_groups=len(components.build_schedule(config, components.build_envs(config))))
-    pipeline = beam.Pipeline(options=pipeline_options(runner_settings(config)))
-    build_rollout_pipeline(pipeline, spec)
-    return RolloutJob(spec, pipeline.run())
+    lease = RunLease(directory.path).acquire()
+    try:
+        removed = directory.clean_uncommitted()  # what a killed run left half-written
+        if removed:
+            _LOG.warning("removed %d uncommitted leftovers of an earlier run: %s", len(removed), removed[:5])
+        directory.input_exhausted_path.unlink(missing_ok=True)  # this job decides afresh
+        spec = _spec(config, server_urls, directory, with_trainer)
+        job_server = None
+        if config.runner.name != "direct":
+            master = config.runner.flink_master if config.runner.name == "flink" else "[local]"
+            job_server = start_job_server(master, directory.path / "logs" / "flink-job-server.log",
+                                          flink_local_heap_mb(config) if config.runner.name == "flink-local" else None)
+        job_name = f"beam-rl-{spec.run_id[:12]}"
+        settings = runner_settings(config, job_server.endpoint if job_server else None, job_name)
+        pipeline = beam.Pipeline(options=pipeline_options(settings))
+        build_rollout_pipeline(pipeline, spec)
+        result = pipeline.run()
+    except BaseException:
+        lease.release()
+        raise
+    handle: _JobHandle = _BeamJob(result)
+    if config.runner.name == "flink":
+        handle = _record_cluster_job(config, directory, job_name) or handle
+    return RolloutJob(spec, handle, lease, job_server)
+
+
+def _record_cluster_job(config: RunConfig, directory: RunDir, job_name: str, timeout_s: float = 60.0) -> _FlinkJob | None:
+    """Name the submitted job in the run directory's job record, and follow it on the cluster (so it
+    can be followed again by another process if this one dies)."""
+    rest = FlinkRest(config.runner.flink_master)
+    deadline = time.monotonic() + timeout_s
+    while (job := rest.job_named(job_name)) is None:
+        if time.monotonic() > deadline:
+            _LOG.warning("job %s is not listed on %s: it is followed through the job server only", job_name, rest.master)
+            return None
+        time.sleep(0.5)
+    write_job_record(directory.path, {"runner": "flink", "flink_master": config.runner.flink_master,
+                                      "job_id": job["jid"], "job_name": job_name, "submitted_at": time.time(),
+                                      "submitted_by": worker_id()})
+    return _FlinkJob(rest, job["jid"])
+
+
+def attach_rollouts(config: RunConfig, run_dir: str, with_trainer: bool = True) -> RolloutJob | None:
+    """Follow the job the run directory's job record names, if it still runs on its cluster (a submitter
+    that died left it running); None when there is none to follow."""
+    record = read_job_record(run_dir)
+    if config.runner.name != "flink" or record is None:
+        return None
+    rest = FlinkRest(record["flink_master"])
+    if not rest.reachable() or rest.state(record["job_id"]) in TERMINAL:
+        return None
+    lease = RunLease(run_dir).acquire()
+    directory = RunDir(run_dir)
+    spec = SourceSpec(config=config, server_urls=(), run_dir=str(directory.path), run_id=record["job_name"],
+                      first_step=directory.next_step(), with_trainer=with_trainer)
+    _LOG.warning("attached to job %s, still running on %s", record["job_id"], rest.master)
+    return RolloutJob(spec, _FlinkJob(rest, record["job_id"]), lease)
 
 
 def run_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,
                  with_trainer: bool = True) -> SourceSpec:
-    """Runs the rollout pipeline to completion."""
+    """Runs the rollout pipeline to the end of the run."""
     job = start_rollouts(config, server_urls, run_dir, with_trainer)
     job.wait()
     return job.spec

@@ -1,79 +1,122 @@
-"""The dispatch splittable DoFn's end of input when the runner has split its restriction: the part
-holding the end marker announces the end only after the other parts have claimed every position."""
+"""The dispatch splittable DoFn on its own: its restriction tracker, and process() driving a stand-in
+source as the SDK harness would (claim, work, yield, defer; a checkpoint's residual carries what was in
+flight; a replayed older residual rebuilds the worker's source)."""
 
 from __future__ import annotations
 
+import copy
+
 import apache_beam as beam
-from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
+import pytest
 from apache_beam.runners.sdf_utils import RestrictionTrackerView, ThreadsafeRestrictionTracker
 from apache_beam.utils.timestamp import Timestamp
 
 import transforms.dispatch as dispatch
 from beam_rl.config import config_from_dict
-from beam_rl.rollout_source import EndOfInput, SourceSpec
+from beam_rl.source import DispatchRange, EndOfInput, InFlight, SourceSpec
+from beam_rl.types import Rollout
 
-END = 4  # positions 0..3 are groups, 4 is the end marker
+OFFSETS = 4  # offsets 0..3 are groups, 4 is the end marker
+
+
+def test_the_tracker_claims_in_order_and_splits_only_to_checkpoint():
+    tracker = dispatch._RangeTracker(DispatchRange(0, OFFSETS + 1))
+    assert tracker.try_claim(0) and tracker.try_claim(2) and not tracker.try_claim(1)  # 1 was skipped
+    assert tracker.try_split(0.5) is None  # a shard is one reader: no dynamic split
+    tracker.current_restriction().in_flight = InFlight(redo=((2, (0, 1)),), emitted=1, token="t")
+    primary, residual = tracker.try_split(0)
+    assert (primary.start, primary.stop, primary.in_flight) == (0, 3, InFlight())
+    assert (residual.start, residual.stop) == (3, OFFSETS + 1)
+    assert residual.in_flight == InFlight(redo=((2, (0, 1)),), emitted=1, token="t") and residual.size() == 3
+    tracker.check_done()  # the primary [0, 3) is all claimed
+
+    last = dispatch._RangeTracker(DispatchRange(OFFSETS, OFFSETS + 1))
+    with pytest.raises(ValueError, match="left unclaimed"):
+        last.check_done()
+    assert last.try_claim(OFFSETS) and last.try_split(0) is None  # nothing left to resume
 
 
 class _Source:
-    """Admits at once and finishes nothing: idle whenever asked."""
+    """Admits while allowed, returns each admitted group's single rollout at the next poll."""
 
-    def __init__(self) -> None:
-        self.admitted, self.claimed = 0, 0
+    built: list[DispatchRange] = []
+
+    def __init__(self, spec, shard, restriction: DispatchRange) -> None:
+        _Source.built.append(restriction)
+        self.token = restriction.in_flight.token
+        self.emitted = restriction.in_flight.emitted
+        self.allow, self.admitted, self.out, self.closed = 2, [], [], False
 
     def wants_more(self) -> bool:
-        return True
+        return len(self.admitted) < self.allow
 
-    def admit(self, position: int) -> None:
-        self.admitted += 1
-        self.claimed += 1
+    def admit(self, offset: int) -> None:
+        self.admitted.append(offset)
+        self.out.append(Rollout(f"g{offset}", "reverse_text", 0, 1))
 
-    def poll(self, max_wait_s: float):
-        return []
+    def poll(self, max_wait_s: float) -> list[Rollout]:
+        out, self.out = self.out, []
+        self.emitted += len(out)
+        return out
 
-    def stopping(self) -> bool:
-        return False
+    def in_flight(self) -> InFlight:
+        return InFlight(tuple((int(r.group_id[1:]), (0,)) for r in self.out), self.emitted, self.token)
 
-    def idle(self) -> bool:
-        return True
+    def finished(self, all_claimed: bool) -> bool:
+        return all_claimed and not self.out
 
-    def claimed_all(self, end: int) -> bool:
-        return self.claimed >= end
+    def close(self) -> None:
+        self.closed = True
 
-    def outstanding(self):
-        return ()
+
+def _call(fn, restriction: DispatchRange):
+    """One process() call as the SDK harness makes it: a thread-safe view of the tracker, then the
+    checkpoint split when the call deferred its remainder."""
+    restriction = copy.deepcopy(restriction)  # decoded afresh from the runner's copy
+    tracker = ThreadsafeRestrictionTracker(dispatch._RangeTracker(restriction))
+    outputs = list(fn.process(("run", (0, OFFSETS)), tracker=RestrictionTrackerView(tracker),
+                              watermark=_Watermark()))
+    residual = None
+    if tracker.deferred_status() is not None:  # the runner keeps an encoded copy
+        residual = copy.deepcopy(tracker.deferred_status()[0])
+    rollouts = [r for o in outputs if not isinstance(o, beam.pvalue.TaggedOutput) for r in o.value[1]]
+    ends = [o.value for o in outputs if isinstance(o, beam.pvalue.TaggedOutput)]
+    return rollouts, ends, residual
 
 
 class _Watermark:
-    def get_estimator_state(self):
-        return Timestamp.now(), None, ()
-
-    def note(self, token, in_flight) -> None:
-        pass
-
-    def set_watermark(self, timestamp) -> None:
+    def set_watermark(self, timestamp: Timestamp) -> None:
         pass
 
 
-def _run_part(fn, start: int, stop: int):
-    # What the SDK harness hands a splittable DoFn: a thread-safe view of the restriction tracker.
-    tracker = ThreadsafeRestrictionTracker(OffsetRestrictionTracker(OffsetRange(start, stop)))
-    outputs = list(fn.process(("run", END), tracker=RestrictionTrackerView(tracker), watermark=_Watermark()))
-    ends = [o.value for o in outputs if isinstance(o, beam.pvalue.TaggedOutput)]
-    return ends, tracker
-
-
-def test_the_end_marker_part_waits_for_the_other_parts(monkeypatch):
-    source = _Source()
-    monkeypatch.setattr(dispatch, "source_for", lambda *args: source)
+@pytest.fixture
+def fn(monkeypatch):
+    monkeypatch.setattr(dispatch, "RolloutSource", _Source)
     monkeypatch.setattr(dispatch, "BUNDLE_S", 0.05)
-    config = config_from_dict({"envs": [{"name": "reverse_text", "group_size": 2}]})
-    fn = dispatch._DispatchFn(SourceSpec(config=config, server_urls=(), run_dir="/unused", run_id="run",
-                                         first_step=1, with_trainer=False, schedule_groups=END))
-    # The runner split [0, 5) into [0, 3) and [3, 5); the second part runs first.
-    ends, tracker = _run_part(fn, 3, END + 1)
-    assert ends == [] and tracker.deferred_status() is not None  # held back: it resumes later
-    ends, _ = _run_part(fn, 0, 3)
-    assert ends == []  # not the end marker's part
-    ends, _ = _run_part(fn, END, END + 1)  # the held-back remainder resumes
-    assert ends == [EndOfInput(groups=END)]
+    _Source.built = []
+    config = config_from_dict({"envs": [{"name": "reverse_text", "group_size": 1}]})
+    dofn = dispatch._DispatchFn(SourceSpec(config=config, server_urls=(), run_dir="/unused", run_id="run",
+                                           with_trainer=False, schedule_groups=OFFSETS))
+    dofn.setup()
+    return dofn
+
+
+def test_process_claims_while_the_source_admits_yields_keyed_rollouts_and_defers(fn):
+    rollouts, ends, residual = _call(fn, DispatchRange(0, OFFSETS + 1))
+    assert [r.group_id for r in rollouts] == ["g0", "g1"] and ends == []
+    assert (residual.start, residual.in_flight.emitted) == (2, 2)
+    assert residual.in_flight.token is not None  # the successor call must bring it
+    source = fn._sources._by_shard[0]
+    source.allow = 4
+    rollouts, ends, residual = _call(fn, residual)
+    assert [r.group_id for r in rollouts] == ["g2", "g3"]
+    assert ends == [EndOfInput(shard=0, groups=4)] and residual is None and source.closed
+    assert len(_Source.built) == 1  # one source served both calls
+
+
+def test_a_replayed_older_residual_rebuilds_the_source_from_it(fn):
+    _, _, first = _call(fn, DispatchRange(0, OFFSETS + 1))
+    _, _, _ = _call(fn, first)  # normal progress: the source moves on past `first`
+    old = fn._sources._by_shard[0]
+    _call(fn, first)  # the runner restored the older checkpoint
+    assert old.closed and len(_Source.built) == 2 and _Source.built[-1].start == first.start

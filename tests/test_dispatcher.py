@@ -106,18 +106,18 @@ class FakeEnv(Environment):
         return 1.0 if self.final_text(trajectory).startswith("7 ") else 0.0
 
 
-class Source:
-    """next_group: hands out queued requests and counts how often it was asked."""
+class Outbox(list):
+    """The dispatcher's `emit` in tests: collects every rollout it emits."""
 
-    def __init__(self, requests: list[GroupRequest] = ()) -> None:
-        self.queue = collections.deque(requests)
-        self.pulls = 0
 
-    def __call__(self) -> GroupRequest | None:
-        if not self.queue:
-            return None
-        self.pulls += 1
-        return self.queue.popleft()
+async def completed(dispatcher: Dispatcher, timeout: float) -> list[Rollout]:
+    """Rollouts emitted since the last call; waits up to `timeout` for one (or for a wake)."""
+    outbox = dispatcher.outbox
+    if not outbox:
+        await dispatcher.wait_for_work(timeout)
+    out = list(outbox)
+    outbox.clear()
+    return out
 
 
 def groups(count: int, size: int, env: str = "math", start: int = 0) -> list[GroupRequest]:
@@ -131,7 +131,7 @@ async def gated(call: Call) -> None:
 def make(
     n_servers: int,
     max_inflight: int,
-    source: Source,
+    requests: list[GroupRequest],
     behave: Behaviour | None = None,
     modes: dict[str, str] | None = None,
     version: list[int] | None = None,
@@ -141,6 +141,7 @@ def make(
     tracker = Tracker()
     clients = [FakeClient(f"http://s{i}", tracker, behave) for i in range(n_servers)]
     version = version if version is not None else [0]
+    outbox = Outbox()
     dispatcher = Dispatcher(
         ServerPool(clients, **pool_kwargs),
         {"math": FakeEnv()},
@@ -148,9 +149,11 @@ def make(
         SAMPLING,
         max_inflight,
         lambda: version[0],
-        source,
+        outbox.append,
         seed=seed,
     )
+    dispatcher.outbox = outbox
+    dispatcher.add(requests)
     return dispatcher, tracker
 
 
@@ -160,9 +163,9 @@ async def collect(dispatcher: Dispatcher, expected: int, deadline_s: float = 20.
     deadline = time.monotonic() + deadline_s
     while len(out) < expected:
         assert time.monotonic() < deadline, f"only {len(out)} of {expected} rollouts came out"
-        await dispatcher.fill()
+        dispatcher.fill()
         await settle()
-        out += await dispatcher.wait_completed(0.2)
+        out += await completed(dispatcher, 0.2)
     return out
 
 
@@ -204,7 +207,7 @@ def test_permit_cap_is_never_exceeded():
         await asyncio.sleep(0.001 * (len(call.prompt_ids) + call.sampling.seed % 7))
 
     async def main() -> None:
-        dispatcher, tracker = make(3, 5, Source(groups(12, 3)), varied)
+        dispatcher, tracker = make(3, 5, groups(12, 3), varied)
         rollouts = await collect(dispatcher, 36)
         assert tracker.peak == 5  # reached (plenty of work) and never exceeded
         assert len(by_attempt(rollouts)) == 36 and all(r.ok for r in rollouts)
@@ -222,7 +225,7 @@ def test_all_attempts_of_a_group_hit_one_server():
         await asyncio.sleep(0.002 * (call.sampling.seed % 3))
 
     async def main() -> None:
-        dispatcher, tracker = make(3, 4, Source(groups(6, 5)), short)
+        dispatcher, tracker = make(3, 4, groups(6, 5), short)
         rollouts = await collect(dispatcher, 30)
         servers_by_group = collections.defaultdict(set)
         for call in tracker.calls:
@@ -254,16 +257,16 @@ def test_server_pool_selects_least_loaded_then_polled_queue_then_order():
 
 def test_dispatcher_sends_a_fresh_group_to_the_least_loaded_server():
     async def main() -> None:
-        source = Source(groups(3, 1))
+        source = groups(3, 1)
         dispatcher, tracker = make(3, 3, source, gated)
-        await dispatcher.fill()
+        dispatcher.fill()
         await settle()
         assert [c.server for c in tracker.calls] == ["http://s0", "http://s1", "http://s2"]
         tracker.calls[1].release.set()  # s1 frees up
-        (done,) = await dispatcher.wait_completed(5)
+        (done,) = await completed(dispatcher, 5)
         assert done.server == "http://s1"
-        source.queue.extend(groups(1, 1, start=3))
-        await dispatcher.fill()
+        dispatcher.add(groups(1, 1, start=3))
+        dispatcher.fill()
         await settle()
         assert tracker.calls[-1].server == "http://s1"
         await dispatcher.aclose()
@@ -283,21 +286,21 @@ def test_open_groups_are_continued_before_fresh_ones():
 
     async def main() -> None:
         nonlocal held
-        source = Source(groups(3, 3))
+        source = groups(3, 3)
         dispatcher, tracker = make(2, 2, source, hold)
-        await dispatcher.fill()
+        dispatcher.fill()
         await settle()
-        assert started(tracker) == [(0, 0), (0, 1)] and source.pulls == 1
+        assert started(tracker) == [(0, 0), (0, 1)] and dispatcher.counters.groups_admitted == 1
         tracker.calls[0].release.set()
-        await dispatcher.wait_completed(5)
-        await dispatcher.fill()
+        await completed(dispatcher, 5)
+        dispatcher.fill()
         await settle()
-        assert started(tracker)[2] == (0, 2) and source.pulls == 1  # group 0 continued first
+        assert started(tracker)[2] == (0, 2) and dispatcher.counters.groups_admitted == 1  # group 0 continued first
         tracker.calls[1].release.set()
-        await dispatcher.wait_completed(5)
-        await dispatcher.fill()
+        await completed(dispatcher, 5)
+        dispatcher.fill()
         await settle()
-        assert started(tracker)[3] == (1, 0) and source.pulls == 2
+        assert started(tracker)[3] == (1, 0) and dispatcher.counters.groups_admitted == 2
         held = False
         for call in tracker.calls:
             call.release.set()
@@ -330,12 +333,12 @@ def test_every_started_rollout_leaves_exactly_once_with_its_status():
         return seeds[call.sampling.seed]
 
     async def main() -> None:
-        dispatcher, tracker = make(2, 8, Source(groups(4, 2)), scripted)
+        dispatcher, tracker = make(2, 8, groups(4, 2), scripted)
         rollouts = await collect(dispatcher, 6)
         assert dispatcher.open_groups == [make_group_id(0, 3)] and dispatcher.inflight == 2
         assert dispatcher.cancel_groups([make_group_id(0, 3), "e9-i9"]) == [make_group_id(0, 3)]
         rollouts += await collect(dispatcher, 2)
-        assert await dispatcher.wait_completed(0.05) == []  # nothing leaves twice
+        assert await completed(dispatcher, 0.05) == []  # nothing leaves twice
         got = by_attempt(rollouts)
         status = {(int(g.split("-i")[1]), a): r.status for (g, a), r in got.items()}
         assert status == {
@@ -363,12 +366,12 @@ def test_every_started_rollout_leaves_exactly_once_with_its_status():
 
 def test_cancelling_emits_unstarted_attempts_too_and_returns_permits_after_unwinding():
     async def main() -> None:
-        dispatcher, tracker = make(1, 2, Source(groups(1, 4)), gated)
-        await dispatcher.fill()
+        dispatcher, tracker = make(1, 2, groups(1, 4), gated)
+        dispatcher.fill()
         await settle()
         assert len(tracker.calls) == 2
         dispatcher.cancel_groups([make_group_id(0, 0)])
-        unstarted = await dispatcher.wait_completed(0)
+        unstarted = await completed(dispatcher, 0)
         assert sorted(r.attempt for r in unstarted) == [2, 3]
         assert all(r.status is RolloutStatus.CANCELLED and r.prompt_ids == [100, 1] for r in unstarted)
         assert dispatcher.inflight == 2  # running calls keep their permits until they unwind
@@ -384,13 +387,13 @@ def test_cancelling_emits_unstarted_attempts_too_and_returns_permits_after_unwin
 def test_cancel_stale_cancels_groups_started_on_an_old_policy():
     async def main() -> None:
         version = [0]
-        source = Source(groups(1, 2))
+        source = groups(1, 2)
         dispatcher, tracker = make(2, 8, source, gated, version=version)
-        await dispatcher.fill()
+        dispatcher.fill()
         await settle()
         version[0] = 1
-        source.queue.extend(groups(1, 2, start=1))
-        await dispatcher.fill()
+        dispatcher.add(groups(1, 2, start=1))
+        dispatcher.fill()
         await settle()
         assert dispatcher.cancel_stale(1) == [make_group_id(0, 0)]
         for call in tracker.calls[2:]:
@@ -413,8 +416,8 @@ def test_cancel_stale_cancels_groups_started_on_an_old_policy():
 def test_rollouts_are_stamped_with_start_and_end_policy_versions():
     async def main() -> None:
         version = [3]
-        dispatcher, tracker = make(1, 4, Source(groups(1, 1)), gated, version=version)
-        await dispatcher.fill()
+        dispatcher, tracker = make(1, 4, groups(1, 1), gated, version=version)
+        dispatcher.fill()
         await settle()
         version[0] = 5
         tracker.calls[0].release.set()
@@ -430,7 +433,7 @@ def test_each_attempt_gets_a_distinct_seed_derived_from_run_seed_group_and_attem
     assert 0 <= rollout_seed(7, "e0-i1", 2) < 2**31
 
     async def main() -> None:
-        dispatcher, tracker = make(2, 16, Source(groups(3, 4)), seed=7)
+        dispatcher, tracker = make(2, 16, groups(3, 4), seed=7)
         await collect(dispatcher, 12)
         seeds = [c.sampling.seed for c in tracker.calls]
         assert len(set(seeds)) == 12
@@ -442,8 +445,8 @@ def test_each_attempt_gets_a_distinct_seed_derived_from_run_seed_group_and_attem
 
 def test_rollout_carries_group_prompt_trajectory_and_provenance():
     async def main() -> None:
-        request = GroupRequest(make_group_id(2, 5), 2, 5, "math", 1, {"q": 5}, policy_version=0)
-        dispatcher, _ = make(1, 1, Source([request]))
+        request = GroupRequest(make_group_id(2, 5), 2, 5, "math", 1, {"q": 5})
+        dispatcher, _ = make(1, 1, [request])
         (r,) = await collect(dispatcher, 1)
         assert (r.group_id, r.env_name, r.attempt, r.group_size, r.epoch, r.index) == (
             "e2-i5",
@@ -470,17 +473,17 @@ def test_rollout_carries_group_prompt_trajectory_and_provenance():
 
 def test_group_mode_runs_one_call_holding_group_size_permits():
     async def main() -> None:
-        source = Source(groups(2, 4))
+        source = groups(2, 4)
         dispatcher, tracker = make(2, 6, source, gated, modes={"math": "group"})
-        await dispatcher.fill()
+        dispatcher.fill()
         await settle()
         assert [c.n for c in tracker.calls] == [4] and dispatcher.inflight == 4
-        assert source.pulls == 2 and dispatcher.open_groups == [make_group_id(0, 0), make_group_id(0, 1)]
+        assert dispatcher.counters.groups_admitted == 2 and dispatcher.open_groups == [make_group_id(0, 0), make_group_id(0, 1)]
         tracker.calls[0].release.set()
-        first = await dispatcher.wait_completed(5)
+        first = await completed(dispatcher, 5)
         assert sorted(r.attempt for r in first) == [0, 1, 2, 3] and all(r.ok for r in first)
         assert {r.policy_version_start for r in first} == {0}
-        await dispatcher.fill()
+        dispatcher.fill()
         await settle()
         assert [c.n for c in tracker.calls] == [4, 4] and dispatcher.inflight == 4
         assert tracker.calls[1].sampling.seed == rollout_seed(0, make_group_id(0, 1), 0)
@@ -495,7 +498,7 @@ def test_group_mode_failure_emits_one_errored_placeholder_per_permit():
         raise InferenceConnectionError("http://s0/v1/completions: connection failed", "http://s0")
 
     async def main() -> None:
-        dispatcher, _ = make(1, 4, Source(groups(1, 3)), fail, modes={"math": "group"})
+        dispatcher, _ = make(1, 4, groups(1, 3), fail, modes={"math": "group"})
         rollouts = await collect(dispatcher, 3)
         assert sorted(r.attempt for r in rollouts) == [0, 1, 2]
         assert all(r.status is RolloutStatus.ERROR and "connection failed" in r.errors[0] for r in rollouts)
@@ -513,11 +516,11 @@ def test_group_mode_rejects_multi_turn_envs_and_groups_larger_than_the_cap():
             SAMPLING,
             4,
             lambda: 0,
-            Source(),
+            Outbox().append,
         )
 
     async def main() -> None:
-        dispatcher, tracker = make(1, 2, Source(groups(1, 3)), modes={"math": "group"})
+        dispatcher, tracker = make(1, 2, groups(1, 3), modes={"math": "group"})
         rollouts = await collect(dispatcher, 3)
         assert all("GroupTooLarge" in r.errors[0] for r in rollouts) and tracker.calls == []
 
@@ -531,7 +534,7 @@ def test_a_group_that_cannot_start_leaves_as_errors_and_the_run_continues():
     async def main() -> None:
         bad = GroupRequest(make_group_id(0, 1), 0, 1, "math", 2, {"bad": True})
         unknown = GroupRequest(make_group_id(0, 2), 0, 2, "nope", 1, {"q": 2})
-        dispatcher, _ = make(1, 4, Source([bad, unknown, *groups(1, 2, start=3)]))
+        dispatcher, _ = make(1, 4, [bad, unknown, *groups(1, 2, start=3)])
         got = by_attempt(await collect(dispatcher, 5))
         assert [got[bad.group_id, a].errors[0][:37] for a in (0, 1)] == [
             "PromptRenderError: env 'math' row 1 ("
@@ -548,7 +551,7 @@ def test_failing_server_is_marked_unhealthy_skipped_and_reprobed():
             raise InferenceConnectionError("http://s0: connection refused", "http://s0")
 
     async def main() -> None:
-        source = Source(groups(5, 1))
+        source = groups(5, 1)
         dispatcher, _ = make(2, 1, source, s0_down, unhealthy_after=2, reprobe_s=0.0)
         rollouts = await collect(dispatcher, 5)
         assert [(r.server, r.status) for r in rollouts] == [
@@ -567,7 +570,7 @@ def test_failing_server_is_marked_unhealthy_skipped_and_reprobed():
         s0.client.healthy = True
         await dispatcher.pool.refresh()
         assert s0.healthy and s0.consecutive_failures == 0
-        source.queue.extend(groups(1, 1, start=5))
+        dispatcher.add(groups(1, 1, start=5))
         (back,) = await collect(dispatcher, 1)
         assert back.server == "http://s0" and back.ok
 
@@ -581,7 +584,7 @@ def test_a_refused_connection_takes_a_server_out_at_once():
             raise InferenceConnectionError("http://s0: cannot connect", "http://s0", refused=True)
 
     async def main() -> None:
-        dispatcher, _ = make(2, 1, Source(groups(4, 1)), s0_gone, unhealthy_after=3, reprobe_s=60.0)
+        dispatcher, _ = make(2, 1, groups(4, 1), s0_gone, unhealthy_after=3, reprobe_s=60.0)
         rollouts = await collect(dispatcher, 4)
         assert [(r.server, r.ok) for r in rollouts] == [
             ("http://s0", False), ("http://s1", True), ("http://s1", True), ("http://s1", True)]
@@ -596,7 +599,7 @@ def test_group_moves_off_its_pinned_server_when_that_server_turns_unhealthy():
             raise InferenceConnectionError("http://s0: connection refused", "http://s0")
 
     async def main() -> None:
-        dispatcher, _ = make(2, 1, Source(groups(1, 3)), s0_down, unhealthy_after=1)
+        dispatcher, _ = make(2, 1, groups(1, 3), s0_down, unhealthy_after=1)
         rollouts = await collect(dispatcher, 3)
         assert [(r.attempt, r.server, r.ok) for r in rollouts] == [
             (0, "http://s0", False),
@@ -612,7 +615,7 @@ def test_request_errors_do_not_count_against_a_servers_health():
         raise InferenceHTTPError("http://s0/v1/completions: HTTP 400: prompt too long", "http://s0", 400)
 
     async def main() -> None:
-        dispatcher, _ = make(1, 1, Source(groups(3, 1)), bad_request, unhealthy_after=1)
+        dispatcher, _ = make(1, 1, groups(3, 1), bad_request, unhealthy_after=1)
         rollouts = await collect(dispatcher, 3)
         assert all(r.status is RolloutStatus.ERROR for r in rollouts)
         assert dispatcher.pool.servers[0].healthy
@@ -628,7 +631,7 @@ def host(
 ) -> tuple[DispatcherThread, Tracker]:
     tracker = Tracker()
 
-    def build(next_group: Callable[[], GroupRequest | None]) -> Dispatcher:
+    def build(emit: Callable[[Rollout], None]) -> Dispatcher:
         clients = [FakeClient(f"http://s{i}", tracker, behave) for i in range(n_servers)]
         return Dispatcher(
             ServerPool(clients),
@@ -637,7 +640,7 @@ def host(
             SAMPLING,
             max_inflight,
             lambda: 0,
-            next_group,
+            emit,
         )
 
     return DispatcherThread(build, tick_s=0.05), tracker
@@ -695,7 +698,7 @@ def test_thread_host_runs_the_dispatcher_for_synchronous_callers():
 
 
 def test_thread_host_surfaces_a_failed_build():
-    def build(next_group: Callable[[], GroupRequest | None]) -> Dispatcher:
+    def build(emit: Callable[[Rollout], None]) -> Dispatcher:
         raise OSError("no servers configured")
 
     with pytest.raises(RuntimeError, match="no servers configured"):
@@ -749,10 +752,10 @@ def test_thread_host_with_real_clients_against_a_stub_server():
     server_thread = threading.Thread(target=loop.run_forever, daemon=True)
     server_thread.start()
 
-    def build(next_group: Callable[[], GroupRequest | None]) -> Dispatcher:
+    def build(emit: Callable[[Rollout], None]) -> Dispatcher:
         pool = ServerPool([InferenceClient(url, timeout_s=10)])  # made on the dispatcher's own loop
         return Dispatcher(
-            pool, {"math": FakeEnv()}, {"math": "rollout"}, SAMPLING, 8, lambda: 0, next_group, seed=1
+            pool, {"math": FakeEnv()}, {"math": "rollout"}, SAMPLING, 8, lambda: 0, emit, seed=1
         )
 
     try:

@@ -1,9 +1,10 @@
-"""CompleteGroups on Prism: whole groups pass straight through, groups sent in parts are collected
-in keyed state; either way every group leaves exactly once, whole, ordered by attempt."""
+"""CompleteGroups on Prism: rollouts arrive in parts (one by one, or a whole group at once), in any
+order and interleaved across groups, and every group leaves exactly once, whole, ordered by attempt."""
 
 from __future__ import annotations
 
 import json
+from typing import List, Tuple
 
 import apache_beam as beam
 
@@ -16,15 +17,13 @@ def _rollouts(group_id: str, attempts: list[int], size: int) -> list[Rollout]:
     return [Rollout(group_id=group_id, env_name="e", attempt=a, group_size=size) for a in attempts]
 
 
-def test_whole_groups_and_groups_in_parts_each_leave_once_whole_and_ordered(tmp_path):
-    parts = [
-        _rollouts("whole-a", [2, 0, 1, 3], 4),
-        _rollouts("split", [3], 4),
-        _rollouts("whole-b", [1, 0], 2),
-        _rollouts("split", [0, 2], 4),
-        _rollouts("split", [1], 4),
+def test_rollouts_in_any_order_leave_as_whole_groups_once_and_ordered(tmp_path):
+    arrivals = [
+        *_rollouts("a", [2, 0], 4), *_rollouts("split", [3], 4), *_rollouts("b", [1, 0], 2),
+        *_rollouts("a", [1, 3], 4), *_rollouts("split", [0, 2], 4), *_rollouts("split", [1], 4),
+        *_rollouts("again", [0], 1),
     ]
-
+    whole = _rollouts("whole", [1, 2, 0], 3)
     out = tmp_path / "released.jsonl"
 
     def record(released):
@@ -34,7 +33,11 @@ def test_whole_groups_and_groups_in_parts_each_leave_once_whole_and_ordered(tmp_
 
     with beam.Pipeline(options=pipeline_options("direct")) as p:
         # Impulse + FlatMap rather than Create: Prism refuses Create's reshuffle in streaming mode.
-        _ = p | beam.Impulse() | beam.FlatMap(lambda _: parts) | CompleteGroups() | beam.Map(record)
+        _ = (p | beam.Impulse()
+             | beam.FlatMap(lambda _: [(r.group_id, [r]) for r in arrivals] + [("whole", whole)])
+             .with_output_types(Tuple[str, List[Rollout]])
+             | CompleteGroups() | beam.Map(record))
 
     released = sorted(tuple(json.loads(line)) for line in out.read_text().splitlines())
-    assert released == [("split", [0, 1, 2, 3]), ("whole-a", [0, 1, 2, 3]), ("whole-b", [0, 1])]
+    assert released == [("a", [0, 1, 2, 3]), ("again", [0]), ("b", [0, 1]), ("split", [0, 1, 2, 3]),
+                        ("whole", [0, 1, 2])]

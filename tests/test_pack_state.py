@@ -1,6 +1,7 @@
-"""The packer's Beam state on its own: a packer restored from Beam's copy alone (a restarted Flink
-worker has no in-memory mirror) cuts exactly the batches an uninterrupted one cuts, and each pending
-group is stored once rather than rewritten with every element."""
+"""The packer's Beam state, its only copy: read back for every element, it cuts the batches an
+uninterrupted packer cuts whatever the elements' sizes; each pending group is stored once rather than
+rewritten with every element; a copy restored from an older checkpoint skips what was committed since;
+and the end of input waits for every shard."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pickle
 
 from beam_rl.advantages import get_algorithm
 from beam_rl.config import config_from_dict
-from beam_rl.rollout_source import EndOfInput
-from beam_rl.sink import score_group
+from beam_rl.sink import InputExhausted, score_group
+from beam_rl.source import EndOfInput
 from beam_rl.types import Rollout, Turn
-from transforms.pack import _PackFn, forget_packer
+from transforms.pack import _PackFn
 
 GROUP_SIZE, GROUPS = 4, 9
 
@@ -58,29 +59,32 @@ def _elements():
     # Versions advance with the groups; g6 is far behind, so the stale filter flags it at packing,
     # after it waited in state for its batch partner.
     versions = [0, 0, 1, 1, 2, 2, 0, 3, 3]
-    return [_scored(i, v) for i, v in enumerate(versions)] + [EndOfInput(GROUPS)]
+    return [_scored(i, v) for i, v in enumerate(versions)] + [EndOfInput(shard=0, groups=GROUPS)]
 
 
-def _pack(run_id: str, forget_between_elements: bool, chunks: tuple[int, ...] = (1,)):
-    """Feed the groups in elements of `chunks[i % len(chunks)]` groups each, as the runner would."""
-    config = config_from_dict({
-        "run": {"dir": "/unused", "max_steps": 100},
+def _packer(run_dir, shards: int = 1, **config) -> _PackFn:
+    fn = _PackFn(config_from_dict({
+        "run": {"dir": str(run_dir), "max_steps": 100},
         "envs": [{"name": "reverse_text", "group_size": GROUP_SIZE}],
         "batch": {"rollouts_per_step": 2 * GROUP_SIZE},
         "off_policy": {"max_async_level": 1, "max_off_policy_steps": 1},
-    })
-    fn, state, pending, batches = _PackFn(config, run_id, 1, check_staleness=True), _Value(), _Bag(), []
-    try:
-        items, i = _elements(), 0
-        while items:
-            size = chunks[i % len(chunks)]
-            element, items, i = items[:size], items[size:], i + 1
-            if forget_between_elements:
-                forget_packer(run_id)
-            batches += fn.process(("packer", element), state=state, pending=pending)
-    finally:
-        forget_packer(run_id)
-    return batches, state, pending
+        "dispatch": {"shards": shards},
+        **config,
+    }), 1, check_staleness=True, run_dir=str(run_dir))
+    fn.setup()
+    return fn
+
+
+def _pack(tmp_path, chunks: tuple[int, ...] = (1,)):
+    """Feed the groups in elements of `chunks[i % len(chunks)]` groups each, as the runner would."""
+    fn, state, pending, out = _packer(tmp_path), _Value(), _Bag(), []
+    items, i = _elements(), 0
+    while items:
+        size = chunks[i % len(chunks)]
+        element, items, i = items[:size], items[size:], i + 1
+        out += fn.process(("packer", element), state=state, pending=pending)
+    assert isinstance(out[-1], InputExhausted) and out[-1].last_step == len(out) - 1
+    return out[:-1], state, pending
 
 
 def _summary(batches):
@@ -88,29 +92,27 @@ def _summary(batches):
              [[s.rollout_id for s in mb.samples] for rank in b.micro_batches for mb in rank]) for b in batches]
 
 
-def test_a_packer_restored_from_beam_state_alone_cuts_the_same_batches():
-    uninterrupted, _, _ = _pack("run-a", forget_between_elements=False)
-    restored, _, _ = _pack("run-b", forget_between_elements=True)
-    assert _summary(restored) == _summary(uninterrupted)
-    chunked, _, _ = _pack("run-d", forget_between_elements=True, chunks=(3, 1, 4))
-    assert _summary(chunked) == _summary(uninterrupted)
+def test_a_packer_read_back_from_beam_state_cuts_the_same_batches_whatever_the_elements(tmp_path):
+    one_by_one, _, _ = _pack(tmp_path / "a")
+    chunked, _, _ = _pack(tmp_path / "b", chunks=(3, 1, 4))
+    assert _summary(chunked) == _summary(one_by_one)
+    uninterrupted = one_by_one
     assert [b.step for b in uninterrupted] == [1, 2, 3, 4, 5]
     stale = {rid for _, _, window, _ in _summary(uninterrupted) for rid, why in window if why == "stale"}
     assert stale == {f"g6/{a}" for a in range(GROUP_SIZE)}  # the flag reached the window records
 
 
-def test_each_pending_group_is_stored_once_and_the_value_holds_no_tokens():
-    _, state, pending = _pack("run-c", forget_between_elements=False)
+def test_each_pending_group_is_stored_once_and_the_value_holds_no_tokens(tmp_path):
+    _, state, pending = _pack(tmp_path)
     # Two groups make a batch: every other group waits for its partner, stored once meanwhile.
     assert pending.added == 5 and not pending.items  # g0, g2, g4, g6, g8 waited; all cut by the end
     sample_bytes = len(pickle.dumps(_scored(0, 0)))
     assert max(state.writes) < 4 * sample_bytes  # window records and counts, not the pending groups
 
 
-def test_on_flink_a_packer_restored_from_an_older_checkpoint_skips_what_was_committed_since(tmp_path):
-    """Flink restores Beam's copy from a checkpoint while this (LOOPBACK) process keeps a mirror that
-    is ahead, and the run directory keeps the steps committed since: Beam's copy wins, the groups
-    those steps hold are dropped and their step numbers are not given out again."""
+def test_a_packer_restored_from_an_older_checkpoint_skips_what_was_committed_since(tmp_path):
+    """Flink restores Beam's copy from a checkpoint, and the run directory keeps the steps committed
+    since: the groups those steps hold are dropped and their step numbers are not given out again."""
     import copy
 
     from beam_rl.rundir import RunDir
@@ -128,20 +130,33 @@ def test_on_flink_a_packer_restored_from_an_older_checkpoint_skips_what_was_comm
             record.index = i
     writer = _WriteStepFn(str(tmp_path))
     writer.setup()
-    fn, state, pending = _PackFn(config, "run-d", 1, False, str(tmp_path)), _Value(), _Bag()
+    fn, state, pending = _PackFn(config, 1, False, str(tmp_path)), _Value(), _Bag()
+    fn.setup()
 
     def feed(group):
         return [step for batch in fn.process(("packer", [group]), state=state, pending=pending)
                 for step in writer.process(batch)]
 
-    try:
-        assert feed(groups[0]) + feed(groups[1]) + feed(groups[2]) == [1]
-        checkpoint = copy.deepcopy((state, pending))  # g2 pending, next step 2
-        assert feed(groups[3]) == [2]  # g2 + g3, committed after the checkpoint
-        state, pending = checkpoint  # the restore; the mirror stays ahead
-        assert feed(groups[4]) == [] and feed(groups[5]) == [3]  # g2 dropped, step 2 not reused
-    finally:
-        forget_packer("run-d")
+    assert feed(groups[0]) + feed(groups[1]) + feed(groups[2]) == [1]
+    checkpoint = copy.deepcopy((state, pending))  # g2 pending, next step 2
+    assert feed(groups[3]) == [2]  # g2 + g3, committed after the checkpoint
+    state, pending = checkpoint  # the restore
+    assert feed(groups[4]) == [] and feed(groups[5]) == [3]  # g2 dropped, step 2 not reused
     run_dir = RunDir(tmp_path)
     assert run_dir.committed_steps() == [1, 2, 3]
     assert [run_dir.read_commit(s)["group_ids"] for s in (1, 2, 3)] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
+
+
+def test_the_last_batch_waits_for_every_shards_end_of_input_and_every_group_it_announced(tmp_path):
+    fn, state, pending = _packer(tmp_path, shards=2), _Value(), _Bag()
+    groups = [_scored(i, 0) for i in range(3)]
+
+    def feed(*items):
+        return list(fn.process(("packer", list(items)), state=state, pending=pending))
+
+    assert [b.step for b in feed(groups[0], groups[1])] == [1]
+    # Shard 0 is done after 2 groups; shard 1 announced 1 group that has not arrived yet.
+    assert feed(EndOfInput(shard=0, groups=2), EndOfInput(shard=1, groups=1)) == []
+    last = feed(groups[2])
+    assert [type(x) for x in last] == [type(last[0]), InputExhausted] and last[0].step == 2
+    assert last[0].group_ids == ["g2"] and last[1].last_step == 2

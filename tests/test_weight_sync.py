@@ -11,7 +11,7 @@ import torch
 
 from beam_rl.config import config_from_dict
 from beam_rl.inference.server import EmbeddedServer
-from beam_rl.rollout_source import RolloutSource, SourceSpec
+from beam_rl.source import DispatchRange, RolloutSource, Shard, SourceSpec
 from beam_rl.rundir import RunDir
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
 from beam_rl.training.checkpoint import publish_weights
@@ -36,14 +36,14 @@ def _source(tmp_path, url, **off_policy) -> RolloutSource:
         "inference": {"max_tokens": 8, "max_inflight": 8},
         "off_policy": off_policy or {"max_async_level": 1, "max_off_policy_steps": 1},
     })
-    return RolloutSource(SourceSpec(config=config, server_urls=(url,), run_dir=str(tmp_path),
-                                    run_id=uuid.uuid4().hex))
+    spec = SourceSpec(config=config, server_urls=(url,), run_dir=str(tmp_path), run_id=uuid.uuid4().hex)
+    return RolloutSource(spec, Shard(), DispatchRange(0, 9))
 
 
 def _drain(source: RolloutSource, expected: int, timeout_s: float = 60.0):
     rollouts, deadline = [], time.monotonic() + timeout_s
     while len(rollouts) < expected and time.monotonic() < deadline:
-        rollouts += [r for group in source.poll(0.05) for r in group]
+        rollouts += source.poll(0.05)
     assert len(rollouts) == expected, f"got {len(rollouts)} of {expected} rollouts"
     return rollouts
 
@@ -115,10 +115,10 @@ def test_a_stale_in_flight_group_is_cancelled_and_counted(tmp_path):
                 publish_weights(RunDir(tmp_path), step, load_tiny_model(tiny_model_dir()),
                                 source_dir=tiny_model_dir())
             time.sleep(0.3)
-            source.sync_weights()
+            source.wants_more()  # the source follows the run: new weights, then stale groups cancelled
             rollouts = _drain(source, 4, timeout_s=20)
             assert source.policy_version() == 2
             assert {r.status for r in rollouts} == {RolloutStatus.CANCELLED}
-            assert source._progress.cancelled_stale == 1
+            assert source.cancelled_stale == 1
         finally:
             source.close()

@@ -18,9 +18,9 @@ from typing import Any
 
 import apache_beam as beam
 
-from beam_rl.rollout_source import EndOfInput
-from beam_rl.sink import ScoredGroup
-from beam_rl.types import Rollout, Sample, TrainBatch
+from beam_rl.sink import InputExhausted, ScoredGroup
+from beam_rl.source import EndOfInput
+from beam_rl.types import Rollout, RolloutRecord, Sample, TrainBatch
 
 _RECORD_BYTES = 200  # a pickled rollout's fields other than its tokens, roughly
 _PICKLED_TOKEN_BYTES = 14  # an int id and a float logprob in pickled Python lists, roughly
@@ -28,6 +28,10 @@ _PICKLED_TOKEN_BYTES = 14  # an int id and a float logprob in pickled Python lis
 
 class PackerItem:
     """Type hint for the packer's input elements: a `ScoredGroup` or the `EndOfInput` marker."""
+
+
+class PackerOutput:
+    """Type hint for the packer's output elements: a `TrainBatch` or the `InputExhausted` marker."""
 
 
 def _sample_bytes(sample: Sample) -> int:
@@ -65,5 +69,5 @@ class DomainCoder(beam.coders.Coder):
         return Any
 
 
-for _type in (Rollout, ScoredGroup, TrainBatch, EndOfInput, PackerItem):
+for _type in (Rollout, RolloutRecord, ScoredGroup, TrainBatch, EndOfInput, InputExhausted, PackerItem, PackerOutput):
     beam.coders.registry.register_coder(_type, DomainCoder)

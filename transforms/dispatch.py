@@ -1,134 +1,202 @@
-"""DispatchRollouts: PromptSource + Dispatch as one splittable DoFn, an unbounded source of rollouts.
+"""DispatchRollouts: PromptSource + Dispatch as a splittable DoFn per shard, an unbounded source of rollouts.
 
-Like an IO connector's reader, the DoFn claims prompt offsets from its restriction as the dispatcher
-has room, emits finished rollouts as they finish, and checkpoints itself every fraction of a second
-so they leave in small bundles. The dispatcher's event loop lives across bundles (RolloutSource).
-Position len(schedule) is the end marker: it is claimed, and EndOfInput sent, only once every
-admitted group has come back, so the restriction is never done while rollouts are in flight.
+Like an IO connector's reader, each shard's DoFn claims prompt offsets from its restriction as the
+dispatcher has room, emits finished rollouts as they finish (keyed by group, for CompleteGroups), and
+checkpoints itself every fraction of a second so they leave in small bundles. The dispatcher's event loop
+lives across bundles in the worker process (one RolloutSource per shard, held with Beam's `Shared`). A
+shard's restriction (beam_rl.source.DispatchRange) carries what a restore must run again.
 """
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
 import uuid
 from typing import List, Tuple
 
 import apache_beam as beam
-from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
-from apache_beam.transforms.core import WatermarkEstimatorProvider
+from apache_beam.io.iobase import RestrictionProgress, RestrictionTracker
+from apache_beam.transforms.core import RestrictionProvider
+from apache_beam.utils import shared
 from apache_beam.utils.timestamp import Duration, Timestamp
 
-from beam_rl.rollout_source import EndOfInput, Restored, SourceSpec, source_for
+from beam_rl.source import DispatchRange, EndOfInput, RolloutSource, Shard, SourceSpec
 from beam_rl.types import Rollout
-from transforms import coders  # noqa: F401  (registers the coder of List[Rollout])
-from transforms.sdf import OffsetRestrictions
+from transforms import coders  # noqa: F401  (registers the coder of Rollout)
+from transforms.sdf import WatermarkFromStart
 
 END_OF_INPUT = "end_of_input"
 BUNDLE_S = 0.2  # how long one process() call collects rollouts before it checkpoints
 POLL_S = 0.02
 
-
-def _restriction_size(element: tuple[str, int]) -> int:
-    _, groups = element
-    return groups + 1  # every group of the schedule + the end marker
-
-
-class _SourceWatermark(ManualWatermarkEstimator):
-    """A manual watermark whose state, saved with every residual (and so in every Flink
-    checkpoint), also carries what the restriction alone cannot: the positions claimed but still in
-    flight (a restore must dispatch them again), and a token naming the process() call that saved it
-    (a replayed, older residual carries a token the in-process source no longer expects)."""
-
-    def __init__(self, state) -> None:
-        watermark, self.token, self.in_flight = state
-        super().__init__(watermark)
-
-    def get_estimator_state(self):
-        return self.current_watermark(), self.token, self.in_flight
-
-    def note(self, token: str, in_flight: tuple[int, ...]) -> None:
-        self.token, self.in_flight = token, in_flight
+# (run id, (shard index, offsets in the shard)): plain values with a deterministic coder, which Flink needs
+# to key the source's residuals; pairs, because Prism 2.62 knows no coder of longer tuples.
+ShardElement = Tuple[str, Tuple[int, int]]
 
 
-class _SourceWatermarks(WatermarkEstimatorProvider):
-    def initial_estimator_state(self, element, restriction):
-        return Timestamp.now(), None, ()
+class _RangeTracker(RestrictionTracker):
+    """Claims offsets of a DispatchRange in increasing order. Never splits but to checkpoint: a shard
+    is one reader (shards are how dispatch scales out), so a runner's dynamic split is declined."""
 
-    def create_watermark_estimator(self, estimator_state):
-        return _SourceWatermark(estimator_state)
+    def __init__(self, restriction: DispatchRange) -> None:
+        self._restriction = restriction
+        self._next = restriction.start
+
+    def current_restriction(self) -> DispatchRange:
+        return self._restriction
+
+    def try_claim(self, offset: int) -> bool:
+        if not self._next <= offset < self._restriction.stop:
+            return False
+        self._next = offset + 1
+        return True
+
+    def try_split(self, fraction_of_remainder: float):
+        r = self._restriction
+        if fraction_of_remainder > 0 or self._next >= r.stop:
+            return None
+        # The residual copies what the process() call last noted as in flight (DispatchRange).
+        primary, residual = DispatchRange(r.start, self._next), DispatchRange(self._next, r.stop, r.in_flight)
+        self._restriction = primary
+        return primary, residual
+
+    def check_done(self) -> None:
+        if self._next < self._restriction.stop:
+            raise ValueError(f"dispatch range {self._restriction} left unclaimed from offset {self._next}")
+
+    def current_progress(self) -> RestrictionProgress:
+        # As a fraction: the SDK replaces `completed` with the output's byte count, which it takes as
+        # NaN until its size sampling has measured an element, and a NaN progress fails Prism's split
+        # requests (the bundle's outputs were then lost).
+        r = self._restriction
+        completed, remaining = self._next - r.start, r.stop - self._next + len(r.in_flight.redo)
+        return RestrictionProgress(fraction=completed / (completed + remaining) if completed + remaining else 1.0)
+
+    def is_bounded(self) -> bool:
+        return True
+
+
+class _Ranges(RestrictionProvider):
+    def initial_restriction(self, element: ShardElement) -> DispatchRange:
+        return DispatchRange(0, element[1][1] + 1)  # every offset of the shard + the end marker
+
+    def create_tracker(self, restriction: DispatchRange) -> _RangeTracker:
+        return _RangeTracker(restriction)
+
+    def split(self, element, restriction):
+        yield restriction
+
+    def restriction_size(self, element, restriction: DispatchRange) -> int:
+        return restriction.size()
+
+
+class _WorkerSources:
+    """The sources of one run in one worker process, by shard: in-flight rollouts live in a source's
+    event loop, not in any bundle, so every bundle (and every DoFn instance) of a shard uses the same one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_shard: dict[int, RolloutSource] = {}
+
+    def get(self, spec: SourceSpec, shard: int, restriction: DispatchRange) -> RolloutSource:
+        """The shard's source, rebuilt from `restriction` when there is none, when it is closed, or when
+        it is ahead of the restriction: one it did not save means the runner restored an older checkpoint
+        while this process lived on. A closed one was abandoned (components.ABANDONED_SOURCE_S)."""
+        with self._lock:
+            source = self._by_shard.get(shard)
+            if source is not None and (source.token != restriction.in_flight.token or source.closed):
+                source.close()
+                source = None
+            if source is None:
+                source = self._by_shard[shard] = RolloutSource(spec, Shard(shard, spec.shards), restriction)
+                _freeze_long_lived_heap()
+            return source
+
+    def close(self) -> None:
+        with self._lock:
+            for source in self._by_shard.values():
+                source.close()
+            self._by_shard.clear()
+
+
+def _freeze_long_lived_heap() -> None:
+    """Take what the worker holds for good (modules, tokenizer, environments, the runner's harness:
+    ~480k objects) out of the cyclic collector's full passes. Each pass over them held the GIL for
+    ~0.24 s, every ~4 s of a busy run (bench/README.md). Garbage is collected first so none is kept."""
+    gc.collect()
+    gc.freeze()
 
 
 class _DispatchFn(beam.DoFn):
-    """The element is (run id, groups in the schedule): plain values with a deterministic coder, which
-    Flink needs to key the source's residuals; the spec itself travels with the DoFn."""
-
     def __init__(self, spec: SourceSpec) -> None:
         self._spec = spec
-        # Flink restores checkpoints; Prism never replays a restriction (a failed Prism job is over),
-        # and may run split parts of it at once, which a token per call cannot tell from a replay.
-        self._restorable = spec.config.runner.name != "direct"
+        self._shared = shared.Shared()  # Beam's one-object-per-worker-process holder
+
+    def setup(self) -> None:
+        self._sources: _WorkerSources = self._shared.acquire(_WorkerSources)  # held: kept alive across bundles
+
+    def teardown(self) -> None:
+        self._sources.close()
 
     @beam.DoFn.unbounded_per_element()
-    def process(
-        self,
-        element: tuple[str, int],
-        tracker=beam.DoFn.RestrictionParam(OffsetRestrictions(_restriction_size)),
-        watermark=beam.DoFn.WatermarkEstimatorParam(_SourceWatermarks()),
-    ):
-        end_marker = element[1]
+    def process(self, element: ShardElement, tracker=beam.DoFn.RestrictionParam(_Ranges()),
+                watermark=beam.DoFn.WatermarkEstimatorParam(WatermarkFromStart())):
+        _, (shard, _) = element
         restriction = tracker.current_restriction()
-        _, token, in_flight = watermark.get_estimator_state()
-        if self._restorable:
-            source = source_for(self._spec, token, Restored(restriction.start, tuple(in_flight)))
-            # What this call saves is only valid for this call's successor: a later replay of the
-            # restriction this call got (a restore) is then told apart from normal progress.
-            token = source.token = uuid.uuid4().hex
-        else:
-            source = source_for(self._spec)
-        watermark.note(token, source.outstanding())
-        position, stop = restriction.start, min(restriction.stop, end_marker)
+        source = self._sources.get(self._spec, shard, restriction)
+        # What this call saves is valid only for its successor: a later replay of the restriction it
+        # got (a restore) is then told apart from normal progress.
+        source.token = uuid.uuid4().hex
+        next_offset = restriction.start
         deadline = time.monotonic() + BUNDLE_S
         while True:
-            while position < stop and source.wants_more():
-                if not tracker.try_claim(position):
+            restriction.in_flight = source.in_flight()
+            # Claim.
+            while next_offset < restriction.end_marker and source.wants_more():
+                if not tracker.try_claim(next_offset):
                     return
-                source.admit(position)
-                watermark.note(token, source.outstanding())
-                position += 1
+                source.admit(next_offset)
+                next_offset += 1
+                restriction.in_flight = source.in_flight()
+            # Work and yield: the rollouts of one group that finished together leave as one element
+            # (a group-mode request finishes its whole group at once), so CompleteGroups' keyed
+            # state is read and written once per part rather than once per rollout.
             now = Timestamp.now()
-            for group in source.poll(POLL_S):
-                yield beam.window.TimestampedValue(group, now)
-            watermark.note(token, source.outstanding())
+            parts: dict[str, list[Rollout]] = {}
+            for rollout in source.poll(POLL_S):
+                parts.setdefault(rollout.group_id, []).append(rollout)
+            for group_id, part in parts.items():
+                yield beam.window.TimestampedValue((group_id, part), now)
+            restriction.in_flight = source.in_flight()
             watermark.set_watermark(now)
-            exhausted = position >= stop or source.stopping()
-            # The part holding the end marker ends last: after every other part has claimed all
-            # its positions (the runner may have split the restriction), or on a stop.
-            final = restriction.stop - 1
-            ends_input = final == end_marker
-            if exhausted and source.idle() and (not ends_input or source.stopping() or source.claimed_all(end_marker)):
-                # Claiming the last position finishes this part (skipping what a stop left
-                # unclaimed); only the part holding the end marker announces the end.
-                if position <= final and tracker.try_claim(final) and ends_input:
-                    yield beam.pvalue.TaggedOutput(END_OF_INPUT, EndOfInput(source.admitted))
+            if source.finished(all_claimed=next_offset >= restriction.end_marker):
+                if tracker.try_claim(restriction.end_marker):
+                    yield beam.pvalue.TaggedOutput(END_OF_INPUT, EndOfInput(shard, source.emitted))
+                source.close()
                 return
+            # Defer.
             if time.monotonic() >= deadline:
                 tracker.defer_remainder(Duration.of(0))
                 return
 
 
+def _shard_elements(spec: SourceSpec) -> list[ShardElement]:
+    return [(spec.run_id, (i, Shard(i, spec.shards).size(spec.schedule_groups))) for i in range(spec.shards)]
+
+
 class DispatchRollouts(beam.PTransform):
-    """Every group of the run as its last rollout finishes (a list of its rollouts, errored and
-    cancelled ones included); plus one EndOfInput."""
+    """Every rollout of the run as it finishes, in parts keyed by group id (errored and cancelled ones
+    too: every started rollout leaves exactly once); plus one EndOfInput per shard."""
 
     def __init__(self, spec: SourceSpec) -> None:
         super().__init__()
         self._spec = spec
 
     def expand(self, pbegin):
-        spec = self._spec
-        element = (spec.run_id, spec.schedule_groups)
+        elements = _shard_elements(self._spec)
         return (pbegin
                 | beam.Impulse()
-                | "RunAndSize" >> beam.Map(lambda _: element).with_output_types(Tuple[str, int])
-                | beam.ParDo(_DispatchFn(spec)).with_output_types(List[Rollout])
+                | "Shards" >> beam.FlatMap(lambda _: elements).with_output_types(ShardElement)
+                | beam.ParDo(_DispatchFn(self._spec)).with_output_types(Tuple[str, List[Rollout]])
                 .with_outputs(END_OF_INPUT, main="rollouts"))

@@ -1,4 +1,5 @@
-"""WriteTrainBatches: each step's Arrow files, then its commit record, atomically, never twice."""
+"""WriteTrainBatches: each step's Arrow files, then its commit record, atomically, never twice; and the
+end of the run's input once the packer has cut its last batch."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 import apache_beam as beam
 
 from beam_rl.rundir import RunDir
+from beam_rl.sink import InputExhausted
 from beam_rl.types import TrainBatch
 
 
@@ -17,7 +19,11 @@ class _WriteStepFn(beam.DoFn):
     def setup(self) -> None:
         self._dir = RunDir(self._run_dir)
 
-    def process(self, batch: TrainBatch):
+    def process(self, item: TrainBatch | InputExhausted):
+        if isinstance(item, InputExhausted):
+            self._dir.mark_input_exhausted(item.last_step)
+            return
+        batch = item
         if self._dir.is_committed(batch.step):
             # A runner retrying a bundle replays the packer deterministically from its state at
             # the bundle's start; a step it already committed must come out identical.
@@ -29,8 +35,10 @@ class _WriteStepFn(beam.DoFn):
             return
         offsets = sorted({r.prompt_offset for r in batch.rollouts})
         last_finished = max((r.t_end for r in batch.rollouts), default=0.0)
+        workers = {"dispatch": sorted({r.dispatch_worker for r in batch.rollouts if r.dispatch_worker}),
+                   "score": sorted({r.score_worker for r in batch.rollouts if r.score_worker})}
         self._dir.write_step(batch, offsets=offsets, window=batch.rollouts,
-                             extra={"last_rollout_finished_at": last_finished})
+                             extra={"last_rollout_finished_at": last_finished, "workers": workers})
         self._dir.append_metrics({"step": batch.step, "committed_at": time.time(), **batch.window})
         beam.metrics.Metrics.counter("beam_rl", "steps_committed").inc()
         yield batch.step

@@ -2,7 +2,8 @@
 
 Every rule has one home: permits (`_schedule_group_rollout`), group affinity (`_pin_server`), open
 groups first (`_try_schedule`), version stamps (`_schedule_group_rollout` / `_on_finished`) and
-exactly-once emission (`_on_finished`, `_cancel_group`).
+exactly-once emission (`_on_finished`, `_cancel_group`). Groups come in through `add` (any thread) and
+every finished rollout goes out through the `emit` callback, once, as it finishes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Dispatcher:
         sampling: Mapping[str, SamplingParams],
         max_inflight: int,
         policy_version: Callable[[], int],
-        next_group: Callable[[], GroupRequest | None],
+        emit: Callable[[Rollout], None],
         seed: int = 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -58,11 +59,13 @@ class Dispatcher:
         self.counters = DispatchCounters()
         self._permits = Permits(max_inflight)
         self._policy_version = policy_version
-        self._next_group = next_group
+        self._emit_out = emit
         self._clock = clock
+        # Added by the source, not yet opened. Appends (any thread) and pops (the loop) of a deque are
+        # atomic, so the source hands groups over without a lock or a second queue.
+        self._waiting: collections.deque[GroupRequest] = collections.deque()
         self._groups: dict[str, OpenGroup] = {}  # insertion order = admission order
         self._inflight: dict[asyncio.Task, Launch] = {}
-        self._completed: collections.deque[Rollout] = collections.deque()
         self._wakeup = asyncio.Event()
 
     # -- introspection --------------------------------------------------------------------------
@@ -81,9 +84,18 @@ class Dispatcher:
         """Admitted groups with rollouts still to start or still running, in admission order."""
         return list(self._groups)
 
+    @property
+    def waiting(self) -> int:
+        """Groups added but not yet opened (waiting for permits)."""
+        return len(self._waiting)
+
     # -- schedule side ----------------------------------------------------------------------------
 
-    async def fill(self) -> int:
+    def add(self, requests: Iterable[GroupRequest]) -> None:
+        """Queue groups (from any thread); the caller wakes the loop so `fill` takes them."""
+        self._waiting.extend(requests)
+
+    def fill(self) -> int:
         """Start rollouts until no permit is free or there is no work; returns how many started."""
         started = 0
         while self._permits.available > 0:
@@ -106,7 +118,8 @@ class Dispatcher:
         return self._schedule_group_rollout(group)
 
     def _admit_fresh_group(self) -> OpenGroup | None:
-        while (request := self._next_group()) is not None:
+        while self._waiting:
+            request = self._waiting.popleft()
             if request.group_id in self._groups:
                 raise ValueError(f"group {request.group_id} is already open in this dispatcher")
             self.counters.groups_admitted += 1
@@ -136,14 +149,15 @@ class Dispatcher:
                 f"PromptRenderError: env {request.env_name!r} row {request.index} (epoch {request.epoch}): "
                 f"{type(exc).__name__}: {exc}",
             )
-        group = OpenGroup(request, env, mode, self.sampling[request.env_name], prompt_ids)
+        group = OpenGroup(request, env, mode, self.sampling[request.env_name], prompt_ids,
+                          collections.deque(request.attempts_to_run))
         self._groups[request.group_id] = group
         return group
 
     def _reject(self, request: GroupRequest, error: str) -> None:
         log.error("group %s cannot run: %s", request.group_id, error)
         version, now = self._policy_version(), self._clock()
-        for attempt in range(request.group_size):
+        for attempt in request.attempts_to_run:
             rollout = self._placeholder(request, attempt, [], version, version, None, now, now)
             rollout.capture_error(error)
             self._emit(rollout)
@@ -151,14 +165,13 @@ class Dispatcher:
     def _schedule_group_rollout(self, group: OpenGroup) -> int:
         request = group.request
         # Rule: permits. A rollout-mode launch holds one; a group-mode call of n holds n.
-        needed = request.group_size if group.mode == "group" else 1
+        needed = group.rollouts_to_schedule if group.mode == "group" else 1
         if self._permits.available < needed:
             return 0
         server = self._pin_server(group)
         if server is None:
             return 0
-        attempts = range(group.next_attempt, group.next_attempt + needed)
-        group.next_attempt += needed
+        attempts = tuple(group.attempts.popleft() for _ in range(needed))
         # Rule: version stamps (start). The group's version is the one its first rollout started on.
         version = self._policy_version()
         if group.version_start is None:
@@ -198,7 +211,6 @@ class Dispatcher:
         self.pool.finished(launch.server, launch.permits)
         # Rule: version stamps (end).
         version_end, t_end = self._policy_version(), self._clock()
-
         rollouts = [
             self._placeholder(
                 request,
@@ -266,6 +278,7 @@ class Dispatcher:
             epoch=request.epoch,
             index=request.index,
             is_eval=request.is_eval,
+            eval_round=request.eval_round,
         )
 
     def _emit(self, rollout: Rollout) -> None:
@@ -275,29 +288,26 @@ class Dispatcher:
             self.counters.errored += 1
         else:
             self.counters.cancelled += 1
-        self._completed.append(rollout)
-        self._wakeup.set()
+        self._emit_out(rollout)
+        self._wakeup.set()  # a permit came back: fill() may start more
 
     def _close_if_finished(self, group: OpenGroup) -> None:
         if group.finished:
             self._groups.pop(group.group_id, None)
 
-    async def wait_completed(self, timeout: float | None) -> list[Rollout]:
-        """Rollouts finished since the last call; waits up to `timeout` for one (or for `wake`)."""
-        if not self._completed:
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout)
-            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-                pass
-        # Cleared after waiting, not before: a wake() that came while the caller was busy in
-        # fill() must still make this call return at once.
+    async def wait_for_work(self, timeout: float | None) -> None:
+        """Waits up to `timeout` for something that may let `fill` start more: a rollout finished (its
+        permits came back), or `wake` (groups added, a server back in service)."""
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            pass
+        # Cleared after waiting, not before: a wake() that came while the caller was busy in fill()
+        # must still make this call return at once.
         self._wakeup.clear()
-        finished = list(self._completed)
-        self._completed.clear()
-        return finished
 
     def wake(self) -> None:
-        """Make a pending `wait_completed` return now (e.g. new groups to admit)."""
+        """Make a pending `wait_for_work` return now (e.g. new groups to admit)."""
         self._wakeup.set()
 
     # -- cancellation -----------------------------------------------------------------------------
@@ -321,10 +331,17 @@ class Dispatcher:
         ]
         return self.cancel_groups(stale)
 
-    def cancel_request(self, request: GroupRequest) -> None:
-        """Emit a group that was never admitted as CANCELLED, so it still completes downstream."""
+    def cancel_waiting(self, group_ids: set[str]) -> list[str]:
+        """Emit groups added but never opened as CANCELLED, so they still complete downstream."""
+        cancelled = [r for r in list(self._waiting) if r.group_id in group_ids]  # a snapshot: add() may append
+        for request in cancelled:
+            self._waiting.remove(request)
+            self._cancel_request(request)
+        return [r.group_id for r in cancelled]
+
+    def _cancel_request(self, request: GroupRequest) -> None:
         version, now = self._policy_version(), self._clock()
-        for attempt in range(request.group_size):
+        for attempt in request.attempts_to_run:
             rollout = self._placeholder(request, attempt, [], version, version, None, now, now)
             rollout.status = RolloutStatus.CANCELLED
             self._emit(rollout)
@@ -339,17 +356,17 @@ class Dispatcher:
         # also when their permits come back: the cap holds for real HTTP calls.
         version, now = self._policy_version(), self._clock()
         server = group.server.url if group.server else None
-        for attempt in range(group.next_attempt, group.request.group_size):
+        while group.attempts:
             rollout = self._placeholder(
-                group.request, attempt, group.prompt_ids, version, version, server, now, now
+                group.request, group.attempts.popleft(), group.prompt_ids, version, version, server, now, now
             )
             rollout.status = RolloutStatus.CANCELLED
             self._emit(rollout)
-        group.next_attempt = group.request.group_size
         self._close_if_finished(group)
 
     async def aclose(self) -> None:
         """Cancel everything in flight, wait for it to unwind, close the clients."""
+        self.cancel_waiting({r.group_id for r in list(self._waiting)})
         self.cancel_groups(list(self._groups))
         await asyncio.gather(*self._inflight, return_exceptions=True)
         await self.pool.aclose()

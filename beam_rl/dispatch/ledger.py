@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 from dataclasses import dataclass, field
 
@@ -42,7 +43,7 @@ class OpenGroup:
     mode: str
     sampling: SamplingParams
     prompt_ids: list[int]
-    next_attempt: int = 0
+    attempts: collections.deque[int]  # not started yet, in order
     server: Server | None = None  # the pinned server
     version_start: int | None = None  # policy version its first rollout started on
     tasks: set[asyncio.Task] = field(default_factory=set)
@@ -53,7 +54,7 @@ class OpenGroup:
 
     @property
     def rollouts_to_schedule(self) -> int:
-        return self.request.group_size - self.next_attempt
+        return len(self.attempts)
 
     @property
     def finished(self) -> bool:
@@ -65,7 +66,7 @@ class Launch:
     """One `env.run` (one attempt) or `env.run_group` (all attempts) call in flight."""
 
     group: OpenGroup
-    attempts: range
+    attempts: tuple[int, ...]
     server: Server
     version_start: int
     t_start: float

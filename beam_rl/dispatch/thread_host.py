@@ -1,16 +1,16 @@
 """Hosts a Dispatcher's event loop on a daemon thread so synchronous callers (Beam DoFns) can drive it.
 
-The loop outlives any one bundle: groups go in with `add_groups`, finished rollouts come out of
-`poll`, and in-flight HTTP calls keep running between calls.
+The loop outlives any one bundle: groups go in with `add_groups`, finished rollouts come out of `poll`
+through one queue, and in-flight HTTP calls keep running between calls.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -20,31 +20,37 @@ from beam_rl.types import GroupRequest, Rollout
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-NextGroup = Callable[[], GroupRequest | None]
+Emit = Callable[[Rollout], None]
 _LOOP_DIED = object()  # put on the output queue to wake a blocked poll() when the loop fails
 
 
 class DispatcherThread:
     """A Dispatcher running on its own thread.
 
-    `build(next_group)` is called on that thread, so clients bound to an event loop are created on
-    the loop that uses them; the Dispatcher it returns must pull groups through `next_group`.
+    `build(emit)` is called on that thread, so clients bound to an event loop are created on the loop
+    that uses them; the Dispatcher it returns must emit every finished rollout through `emit`.
     """
 
     def __init__(
         self,
-        build: Callable[[NextGroup], Dispatcher],
+        build: Callable[[Emit], Dispatcher],
         refresh_s: float = 5.0,
         tick_s: float = 0.5,
         name: str = "beam-rl-dispatcher",
+        abandoned_after_s: float | None = None,
     ) -> None:
         self._build = build
         self._refresh_s = refresh_s
         self._tick_s = tick_s
+        # A runner that cancelled its job (or moved the work elsewhere) never polls again: past this
+        # long without a poll the thread closes itself, cancelling what it still runs.
+        self._abandoned_after_s = abandoned_after_s
+        self._last_poll = time.monotonic()
         self._lock = threading.Lock()
-        self._pending: collections.deque[GroupRequest] = collections.deque()  # added, not yet admitted
-        self._outstanding: dict[str, int] = {}  # group id -> rollouts poll() has yet to return
-        self._out: queue.Queue[Any] = queue.Queue()
+        # Group id -> attempts added whose rollouts `poll` has not returned yet: what the caller has not
+        # taken delivery of, so what a runner checkpoint must ask to run again.
+        self._unreturned: dict[str, set[int]] = {}
+        self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()  # the one queue from the loop to Beam
         self._error: BaseException | None = None
         self._closed = False
         self._ready = threading.Event()
@@ -59,21 +65,22 @@ class DispatcherThread:
     # -- synchronous API (any thread) ----------------------------------------------------------
 
     def add_groups(self, requests: Sequence[GroupRequest]) -> None:
-        """Queue groups for admission; the dispatcher pulls them as permits free up."""
+        """Queue groups for admission; the dispatcher opens them as permits free up."""
         self._raise_if_dead()
         with self._lock:
-            counts = collections.Counter(r.group_id for r in requests)
-            duplicates = sorted(g for g, k in counts.items() if k > 1 or g in self._outstanding)
+            ids = [r.group_id for r in requests]
+            duplicates = sorted({g for g in ids if ids.count(g) > 1 or g in self._unreturned})
             if duplicates:
                 raise ValueError(f"groups already in flight in this dispatcher: {duplicates}")
             for request in requests:
-                self._pending.append(request)
-                self._outstanding[request.group_id] = request.group_size
+                self._unreturned[request.group_id] = set(request.attempts_to_run)
+        self.dispatcher.add(requests)
         self._loop.call_soon_threadsafe(self.dispatcher.wake)
 
     def poll(self, max_wait_s: float) -> list[Rollout]:
         """Finished rollouts, as they finish: blocks at most `max_wait_s` for the first one."""
         self._raise_if_dead()
+        self._last_poll = time.monotonic()
         items = []
         try:
             items.append(self._out.get(timeout=max_wait_s) if max_wait_s > 0 else self._out.get_nowait())
@@ -84,24 +91,33 @@ class DispatcherThread:
         rollouts = [item for item in items if item is not _LOOP_DIED]
         with self._lock:
             for rollout in rollouts:
-                left = self._outstanding.get(rollout.group_id, 0) - 1
-                if left > 0:
-                    self._outstanding[rollout.group_id] = left
-                else:
-                    self._outstanding.pop(rollout.group_id, None)
+                attempts = self._unreturned.get(rollout.group_id)
+                if attempts is not None:
+                    attempts.discard(rollout.attempt)
+                    if not attempts:
+                        del self._unreturned[rollout.group_id]
         if len(rollouts) < len(items):
             self._raise_if_dead()
         return rollouts
 
-    def inflight_groups(self) -> list[str]:
-        """Groups added whose rollouts `poll` has not all returned yet (what a checkpoint must replay)."""
+    def unreturned(self) -> dict[str, tuple[int, ...]]:
+        """Group id -> attempts added whose rollouts `poll` has not returned yet."""
         with self._lock:
-            return list(self._outstanding)
+            return {group: tuple(sorted(attempts)) for group, attempts in self._unreturned.items()}
+
+    def is_unreturned(self, group_id: str) -> bool:
+        """Some rollout of the group has not been returned by `poll` yet."""
+        with self._lock:
+            return group_id in self._unreturned
+
+    def inflight_groups(self) -> list[str]:
+        """Groups added whose rollouts `poll` has not all returned yet."""
+        with self._lock:
+            return list(self._unreturned)
 
     def pending_groups(self) -> int:
-        """Groups added but not yet admitted by the dispatcher (waiting for permits)."""
-        with self._lock:
-            return len(self._pending)
+        """Groups added but not yet opened by the dispatcher (waiting for permits)."""
+        return self.dispatcher.waiting
 
     def counters(self) -> dict[str, int]:
         return self._call(self._snapshot)
@@ -113,7 +129,8 @@ class DispatcherThread:
 
     def cancel_groups(self, group_ids: Iterable[str]) -> list[str]:
         """Cancel groups wherever they are; every rollout of each still comes out of `poll`."""
-        return self._call(lambda: self._cancel(set(group_ids)))
+        ids = set(group_ids)
+        return self._call(lambda: self.dispatcher.cancel_waiting(ids) + self.dispatcher.cancel_groups(ids))
 
     def cancel_stale(self, min_version: int) -> list[str]:
         return self._call(lambda: self.dispatcher.cancel_stale(min_version))
@@ -137,6 +154,10 @@ class DispatcherThread:
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout_s)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._error is not None or not self._thread.is_alive()
+
     def __enter__(self) -> DispatcherThread:
         return self
 
@@ -154,7 +175,7 @@ class DispatcherThread:
 
     async def _serve(self) -> None:
         try:
-            self.dispatcher = self._build(self._next_pending)
+            self.dispatcher = self._build(self._out.put)
             self._stop = asyncio.Event()
         except BaseException as exc:
             self._error = exc
@@ -164,9 +185,8 @@ class DispatcherThread:
         refresher = asyncio.create_task(self._refresh_forever())
         try:
             while not self._stop.is_set():
-                await self.dispatcher.fill()
-                for rollout in await self.dispatcher.wait_completed(self._tick_s):
-                    self._out.put(rollout)
+                self.dispatcher.fill()
+                await self.dispatcher.wait_for_work(self._tick_s)
         except BaseException as exc:
             log.exception("dispatcher loop failed")
             self._error = exc
@@ -178,24 +198,17 @@ class DispatcherThread:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self._refresh_s)
+            idle_s = time.monotonic() - self._last_poll
+            if self._abandoned_after_s is not None and idle_s > self._abandoned_after_s:
+                log.warning("nobody polled the dispatcher for %.0fs: closing it", idle_s)
+                self._closed = True
+                self._stop.set()
+                return
             try:
                 await self.dispatcher.pool.refresh()
             except Exception:
                 log.exception("refreshing the server pool failed")
             self.dispatcher.wake()  # a server back in service may let fill() start work
-
-    def _next_pending(self) -> GroupRequest | None:
-        with self._lock:
-            return self._pending.popleft() if self._pending else None
-
-    def _cancel(self, group_ids: set[str]) -> list[str]:
-        with self._lock:
-            unadmitted = [r for r in self._pending if r.group_id in group_ids]
-            for request in unadmitted:
-                self._pending.remove(request)
-        for request in unadmitted:
-            self.dispatcher.cancel_request(request)
-        return [r.group_id for r in unadmitted] + self.dispatcher.cancel_groups(group_ids)
 
     def _snapshot(self) -> dict[str, int]:
         c = self.dispatcher.counters

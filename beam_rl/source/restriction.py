@@ -1,0 +1,51 @@
+"""What one shard of the dispatch source has left to do, as the runner checkpoints it.
+
+Beam-free: the Beam tracker (transforms/dispatch.py) claims offsets from it and splits it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Redo = tuple[tuple[int, tuple[int, ...]], ...]  # (shard offset, attempts) pairs
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What the offsets alone cannot say about a shard when its restriction is saved:
+
+    - `redo`: attempts of groups claimed earlier whose rollouts had not left the source yet.
+      Downstream state in the same checkpoint lacks them, so a restore runs them again.
+    - `emitted`: how many groups had left the source whole (the packer's restored count of groups seen
+      agrees with it, so the end of input is announced with the right total).
+    - `token`: names the process() call that saved it. A worker process that outlived a restore (the
+      runner went back to an older checkpoint) still holds a source ahead of it; a token the source did
+      not hand out tells it so.
+    """
+
+    redo: Redo = ()
+    emitted: int = 0
+    token: str | None = None
+
+
+@dataclass
+class DispatchRange:
+    """Offsets [start, stop) of a shard's part of the prompt schedule still to claim (the last one,
+    stop - 1, is the end marker), and what was in flight when it was saved. The process() call working
+    on a range keeps `in_flight` current as rollouts leave; a checkpoint's residual takes a copy."""
+
+    start: int
+    stop: int
+    in_flight: InFlight = field(default_factory=InFlight)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.stop:
+            raise ValueError(f"bad dispatch range [{self.start}, {self.stop})")
+
+    @property
+    def end_marker(self) -> int:
+        return self.stop - 1
+
+    def size(self) -> int:
+        """The work left: offsets to claim plus groups to redo (what runners balance on)."""
+        return self.stop - self.start + len(self.in_flight.redo)

@@ -1,0 +1,43 @@
+"""Which part of the run a dispatch shard owns: prompt offsets, inference servers and permits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` of `count`. It owns every `count`-th position of the prompt schedule (so all shards
+    move through the epochs together), every `count`-th server, and its share of the permits."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard {self.index} of {self.count} does not exist")
+
+    def size(self, positions: int) -> int:
+        """How many of `positions` schedule positions this shard owns."""
+        return len(range(self.index, positions, self.count))
+
+    def position(self, offset: int) -> int:
+        """The schedule position of this shard's `offset`-th prompt."""
+        return offset * self.count + self.index
+
+    def offset(self, position: int) -> int | None:
+        """This shard's offset of a schedule position, or None if another shard owns it."""
+        offset, owner = divmod(position, self.count)
+        return offset if owner == self.index else None
+
+    def servers(self, servers: Sequence[T]) -> list[T]:
+        return list(servers[self.index::self.count])
+
+    def permits(self, total: int) -> int:
+        """An even share of `total` permits; the first shards take the remainder."""
+        share, rest = divmod(total, self.count)
+        return share + (1 if self.index < rest else 0)

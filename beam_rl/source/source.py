@@ -1,0 +1,211 @@
+"""One shard of the prompt source and its dispatcher, as one object the dispatch transform drives.
+
+The dispatch SDF claims offsets of the shard's part of the prompt schedule and hands each to `admit`
+while `wants_more` says so; `poll` returns finished rollouts as they finish; `in_flight` is what a
+checkpoint of the SDF's restriction must carry; `finished` says when the shard's input is over.
+Each rule lives in its own module: backpressure (admission), the shard's share (shard), evaluation
+rounds (eval_rounds), the commits it reads (commits), live status (status).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from beam_rl import components
+from beam_rl.config import RunConfig
+from beam_rl.processes import worker_id
+from beam_rl.rundir import RunDir
+from beam_rl.source.admission import AdmissionState, hold_reason, input_finished, limits_for
+from beam_rl.source.commits import CommittedSteps
+from beam_rl.source.eval_rounds import EvalRounds
+from beam_rl.source.restriction import DispatchRange, InFlight
+from beam_rl.source.shard import Shard
+from beam_rl.source.status import HeldBack, ServersDownWatch, StatusBoard
+from beam_rl.types import Rollout
+from beam_rl.weight_sync import WeightSync
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """What a worker needs to start a source: the config, the servers and the run directory."""
+
+    config: RunConfig
+    server_urls: tuple[str, ...]
+    run_dir: str
+    run_id: str
+    first_step: int = 1  # the step this pipeline run starts at (last committed + 1)
+    with_trainer: bool = True  # False: nobody publishes weights, so staleness is not checked
+    schedule_groups: int = 0  # len(PromptSchedule), set by the launcher
+
+    @property
+    def shards(self) -> int:
+        return self.config.dispatch.shards
+
+
+@dataclass(frozen=True)
+class EndOfInput:
+    """Sent once by each shard when its input is over: `groups` training groups left it whole in this
+    pipeline run (counted as the packer's state counts them, across restores)."""
+
+    shard: int
+    groups: int
+
+
+class RolloutSource:
+    def __init__(self, spec: SourceSpec, shard: Shard, restored: DispatchRange) -> None:
+        config = spec.config
+        self.spec, self.shard = spec, shard
+        self.token = restored.in_flight.token  # the token the next process() call must bring (see InFlight)
+        self.emitted = restored.in_flight.emitted  # training groups returned whole, this pipeline run
+        self.envs = components.build_envs(config)
+        self.schedule = components.build_schedule(config, self.envs)
+        self._run_dir = RunDir(spec.run_dir)
+        self._commits = CommittedSteps(self._run_dir)
+        permits = shard.permits(config.inference.max_inflight)
+        servers = shard.servers(list(spec.server_urls))
+        self._limits = limits_for(config.batch.rollouts_per_step, min(e.group_size for e in config.envs), permits,
+                                  config.off_policy.max_async_level, spec.with_trainer, shard.count)
+        self._max_inflight = permits
+        self._dispatcher = components.dispatcher_thread(config, servers, self.envs, self.policy_version, permits)
+        self._weights = WeightSync(self._run_dir, reload=self._dispatcher.reload_weights,
+                                   validate=components.checkpoint_validator(config))
+        self._weights.poll()  # servers start on the newest published policy, not the initial one
+        eval_schedule = components.eval_schedule(config, self.envs) if config.eval.every_steps else None
+        self._evals = EvalRounds(config.eval, eval_schedule, shard, self._commits.last_step)
+        self._status = StatusBoard(self._run_dir, shard.index)
+        self._held = HeldBack()
+        self._servers_down = ServersDownWatch(servers, config.inference.all_servers_down_timeout_s)
+        self._admitted: dict[str, int] = {}  # training group id -> schedule position, until returned whole
+        self._evaluating: set[str] = set()  # evaluation group ids, until returned whole
+        self._in_transit: set[int] = set()  # positions returned whole, not yet in a committed step
+        self._cancelled_stale = 0
+        self._stopping = False
+        self._worker = worker_id()
+        for offset, attempts in restored.in_flight.redo:
+            self.admit(offset, attempts)
+        if restored.in_flight.redo or restored.start:
+            _LOG.warning("shard %d restored at offset %d: %d groups left it before, %d run again",
+                         shard.index, restored.start, self.emitted, len(self._admitted))
+
+    def policy_version(self) -> int:
+        return self._weights.version
+
+    # -- claim ------------------------------------------------------------------------------------
+
+    def wants_more(self) -> bool:
+        """Backpressure (admission.hold_reason) over what this shard and the run directory say now."""
+        self._follow_the_run()
+        hold = hold_reason(AdmissionState(
+            stopping=self._stopping, last_committed=self._commits.last_step,
+            policy_version=self.policy_version(), groups_out=len(self._admitted),
+            groups_in_transit=len(self._in_transit), groups_waiting=self._dispatcher.pending_groups(),
+        ), self._limits)
+        self._held.note(hold, time.monotonic())
+        return hold is None
+
+    def admit(self, offset: int, attempts: tuple[int, ...] | None = None) -> None:
+        """Dispatch the group at this shard's `offset` (all its attempts, or those given), unless a
+        committed step already holds it."""
+        position = self.shard.position(offset)
+        if self.schedule.offset(position) in self._commits.consumed:
+            return
+        group = self.schedule.group(position, attempts)
+        self._admitted[group.group_id] = position
+        self._dispatcher.add_groups([group])
+
+    # -- work -------------------------------------------------------------------------------------
+
+    def poll(self, max_wait_s: float) -> list[Rollout]:
+        """Rollouts finished since the last call, each once (waits at most `max_wait_s` for one)."""
+        rollouts = self._dispatcher.poll(max_wait_s)
+        for rollout in rollouts:
+            rollout.dispatch_worker = self._worker
+        for group_id in {r.group_id for r in rollouts}:
+            if self._dispatcher.is_unreturned(group_id):
+                continue
+            if group_id in self._admitted:
+                self._in_transit.add(self._admitted.pop(group_id))
+                self.emitted += 1
+            self._evaluating.discard(group_id)
+        now = time.monotonic()
+        if self._status.due(now):
+            self._publish_status(now)
+        return rollouts
+
+    def in_flight(self) -> InFlight:
+        """What a checkpoint taken now must carry: the attempts admitted whose rollouts `poll` has not
+        returned yet (by shard offset: run again on restore), the groups emitted whole, and the token
+        the next call must bring. Evaluation rounds are not restored."""
+        unreturned = self._dispatcher.unreturned()
+        redo = tuple(sorted((self.shard.offset(position), unreturned[group_id])
+                            for group_id, position in self._admitted.items() if group_id in unreturned))
+        return InFlight(redo, self.emitted, self.token)
+
+    def finished(self, all_claimed: bool) -> bool:
+        # An evaluation round that started before the stop is finished too: its summary is the last one.
+        return input_finished(all_claimed, self._stopping, len(self._admitted) + len(self._evaluating))
+
+    def counters(self) -> dict[str, int]:
+        return self._dispatcher.counters()
+
+    @property
+    def cancelled_stale(self) -> int:
+        """In-flight groups cancelled because new weights made them too stale to train."""
+        return self._cancelled_stale
+
+    def close(self) -> None:
+        self._dispatcher.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._dispatcher.closed
+
+    # -- the run around it ------------------------------------------------------------------------
+
+    def _follow_the_run(self) -> None:
+        """New commits, new weights, stop, and evaluation rounds due."""
+        for consumed in self._commits.refresh():
+            self._in_transit -= self.schedule.positions_of(consumed)
+        if not self._stopping and self._commits.last_step >= self.spec.config.run.max_steps:
+            self._stopping = True
+            cancelled = self._dispatcher.cancel_groups(list(self._admitted))
+            _LOG.info("step %d committed: run complete, shard %d cancelled %d in-flight groups",
+                      self._commits.last_step, self.shard.index, len(cancelled))
+        if self._stopping:
+            return
+        version = self._weights.poll()
+        if version is not None:
+            # The earliest step that could still train a group is version + 1, where its staleness is
+            # version - start; past max_off_policy_steps it could only ever be filtered out.
+            stale = self._dispatcher.cancel_stale(version - self.spec.config.off_policy.max_off_policy_steps)
+            self._cancelled_stale += len(stale)
+        rounds = self._evals.due(self._commits.last_step)
+        if rounds:
+            self._dispatcher.add_groups(rounds)
+            self._evaluating.update(g.group_id for g in rounds)
+            _LOG.info("evaluation round after step %d: shard %d sends %d held-out prompts",
+                      rounds[0].eval_round, self.shard.index, len(rounds))
+
+    def _publish_status(self, now: float) -> None:
+        counters, servers = self._dispatcher.counters_and_servers()
+        self._servers_down.check(counters.get("healthy_servers", 1), now)
+        self._held.note(self._held.reason, now)
+        self._status.publish({
+            "policy_version": self.policy_version(),
+            "waiting_for_trainer": self._held.reason is not None and self._held.reason.value == "trainer",
+            "held_back_s": {reason: round(s, 3) for reason, s in self._held.total_s.items()},
+            "groups_out": len(self._admitted),
+            "groups_in_transit": len(self._in_transit),
+            "groups_emitted": self.emitted,
+            "cancelled_stale_groups": self._cancelled_stale,
+            "weight_reloads": [{"version": v, "seconds": round(s, 3)} for v, s in self._weights.reloads],
+            "all_servers_down_for_s": (round(now - self._servers_down.down_since, 1)
+                                       if self._servers_down.down_since is not None else None),
+            "max_inflight": self._max_inflight,
+            "servers": servers,
+            **counters,
+        }, now)

@@ -1,0 +1,85 @@
+"""A shard's live state for people and the report: status files, load history, and the all-servers-down limit."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from beam_rl.rundir import RunDir
+from beam_rl.source.admission import Hold
+
+_LOG = logging.getLogger(__name__)
+
+
+class AllServersDownError(RuntimeError):
+    """Every inference server of a shard stayed unhealthy past the configured limit."""
+
+
+@dataclass
+class HeldBack:
+    """How long admission has been held back for each reason, in total."""
+
+    total_s: dict[str, float] = field(default_factory=dict)
+    _reason: Hold | None = None
+    _since: float = 0.0
+
+    def note(self, reason: Hold | None, now: float) -> None:
+        if self._reason is not None:
+            self.total_s[self._reason.value] = self.total_s.get(self._reason.value, 0.0) + now - self._since
+        self._reason, self._since = reason, now
+
+    @property
+    def reason(self) -> Hold | None:
+        return self._reason
+
+
+class ServersDownWatch:
+    """Waiting for servers that are all down is fine for a while; forever is not."""
+
+    def __init__(self, urls: list[str], limit_s: float) -> None:
+        self._urls = urls
+        self._limit_s = limit_s
+        self.down_since: float | None = None
+
+    def check(self, healthy: int, now: float) -> None:
+        if healthy > 0:
+            if self.down_since is not None:
+                _LOG.warning("an inference server is healthy again; dispatch resumes")
+            self.down_since = None
+            return
+        if self.down_since is None:
+            self.down_since = now
+            _LOG.warning("all %d inference servers are unhealthy; waiting for one to come back (limit %.0fs)",
+                         len(self._urls), self._limit_s)
+        elif now - self.down_since > self._limit_s:
+            raise AllServersDownError(
+                f"all {len(self._urls)} inference servers ({', '.join(self._urls)}) have been unhealthy for "
+                f"{now - self.down_since:.0f}s, past inference.all_servers_down_timeout_s = {self._limit_s:g}")
+
+
+class StatusBoard:
+    """Writes the shard's status file at most every `status_s` and a load sample to metrics.jsonl at
+    most every `history_s` (`beam-rl report` plots utilization from those)."""
+
+    def __init__(self, run_dir: RunDir, shard: int, status_s: float = 1.0, history_s: float = 2.0) -> None:
+        self._run_dir = run_dir
+        self._shard = shard
+        self._status_s = status_s
+        self._history_s = history_s
+        self._last_status = float("-inf")
+        self._last_history = float("-inf")
+
+    def due(self, now: float) -> bool:
+        return now - self._last_status >= self._status_s
+
+    def publish(self, status: dict[str, Any], now: float) -> None:
+        self._last_status = now
+        self._run_dir.write_status({"updated_at": time.time(), "shard": self._shard, **status}, shard=self._shard)
+        if now - self._last_history < self._history_s:
+            return
+        self._last_history = now
+        self._run_dir.append_metrics({"dispatch": {
+            "t": time.time(), "shard": self._shard, "inflight": status["inflight"],
+            "max_inflight": status["max_inflight"], "servers": status["servers"]}})

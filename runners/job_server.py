@@ -1,0 +1,78 @@
+"""The Flink job server a rollout job is submitted through, started by beam-rl so that it lives exactly
+as long as the process that submitted: the job on a Flink cluster outlives both (the server is only a
+client of the cluster), while an embedded Flink (`[local]`) lives inside it."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from beam_rl.processes import stop_processes
+from runners import bootstrap
+
+_PR_SET_PDEATHSIG = 1
+
+
+class JobServerError(RuntimeError):
+    """The job server did not start; the message holds the end of its log."""
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: SIGTERM it when the thread that started it goes away, so a
+    # killed submitter leaves no job server behind (the cluster's job runs on without it).
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class JobServer:
+    process: subprocess.Popen
+    endpoint: str  # host:port of its job service
+    log: Path
+
+    def stop(self) -> None:
+        stop_processes([self.process], timeout_s=10)
+
+
+def start_job_server(flink_master: str, log: Path, jvm_heap_mb: int | None = None,
+                     timeout_s: float = 120.0) -> JobServer:
+    """A Flink job server for `flink_master` ("[local]": an embedded Flink), its output in `log`."""
+    java = bootstrap.require_tool("java", "install a Java 11+ runtime (e.g. `apt-get install openjdk-17-jre-headless`)")
+    port = free_port()
+    artifacts = tempfile.mkdtemp(prefix="beam-rl-artifacts-")
+    command = [java, *([f"-Xmx{jvm_heap_mb}m"] if jvm_heap_mb else []), "-jar", str(bootstrap.ensure_flink_job_server()),
+               "--flink-master", flink_master, "--artifacts-dir", artifacts, "--job-port", str(port),
+               "--artifact-port", "0", "--expansion-port", "0"]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise JobServerError(f"the Flink job server exited with {process.returncode}:\n{_tail(log)}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return JobServer(process, f"localhost:{port}", log)
+        except OSError:
+            if time.monotonic() > deadline:
+                stop_processes([process])
+                raise JobServerError(f"the Flink job server did not listen within {timeout_s:g}s:\n{_tail(log)}")
+            time.sleep(0.2)
+
+
+def _tail(log: Path, chars: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,131 @@
+"""Python workers that run beside a cluster's TaskManagers instead of in the submitting process.
+
+- `boot_main` is a worker boot program with the interface of Beam's container boot binary (flags
+  --id, --provision_endpoint, --control_endpoint, ...): it asks the runner's provision service for the
+  pipeline options, sends the worker's stdout and stderr to a log file instead of a pipe nobody reads
+  (a chatty worker would block on it), and runs Beam's SDK harness (`sdk_worker_main`), which takes its
+  state cache size and logging from those options. Beam's own Go boot binary also installs staged
+  packages into a fresh virtualenv per worker; beam-rl workers use the environment they start in.
+- `process` environments name it as the command each TaskManager starts a worker with; `external` ones
+  point at a worker pool (`pool_main`: Beam's worker_pool_main, told to start workers with this boot
+  program), one beside each TaskManager.
+
+    python -m runners.workers pool --port 50000      # a worker pool, until SIGTERM
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+from beam_rl.cache import cache_root
+
+LOG_DIR_ENV = "BEAM_RL_WORKER_LOG_DIR"
+
+
+def boot_command() -> Path:
+    """An executable that runs `boot_main` with this interpreter (a runner starts workers with a path,
+    not a Python module), written once per interpreter into the cache."""
+    script = cache_root() / "workers" / f"boot-{abs(hash(sys.executable)):x}.sh"
+    body = f"#!/bin/sh\nexec {sys.executable} -m runners.workers boot \"$@\"\n"
+    if not script.is_file() or script.read_text() != body:
+        script.parent.mkdir(parents=True, exist_ok=True)
+        tmp = script.with_suffix(".tmp")
+        tmp.write_text(body)
+        tmp.chmod(tmp.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        os.replace(tmp, script)
+    return script
+
+
+def _descriptor(url: str) -> str:
+    return f'url: "{url}"'
+
+
+def _pipeline_options(provision_endpoint: str, worker_id: str) -> str:
+    import grpc
+    from google.protobuf import json_format
+
+    from apache_beam.portability.api import beam_provision_api_pb2, beam_provision_api_pb2_grpc
+
+    with grpc.insecure_channel(provision_endpoint) as channel:
+        stub = beam_provision_api_pb2_grpc.ProvisionServiceStub(channel)
+        info = stub.GetProvisionInfo(beam_provision_api_pb2.GetProvisionInfoRequest(),
+                                     metadata=[("worker_id", worker_id)], timeout=60).info
+    return json.dumps(json_format.MessageToDict(info.pipeline_options))
+
+
+def boot_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="runners.workers boot")
+    for flag in ("id", "logging_endpoint", "artifact_endpoint", "provision_endpoint", "control_endpoint"):
+        parser.add_argument(f"--{flag}", required=flag in ("id", "provision_endpoint", "control_endpoint"))
+    parser.add_argument("--semi_persist_dir", default=None)
+    args, _ = parser.parse_known_args(argv)
+    log_dir = Path(os.environ.get(LOG_DIR_ENV) or Path(tempfile.gettempdir()) / "beam-rl-workers")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / f"worker-{args.id}-{os.getpid()}.log", "ab", buffering=0)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    os.environ.update({
+        "WORKER_ID": args.id,
+        "CONTROL_API_SERVICE_DESCRIPTOR": _descriptor(args.control_endpoint),
+        "PIPELINE_OPTIONS": _pipeline_options(args.provision_endpoint, args.id),
+    })
+    if args.logging_endpoint:
+        os.environ["LOGGING_API_SERVICE_DESCRIPTOR"] = _descriptor(args.logging_endpoint)
+    if args.semi_persist_dir:
+        os.environ["SEMI_PERSISTENT_DIRECTORY"] = args.semi_persist_dir
+    from apache_beam.runners.worker import sdk_worker_main
+
+    sdk_worker_main.main(sys.argv)
+
+
+def pool_main(argv: list[str]) -> None:
+    """Beam's worker pool servicer on `--host:--port`, starting each worker with `boot_command()` (so its
+    output goes to a file). Beam's own pool main listens on every interface; one pool per TaskManager on
+    one machine needs each on its own loopback address."""
+    parser = argparse.ArgumentParser(prog="runners.workers pool")
+    parser.add_argument("--host", default="localhost", help="the address TaskManagers reach it on")
+    parser.add_argument("--port", type=int, default=50000)
+    args = parser.parse_args(argv)
+    import signal
+    from concurrent import futures
+
+    import grpc
+    from apache_beam.portability.api import beam_fn_api_pb2_grpc
+    from apache_beam.runners.worker.worker_pool_main import BeamFnExternalWorkerPoolServicer
+
+    pool = BeamFnExternalWorkerPoolServicer(use_process=True, container_executable=str(boot_command()),
+                                            state_cache_size=0, data_buffer_time_limit_ms=0)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    beam_fn_api_pb2_grpc.add_BeamFnExternalWorkerPoolServicer_to_server(pool, server)
+    address = f"{args.host}:{server.add_insecure_port(f'{args.host}:{args.port}')}"
+    server.start()
+
+    def stop(*_):  # workers are children of the pool: they go with it
+        for worker in list(pool._worker_processes.values()):
+            worker.kill()
+        server.stop(grace=None)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"READY {address}", flush=True)
+    server.wait_for_termination()
+
+
+def main() -> None:
+    command, argv = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
+    if command == "boot":
+        boot_main(argv)
+    elif command == "pool":
+        pool_main(argv)
+    else:
+        sys.exit("usage: python -m runners.workers {boot|pool} ...")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Each of the Prism fixes in runners/prism_patches/ that keeps data and state correct, shown on Prism
+itself: the same pipeline runs on Prism built with all of them (it passes) and without that one (the
+defect shows). The two that only save CPU are covered by tests/test_options.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import apache_beam as beam
+import pytest
+from apache_beam.coders import VarIntCoder
+from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
+from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
+from apache_beam.transforms import userstate
+from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
+from apache_beam.transforms.timeutil import TimeDomain
+from apache_beam.utils.timestamp import Duration, Timestamp
+
+from beam_rl.config import config_from_dict
+from beam_rl.rundir import RunDir
+from runners import bootstrap
+from runners.options import RunnerSettings, pipeline_options
+from runners.pipeline import _spec, build_rollout_pipeline
+
+
+def _prism(without: str | None) -> str:
+    patches = [p for p in bootstrap.PRISM_PATCHES if without is None or not p.name.startswith(without)]
+    assert without is None or len(patches) == len(bootstrap.PRISM_PATCHES) - 1, f"no patch {without}"
+    return str(bootstrap.ensure_prism(patches=patches))
+
+
+def _run(build, without: str | None, timeout_s: float = 120):
+    """Runs the pipeline `build` makes on Prism without the patch `without`; returns its end state."""
+    pipeline = beam.Pipeline(options=pipeline_options(RunnerSettings(prism_location=_prism(without))))
+    build(pipeline)
+    return pipeline.run().wait_until_finish(duration=int(timeout_s * 1000))
+
+
+def _append(path: Path, record) -> None:  # LOOPBACK: the worker runs in this process
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _records(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# -- 0003: a stateful stage's bundle is never split ----------------------------------------------------
+
+ELEMENTS = 60
+
+
+class _Count(beam.DoFn):
+    COUNT = userstate.ReadModifyWriteStateSpec("count", VarIntCoder())
+
+    def __init__(self, out: str) -> None:
+        self._out = out
+
+    def process(self, keyed, count=beam.DoFn.StateParam(COUNT)):
+        _, i = keyed
+        if i == 0:
+            time.sleep(0.5)  # no progress for a few ticks: Prism asks to split the bundle
+        total = (count.read() or 0) + 1
+        count.write(total)
+        _append(Path(self._out), total)
+
+
+@pytest.mark.parametrize("without", [None, "0003"])
+def test_a_slow_stateful_bundle_keeps_every_update_of_its_key(tmp_path, without):
+    out = tmp_path / "counts.jsonl"
+
+    def build(p):
+        _ = (p | beam.Impulse() | beam.FlatMap(lambda _: range(ELEMENTS))
+             | beam.Map(lambda i: ("key", i)) | beam.ParDo(_Count(str(out))))
+
+    _run(build, without)
+    final = max(_records(out))
+    if without is None:
+        assert final == ELEMENTS
+    else:  # the split's leftover bundle ran without the key's state and overwrote it
+        assert final < ELEMENTS
+
+
+# -- 0004: event-time timers wait for the watermark ----------------------------------------------------
+
+CALLS = 6
+START = Timestamp(1_000_000)  # the source's watermark moves a second a call from here, far below an hour
+
+
+class _Range(RestrictionProvider):
+    def initial_restriction(self, element):
+        return OffsetRange(0, CALLS)
+
+    def create_tracker(self, restriction):
+        return OffsetRestrictionTracker(restriction)
+
+    def restriction_size(self, element, restriction):
+        return restriction.size()
+
+
+class _HeldWatermark(WatermarkEstimatorProvider):
+    def initial_estimator_state(self, element, restriction):
+        return START
+
+    def create_watermark_estimator(self, state):
+        return ManualWatermarkEstimator(state)
+
+
+class _SlowSource(beam.DoFn):
+    """One element per call, a call every ~0.3 s; element i and the watermark at START + i seconds."""
+
+    @beam.DoFn.unbounded_per_element()
+    def process(self, _, tracker=beam.DoFn.RestrictionParam(_Range()),
+                watermark=beam.DoFn.WatermarkEstimatorParam(_HeldWatermark())):
+        position = tracker.current_restriction().start
+        if not tracker.try_claim(position):
+            return
+        time.sleep(0.3)
+        at = START + Duration(seconds=position)
+        yield beam.window.TimestampedValue(("key", position), at)
+        watermark.set_watermark(at)
+        tracker.defer_remainder(Duration.of(0))
+
+
+class _TimerAnHourAhead(beam.DoFn):
+    SEEN = userstate.ReadModifyWriteStateSpec("seen", VarIntCoder())
+    LATER = userstate.TimerSpec("later", TimeDomain.WATERMARK)
+
+    def __init__(self, out: str) -> None:
+        self._out = out
+
+    def process(self, keyed, seen=beam.DoFn.StateParam(SEEN), later=beam.DoFn.TimerParam(LATER)):
+        count = (seen.read() or 0) + 1
+        seen.write(count)
+        _append(Path(self._out), ["element", count, time.time()])
+        if count == 1:
+            later.set(START + Duration(seconds=3600))
+
+    @userstate.on_timer(LATER)
+    def fire(self, seen=beam.DoFn.StateParam(SEEN)):
+        _append(Path(self._out), ["fired", seen.read(), time.time()])
+
+
+@pytest.mark.parametrize("without", [None, "0004"])
+def test_an_event_time_timer_fires_only_once_the_watermark_passes_it(tmp_path, without):
+    out = tmp_path / "fired.jsonl"
+
+    def build(p):
+        _ = (p | beam.Impulse() | beam.Map(lambda _: "go") | beam.ParDo(_SlowSource())
+             | beam.ParDo(_TimerAnHourAhead(str(out))))
+
+    _run(build, without)
+    fired = [seen for kind, seen, _ in _records(out) if kind == "fired"]
+    if without is None:  # at the end of input, the watermark's jump to +inf: every element was seen
+        assert fired == [CALLS]
+    else:  # fired with the key's next bundle, an hour of event time early
+        assert fired and fired[0] < CALLS
+
+
+# -- 0005: a failed progress request never commits the bundle --------------------------------------------
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once it is closed
+
+
+@pytest.mark.parametrize("without", [None, "0005"])
+def test_a_source_bundle_that_fails_fails_the_job(tmp_path, without):
+    """The rollout pipeline's source fails its bundle (its only server never answers, past the
+    limit). Stock Prism asked the worker for progress meanwhile, took the error that answered it for
+    the end of the bundle, committed the bundle with no response (its residual gone) and ended the job
+    DONE: the failure, and the rest of the run, silently lost."""
+    config = config_from_dict({
+        "run": {"dir": str(tmp_path)}, "envs": [{"name": "reverse_text", "group_size": 4, "limit": 8}],
+        "batch": {"rollouts_per_step": 16},
+        "inference": {"max_tokens": 8, "max_inflight": 16, "all_servers_down_timeout_s": 1.0},
+    })
+
+    def build(p):
+        build_rollout_pipeline(p, _spec(config, [_dead_url()], RunDir(tmp_path), with_trainer=False))
+
+    if without is None:
+        with pytest.raises(Exception, match="AllServersDownError"):
+            _run(build, without)
+    else:
+        assert _run(build, without) == "DONE"
