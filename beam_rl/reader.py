@@ -11,7 +11,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from beam_rl.rundir import RunDir, StepNotCommittedError
+from beam_rl.rundir import (
+    CommitRecord,
+    CommitRecordError,
+    RunDir,
+    StepCorruptError,
+    StepNotCommittedError,
+    open_arrow_file,
+    rank_file_name,
+)
 from schemas.train_batch import TOKEN_COLUMNS, TRAIN_BATCH_SCHEMA, SchemaError, check_schema
 
 MicroBatchArrays = dict[str, Any]
@@ -27,17 +35,22 @@ class StepReader:
     Arrays are zero-copy views of the memory-mapped Arrow file: read-only, valid as long as they are
     referenced. Move them to the device (`.to("cuda")` copies) or pass `copy=True` before writing in
     place: an in-place write into a read-only mapping would crash the process.
+
+    Before a file is trusted it is checked against the step's commit record: its size always, its
+    checksum unless `verify=False` (cost: `RunDir.map_committed_file`). A damaged file raises
+    StepCorruptError naming the step and the file; a damaged COMMIT.json, CommitRecordError.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str] | RunDir, rank: int = 0) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str] | RunDir, rank: int = 0, *, verify: bool = True) -> None:
         self.run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.rank = rank
+        self.verify = verify
 
     def wait_for_step(
         self, step: int, timeout_s: float | None = None, poll_s: float = 0.02, max_poll_s: float = 1.0
-    ) -> dict[str, Any]:
+    ) -> CommitRecord:
         """Block until `step` is committed; returns its commit record or raises TimeoutError.
 
         Polls the commit file with exponential backoff from `poll_s` to `max_poll_s`: a stat call per
@@ -53,22 +66,25 @@ class StepReader:
             delay = min(delay * 2, max_poll_s)
         return self.run.read_commit(step)
 
-    def read_step(self, step: int, *, as_torch: bool = False, copy: bool = False) -> list[MicroBatchArrays]:
-        """This rank's micro-batches of a committed step, in order."""
-        commit = self.run.read_commit(step)  # raises StepNotCommittedError: never read a half-written step
-        ranks = commit["counts"]["ranks"]
-        if self.rank >= ranks:
-            raise ValueError(
-                f"{self.run.step_dir(step)}: rank {self.rank} requested, step {step} was written for {ranks} ranks"
-            )
+    def read_step(
+        self, step: int, *, as_torch: bool = False, copy: bool = False, record: CommitRecord | None = None
+    ) -> list[MicroBatchArrays]:
+        """This rank's micro-batches of a committed step, in order. `record`: the step's commit record,
+        if the caller has read it already."""
+        if record is None:
+            record = self.run.read_commit(step)  # StepNotCommittedError: never read a half-written step
+        if self.rank >= record.counts.ranks:
+            raise ValueError(f"{self.run.step_dir(step)}: rank {self.rank} requested, "
+                             f"step {step} was written for {record.counts.ranks} ranks")
         path = self.run.rank_path(step, self.rank)
-        source = str(path)
-        # The mapping outlives this `with`: Arrow buffers (and the numpy views on them) keep it referenced.
-        with pa.memory_map(source, "r") as mapped:
-            reader = pa.ipc.open_file(mapped)
-            check_schema(reader.schema, TRAIN_BATCH_SCHEMA, source)
-            count = reader.num_record_batches
-            micro_batches = [_micro_batch_arrays(reader.get_batch(i), source) for i in range(count)]
+        data = self.run.map_committed_file(record, rank_file_name(self.rank), verify=self.verify)
+        reader = open_arrow_file(step, path, data)
+        check_schema(reader.schema, TRAIN_BATCH_SCHEMA, str(path))
+        try:
+            micro_batches = [_micro_batch_arrays(reader.get_batch(i), str(path))
+                             for i in range(reader.num_record_batches)]
+        except (pa.ArrowInvalid, pa.ArrowIOError) as err:  # a damaged body that passed with verify=False
+            raise StepCorruptError(step, path, f"not a readable Arrow IPC file: {err}") from None
         if copy:
             micro_batches = [_copied(mb) for mb in micro_batches]
         if as_torch:
@@ -130,4 +146,4 @@ def _to_torch(arrays: MicroBatchArrays) -> MicroBatchArrays:
         return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
 
 
-__all__ = ["MicroBatchArrays", "StepNotCommittedError", "StepReader"]
+__all__ = ["CommitRecordError", "MicroBatchArrays", "StepCorruptError", "StepNotCommittedError", "StepReader"]

@@ -144,4 +144,4 @@ def test_on_flink_a_packer_restored_from_an_older_checkpoint_skips_what_was_comm
         forget_packer("run-d")
     run_dir = RunDir(tmp_path)
     assert run_dir.committed_steps() == [1, 2, 3]
-    assert [run_dir.read_commit(s)["group_ids"] for s in (1, 2, 3)] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
+    assert [run_dir.read_commit(s).group_ids for s in (1, 2, 3)] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]

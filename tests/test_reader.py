@@ -15,6 +15,7 @@ from beam_rl.reader import StepReader
 from beam_rl.rundir import RunDir, StepNotCommittedError
 from beam_rl.types import MicroBatch, Sample, TrainBatch
 from schemas import TRAIN_BATCH_SCHEMA, SchemaError, samples_to_table
+from schemas.commit_record import FileEntry, checksum
 
 
 def sample(ids, mask, adv, rollout_id, version=1, reward=1.0) -> Sample:
@@ -117,9 +118,13 @@ def test_uncommitted_step_and_missing_rank_are_refused(tmp_path):
         StepReader(run, rank=2).read_step(1)
 
 
-def _overwrite_rank_file(path: Path, schema: pa.Schema, table: pa.Table) -> None:
+def _overwrite_rank_file(run: RunDir, path: Path, schema: pa.Schema, table: pa.Table) -> None:
+    """Replace step 1's rank file, and its entry in the commit record, as a writer of that file would."""
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         writer.write_table(table.replace_schema_metadata(schema.metadata))
+    record, data = run.read_commit(1), path.read_bytes()
+    files = {**record.files, path.name: FileEntry(bytes=len(data), xxh3_128=checksum(data))}
+    run.commit_path(1).write_bytes(record.model_copy(update={"files": files}).to_json())
 
 
 def test_unknown_schema_version_is_refused_naming_the_file(tmp_path):
@@ -127,10 +132,10 @@ def test_unknown_schema_version_is_refused_naming_the_file(tmp_path):
     run.write_step(batch())
     path = run.rank_path(1, 0)
     table = samples_to_table(batch().micro_batches[0])
-    _overwrite_rank_file(path, TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "99"}), table)
+    _overwrite_rank_file(run, path, TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "99"}), table)
     with pytest.raises(SchemaError, match=rf"{path}: schema version 99 is not supported"):
         StepReader(run).read_step(1)
-    _overwrite_rank_file(path, TRAIN_BATCH_SCHEMA.remove_metadata(), table)
+    _overwrite_rank_file(run, path, TRAIN_BATCH_SCHEMA.remove_metadata(), table)
     with pytest.raises(SchemaError, match=rf"{path}: no beam_rl.schema_version"):
         StepReader(run).read_step(1)
 
@@ -139,7 +144,7 @@ def test_a_record_batch_mixing_micro_batches_is_refused(tmp_path):
     run = RunDir(tmp_path)
     run.write_step(batch())
     merged = samples_to_table(batch().micro_batches[0]).combine_chunks()  # one record batch, two micro-batches
-    _overwrite_rank_file(run.rank_path(1, 0), TRAIN_BATCH_SCHEMA, merged)
+    _overwrite_rank_file(run, run.rank_path(1, 0), TRAIN_BATCH_SCHEMA, merged)
     with pytest.raises(SchemaError, match=r"mixes micro-batches \[0, 1\]"):
         StepReader(run).read_step(1)
 
@@ -163,7 +168,7 @@ def test_wait_for_step_returns_when_another_thread_commits(tmp_path):
         commit = reader.wait_for_step(1, timeout_s=30, poll_s=0.01)
     finally:
         writer.join()
-    assert commit["step"] == 1 and commit["extra"] == {"by": "writer thread"}
+    assert commit.step == 1 and commit.extra == {"by": "writer thread"}
     assert [mb["micro_batch"] for mb in reader.read_step(1)] == [0, 1]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from beam_rl import rundir as rundir_module
+from beam_rl.rundir import steps as steps_module
 from beam_rl.config import config_from_dict
 from beam_rl.rundir import (
     MetricsTail,
@@ -22,6 +22,7 @@ from beam_rl.rundir import (
     StepNotCommittedError,
 )
 from beam_rl.types import MicroBatch, Rollout, Sample, TrainBatch
+from schemas.commit_record import RECORD_VERSION, StepCounts, WindowStats, checksum
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,16 +60,17 @@ def test_write_step_commits_rank_files_window_and_record(tmp_path):
     assert step_dir == tmp_path / "rollouts" / "step_1"
     assert sorted(os.listdir(step_dir)) == ["COMMIT.json", "rank_0.arrow", "rank_1.arrow", "window.arrow"]
     commit = run.read_commit(1)
-    assert commit["step"] == 1 and commit["schema_version"] == 1
-    assert commit["group_ids"] == ["g0", "g1"]
-    assert commit["offsets"] == [["arithmetic", 0, 4], ["arithmetic", 0, 7]]
-    assert commit["counts"] == {
-        "ranks": 2, "micro_batches": [2, 1], "samples": 4, "tokens": 18, "trained_tokens": 10, "groups": 2,
-        "window_rollouts": 2,
-    }
-    assert commit["timings"]["pack_s"] == 0.5 and commit["timings"]["write_s"] >= 0
-    assert commit["extra"] == {"note": "x"} and commit["window"] == {"rollouts": 5}
-    assert set(commit["files"]) == {"rank_0.arrow", "rank_1.arrow", "window.arrow"}
+    assert commit.step == 1 and commit.schema_version == 1 and commit.record_version == RECORD_VERSION
+    assert commit.group_ids == ["g0", "g1"]
+    assert commit.offsets == [("arithmetic", 0, 4), ("arithmetic", 0, 7)]
+    assert commit.counts == StepCounts(
+        ranks=2, micro_batches=[2, 1], samples=4, tokens=18, trained_tokens=10, groups=2, window_rollouts=2)
+    assert commit.timings["pack_s"] == 0.5 and commit.timings["write_s"] >= 0
+    assert commit.extra == {"note": "x"} and commit.window == WindowStats(rollouts=5)
+    assert set(commit.files) == {"rank_0.arrow", "rank_1.arrow", "window.arrow"}
+    for name, entry in commit.files.items():  # each file's size and checksum as it lies on disk
+        data = (step_dir / name).read_bytes()
+        assert entry.bytes == len(data) and entry.xxh3_128 == checksum(data)
     assert run.read_window(1).column("rollout_id").to_pylist() == ["g0/0", "g0/1"]
     # Arrow IPC *file* format (footer, random access), not the stream format.
     with pa.memory_map(str(run.rank_path(1, 0))) as f:
@@ -84,7 +86,7 @@ def test_the_window_defaults_to_the_batch_rollouts(tmp_path):
     got = (row["rollout_id"], row["env"], row["reward"], row["filtered"])
     assert got == ("g1/1", "reverse_text", 0.25, "zero_advantage")
     run.write_step(batch(2))
-    assert run.read_window(2).num_rows == 0 and run.read_commit(2)["counts"]["window_rollouts"] == 0
+    assert run.read_window(2).num_rows == 0 and run.read_commit(2).counts.window_rollouts == 0
 
 
 def test_steps_are_listed_in_numeric_order_and_next_step_follows_the_last(tmp_path):
@@ -126,7 +128,7 @@ def test_uncommitted_step_is_invisible_and_unreadable(tmp_path):
 def test_failed_write_leaves_no_commit_and_no_temp_file(tmp_path, monkeypatch):
     run = RunDir(tmp_path)
     calls = []
-    real = rundir_module._write_arrow_file
+    real = steps_module._write_arrow_file
 
     def fail_on_second_rank(f, table):
         calls.append(1)
@@ -135,12 +137,12 @@ def test_failed_write_leaves_no_commit_and_no_temp_file(tmp_path, monkeypatch):
             raise OSError("disk full")
         real(f, table)
 
-    monkeypatch.setattr(rundir_module, "_write_arrow_file", fail_on_second_rank)
+    monkeypatch.setattr(steps_module, "_write_arrow_file", fail_on_second_rank)
     with pytest.raises(OSError, match="disk full"):
         run.write_step(batch(1))
     assert run.committed_steps() == []
     assert sorted(os.listdir(run.step_dir(1))) == ["rank_0.arrow"]  # the temp of rank 1 was removed
-    monkeypatch.setattr(rundir_module, "_write_arrow_file", real)
+    monkeypatch.setattr(steps_module, "_write_arrow_file", real)
     run.write_step(batch(1))  # the uncommitted leftover does not block a retry
     assert run.committed_steps() == [1]
 
@@ -166,7 +168,7 @@ def test_killed_writer_leaves_an_uncommitted_step_that_clean_uncommitted_removes
             if str(dst).endswith("COMMIT.json"):
                 os._exit(3)
             real_replace(src, dst)
-        rundir.os.replace = crash_on_commit
+        os.replace = crash_on_commit
         run.write_step(batch(2))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -1,0 +1,74 @@
+"""The run's records beside the steps: metrics.jsonl (appended, read incrementally) and status.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from beam_rl.rundir.atomic import atomic_write, json_bytes, json_default
+from beam_rl.rundir.layout import RunLayout
+
+
+class MetricsStore(RunLayout):
+    """metrics.jsonl, one JSON object per line, and the orchestrator's status.json."""
+
+    def append_metrics(self, metrics: dict[str, Any]) -> None:
+        """Append one JSON line; numpy scalars and arrays are converted (metrics often come from numpy)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        line = json.dumps(metrics, default=json_default, separators=(",", ":"))
+        with self.metrics_path.open("a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """All metrics lines; a torn last line (a crash mid-append) is skipped, a torn earlier one is an error."""
+        return MetricsTail(self.metrics_path).read_new()
+
+    def write_status(self, status: dict[str, Any]) -> None:
+        """The orchestrator's live state (in flight, policy version, ...), replaced as it changes."""
+        data = json_bytes(status)
+        atomic_write(self.status_path, lambda f: f.write(data), fsync_dir=False)
+
+    def read_status(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+
+class MetricsTail:
+    """Reads a metrics.jsonl incrementally: each `read_new` parses only the lines appended since the last.
+
+    A last line without its newline (a writer mid-append) is left for a later call, and so is a last line
+    that is not valid JSON (torn by a crash): it is an error only once a line follows it, as in
+    `MetricsStore.read_metrics`. A file shorter than what was read was truncated or replaced: reading restarts.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0  # bytes read: just past the last line consumed
+        self._line = 0  # lines consumed, to name a bad line by its number
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset:
+                    self.offset = self._line = 0
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        *lines, unterminated = data.split(b"\n")
+        records = []
+        for index, line in enumerate(lines):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    if index == len(lines) - 1 and not unterminated:
+                        break  # the file's last line
+                    raise ValueError(f"{self.path}:{self._line + 1}: not valid JSON: {exc}") from None
+            self.offset += len(line) + 1
+            self._line += 1
+        return records
