@@ -103,20 +103,18 @@ class StepReader:
 
 
 def _micro_batch_arrays(record_batch: pa.RecordBatch, source: str) -> MicroBatchArrays:
-    index = record_batch.column("micro_batch").to_numpy()
+    index = _view(record_batch.column("micro_batch"), np.int32, source, "micro_batch")
     if len(index) and not np.all(index == index[0]):
         mixed = sorted(set(index.tolist()))
         raise SchemaError(f"{source}: a record batch mixes micro-batches {mixed}; one per record batch expected")
-    seq_lens = record_batch.column("seq_len").to_numpy()
+    seq_lens = _view(record_batch.column("seq_len"), np.int32, source, "seq_len")
     arrays: MicroBatchArrays = {"micro_batch": int(index[0]) if len(index) else -1}
     cu_seqlens = None
     for name, dtype in TOKEN_COLUMNS.items():
         column: pa.ListArray = record_batch.column(name)
-        offsets = column.offsets.to_numpy()
+        offsets = _view(column.offsets, np.int32, source, name)
         # `.values` is the whole child array, even for a sliced list; the offsets say which part is ours.
-        values = column.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
-        if values.dtype != dtype:
-            raise SchemaError(f"{source}: column {name!r} holds {values.dtype}, expected {dtype}")
+        values = _view(column.values, dtype, source, name)[offsets[0] : offsets[-1]]
         if cu_seqlens is None:
             cu_seqlens = offsets if offsets[0] == 0 else offsets - offsets[0]
             if not np.array_equal(np.diff(cu_seqlens), seq_lens):
@@ -126,11 +124,27 @@ def _micro_batch_arrays(record_batch: pa.RecordBatch, source: str) -> MicroBatch
         arrays[name] = values.view(np.bool_) if name == "loss_mask" else values
     arrays["cu_seqlens"] = cu_seqlens
     arrays["seq_lens"] = seq_lens
-    arrays["policy_versions"] = record_batch.column("policy_version").to_numpy()
-    arrays["rewards"] = record_batch.column("reward").to_numpy()
+    arrays["policy_versions"] = _view(record_batch.column("policy_version"), np.int32, source, "policy_version")
+    arrays["rewards"] = _view(record_batch.column("reward"), np.float32, source, "reward")
     arrays["rollout_ids"] = record_batch.column("rollout_id").to_pylist()
     arrays["group_ids"] = record_batch.column("group_id").to_pylist()
     return arrays
+
+
+def _view(array: pa.Array, dtype: type | np.dtype, source: str, name: str) -> np.ndarray:
+    """A zero-copy, read-only numpy view of a primitive Arrow array without nulls.
+
+    Not `Array.to_numpy`: pyarrow 16 tries to import pandas on every call, and where pandas is not
+    installed the failed import is not cached. With 16 calls per micro-batch, turning the 195 micro-batches
+    of a 64 MiB rank file into arrays took 335 ms; with views, 51 ms (medians of 15 interleaved rounds)."""
+    dtype = np.dtype(dtype)
+    if array.type != pa.from_numpy_dtype(dtype) or array.null_count:
+        nulls = f" with {array.null_count} nulls" if array.null_count else ""
+        raise SchemaError(f"{source}: column {name!r} holds {array.type}{nulls}, expected {dtype} without nulls")
+    data = array.buffers()[1]
+    if data is None:  # an empty array may have no data buffer
+        data = b""
+    return np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
 
 
 def _copied(arrays: MicroBatchArrays) -> MicroBatchArrays:

@@ -46,9 +46,10 @@ class FileEntry(BaseModel):
     """One file of a committed step: its size in bytes and its XXH3-128 checksum.
 
     XXH3-128, not sha256: the checksum guards against torn and bit-flipped files, not against an attacker,
-    and on the machine this was measured on hashing 64 MiB took 48 ms with sha256 (hashlib, SHA-NI) but
-    8 ms with XXH3-128, next to 67-74 ms to write and fsync the same 64 MiB: sha256 would have added
-    about two thirds to writing a step and as much to a trainer's read of it.
+    and sha256 costs about as much as the write it guards. Hashing 64 MiB took 52-127 ms with sha256
+    (hashlib, SHA-NI) and 7-21 ms with XXH3-128, next to 72-144 ms to write and fsync the same bytes
+    (bench/verify_cost.py, eight runs on a shared 2-core machine): sha256 would add 50-130% to writing
+    a step's files, and as much again to every verified read of them; XXH3-128 adds 9-16%.
     """
 
     model_config = _STRICT
