@@ -158,7 +158,7 @@ class CommitRecord(BaseModel):
         try:
             version = _Versioned.model_validate_json(data).record_version
         except ValidationError as err:
-            raise CommitRecordError(f"{source}: not a commit record: {_first_error(err)}") from None
+            raise CommitRecordError(f"{source}: not a commit record: {first_error(err)}") from None
         if version not in SUPPORTED_RECORD_VERSIONS:
             newer = " (newer than this beam-rl: upgrade it)" if version > max(SUPPORTED_RECORD_VERSIONS) else ""
             raise CommitRecordError(f"{source}: record_version {version} is not supported{newer}; "
@@ -166,7 +166,7 @@ class CommitRecord(BaseModel):
         try:
             return cls.model_validate_json(data)
         except ValidationError as err:
-            raise CommitRecordError(f"{source}: invalid commit record: {_first_error(err)}") from None
+            raise CommitRecordError(f"{source}: invalid commit record: {first_error(err)}") from None
 
 
 class _Versioned(BaseModel):
@@ -177,7 +177,8 @@ class _Versioned(BaseModel):
     record_version: int
 
 
-def _first_error(err: ValidationError) -> str:
+def first_error(err: ValidationError) -> str:
+    """A pydantic error in one line: where (dotted) and what, and how many more there are."""
     first = err.errors(include_url=False)[0]
     where = ".".join(str(part) for part in first["loc"])
     more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""

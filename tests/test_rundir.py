@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -16,9 +18,12 @@ import pytest
 from beam_rl.rundir import steps as steps_module
 from beam_rl.config import config_from_dict
 from beam_rl.rundir import (
+    CommitRecordError,
     MetricsTail,
     RunDir,
+    RunDirError,
     StepAlreadyCommittedError,
+    StepCorruptError,
     StepNotCommittedError,
 )
 from beam_rl.types import MicroBatch, Rollout, Sample, TrainBatch
@@ -298,3 +303,39 @@ def test_weights_without_stable_are_ignored_and_replaced_and_stable_ones_never(t
     with pytest.raises(StepAlreadyCommittedError, match="weights of step 4 are already published"):
         with run.publish_weights_dir(4):
             pass
+
+
+# -- the commit record's checks ----------------------------------------------------------------------------
+
+
+def test_window_stats_the_commit_record_does_not_know_fail_before_any_file_is_written(tmp_path):
+    run = RunDir(tmp_path)
+    unknown = batch(1)
+    unknown.window = {"rollouts": 5, "a_new_stat": 1.5}
+    with pytest.raises(ValueError, match=r"^step 1: window stats: a_new_stat: Extra inputs are not permitted$"):
+        run.write_step(unknown)
+    with pytest.raises(ValueError, match=r"^step 1: extra timings: pack_s: Input should be a valid number, unable"):
+        run.write_step(batch(1), {"timings": {"pack_s": "slow"}})
+    assert not run.step_dir(1).exists()
+
+
+def test_an_io_error_reading_a_commit_record_is_a_typed_error_naming_it(tmp_path, monkeypatch):
+    run = RunDir(tmp_path)
+    run.write_step(batch(1))
+    real_read_bytes = Path.read_bytes
+
+    def failing_disk(path: Path) -> bytes:
+        if path.name == "COMMIT.json":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", failing_disk)
+    with pytest.raises(CommitRecordError, match=rf"^{run.commit_path(1)}: unreadable: \[Errno 5\] Input/output error"):
+        run.read_commit(1)
+
+
+def test_a_corrupt_step_error_keeps_its_step_and_file_across_processes(tmp_path):
+    err = StepCorruptError(3, tmp_path / "rank_0.arrow", "missing")
+    copy = pickle.loads(pickle.dumps(err))
+    assert (copy.step, copy.file, copy.what, str(copy)) == (3, err.file, "missing", str(err))
+    assert str(err) == f"{tmp_path}/rank_0.arrow: step 3 is corrupt: missing" and isinstance(err, RunDirError)

@@ -24,6 +24,7 @@ from schemas.commit_record import (
     Offset,
     StepCounts,
     WindowStats,
+    first_error,
     new_checksum,
 )
 from schemas.train_batch import ROLLOUT_RECORD_SCHEMA, SCHEMA_VERSION, check_schema, rollouts_to_table, samples_to_table
@@ -64,10 +65,12 @@ class StepStore(RunLayout):
         extra = json.loads(json.dumps(extra or {}, default=json_default))
         try:
             window_stats = WindowStats.model_validate(json.loads(json.dumps(batch.window, default=json_default)))
+        except ValidationError as err:
+            raise ValueError(f"step {step}: window stats: {first_error(err)}") from None
+        try:
             timings = _TIMINGS.validate_python(extra.pop("timings", {}))
         except ValidationError as err:
-            raise ValueError(f"step {step}: the batch's window stats or timings do not fit the commit record: "
-                             f"{err}") from None
+            raise ValueError(f"step {step}: extra timings: {first_error(err)}") from None
         consumed = sorted((str(env), int(epoch), int(index)) for env, epoch, index in offsets)
         if self.is_committed(step):
             raise StepAlreadyCommittedError(f"{self.step_dir(step)}: step {step} is already committed")
