@@ -19,7 +19,8 @@ WINDOW_FILE = "window.arrow"
 
 Offset = tuple[str, int, int]  # (env, epoch, index): one prompt of one epoch, the unit the source resumes by
 
-_STRICT = ConfigDict(strict=True, extra="forbid", frozen=True)
+# No coercion, no unknown keys, and only finite floats: JSON has no NaN, pydantic would write it as null.
+_STRICT = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def rank_file_name(rank: int) -> str:
@@ -136,7 +137,7 @@ class CommitRecord(BaseModel):
     timings: dict[str, float]  # seconds; write_s always, others as the caller measured them
     files: dict[str, FileEntry]
     window: WindowStats
-    extra: dict[str, Any]  # the caller's own keys, JSON values
+    extra: dict[str, Any]  # the caller's own keys, JSON values (a NaN or an infinity is written as null)
 
     @model_validator(mode="after")
     def _lists_every_file_it_counts(self) -> CommitRecord:

@@ -316,6 +316,10 @@ def test_window_stats_the_commit_record_does_not_know_fail_before_any_file_is_wr
         run.write_step(unknown)
     with pytest.raises(ValueError, match=r"^step 1: extra timings: pack_s: Input should be a valid number, unable"):
         run.write_step(batch(1), {"timings": {"pack_s": "slow"}})
+    not_a_number = batch(1)
+    not_a_number.window = {"rollouts": 5, "reward_mean": float("nan")}  # JSON could not hold it
+    with pytest.raises(ValueError, match=r"^step 1: window stats: reward_mean: Input should be a finite number$"):
+        run.write_step(not_a_number)
     assert not run.step_dir(1).exists()
 
 
