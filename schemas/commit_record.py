@@ -159,6 +159,10 @@ class CommitRecord(BaseModel):
         try:
             version = _Versioned.model_validate_json(data).record_version
         except ValidationError as err:
+            if [e["type"] for e in err.errors()] == ["missing"]:
+                raise CommitRecordError(
+                    f"{source}: no record_version: not a commit record, or one written before commit records "
+                    f"were versioned; this beam-rl reads {sorted(SUPPORTED_RECORD_VERSIONS)}") from None
             raise CommitRecordError(f"{source}: not a commit record: {first_error(err)}") from None
         if version not in SUPPORTED_RECORD_VERSIONS:
             newer = " (newer than this beam-rl: upgrade it)" if version > max(SUPPORTED_RECORD_VERSIONS) else ""

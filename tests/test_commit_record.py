@@ -67,6 +67,14 @@ def test_a_record_of_another_version_is_refused_before_its_fields_are_read(versi
         CommitRecord.from_json(data.encode(), "step_4/COMMIT.json")
 
 
+def test_a_record_without_a_version_is_refused_as_unversioned():
+    # What beam-rl wrote before records were versioned: file sizes only, no record_version.
+    unversioned = {"step": 1, "schema_version": 1, "committed_at": 1.0, "files": {"rank_0.arrow": 10}}
+    says = "no record_version: not a commit record, or one written before commit records were versioned"
+    with pytest.raises(CommitRecordError, match=rf"^COMMIT.json: {says}; this beam-rl reads \[1\]$"):
+        CommitRecord.from_json(json.dumps(unversioned).encode(), "COMMIT.json")
+
+
 @pytest.mark.parametrize("change, says", [
     ({"step": "4"}, r"invalid commit record: step: Input should be a valid integer"),  # strict: no coercion
     ({"counts": {"ranks": 2}}, r"invalid commit record: counts.micro_batches: Field required \(and 5 more\)"),
