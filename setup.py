@@ -21,6 +21,7 @@ setup(
         "pyarrow>=14,<17",  # the range apache-beam 2.62 supports
         "numpy>=1.26,<2.3",
         "pydantic>=2.6,<3",
+        "xxhash>=2",  # the commit record's file checksums (XXH3-128)
         "httpx>=0.27",  # the benchmark's and tests' plain HTTP calls
         "orjson>=3.9",  # the dispatcher parses every completion; json was half its CPU
         "prometheus-client>=0.20",

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from beam_rl.config import ConfigError, RunConfig, load_config
 from beam_rl.datasets import DatasetError
-from beam_rl.rundir import RunDir, RunDirError
+from beam_rl.rundir import CommitRecord, CommitRecordError, RunDir, RunDirError, StepCorruptError
 
 console = Console()
 _LOG = logging.getLogger(__name__)
@@ -25,33 +25,58 @@ _DOMAIN_ERROR = re.compile(r"(beam_rl\.[\w.]+): (.+?)(?: \[while running '[^']*'
 
 
 def inspect_table(run_dir: RunDir) -> Table:
-    table = Table(title=f"run {run_dir.path}")
-    for column in ("step", "rollouts", "trained", "tokens", "reward mean", "errored", "filtered", "lag max"):
-        table.add_column(column, justify="right")
+    """The committed steps, one row each, from their commit records (CommitRecordError on a damaged one)."""
+    table = _step_table(run_dir)
     for step in run_dir.committed_steps():
-        commit = run_dir.read_commit(step)
-        window, counts = commit["window"], commit["counts"]
-        filtered = window.get("filtered", {})
-        table.add_row(
-            str(step),
-            str(window.get("rollouts", 0)),
-            str(window.get("trained_rollouts", counts.get("samples", 0))),
-            str(counts.get("tokens", 0)),
-            f"{window.get('reward_mean') or 0.0:.3f}",
-            str(window.get("errored", 0)),
-            ", ".join(f"{k}={v}" for k, v in sorted(filtered.items())) or "0",
-            str(window.get("staleness_max", "")),
-        )
+        _add_step_row(table, run_dir.read_commit(step))
     return table
 
 
+def _step_table(run_dir: RunDir) -> Table:
+    table = Table(title=f"run {run_dir.path}")
+    for column in ("step", "rollouts", "trained", "tokens", "reward mean", "errored", "filtered", "lag max"):
+        table.add_column(column, justify="right")
+    return table
+
+
+def _add_step_row(table: Table, record: CommitRecord) -> None:
+    window = record.window
+    table.add_row(
+        str(record.step),
+        str(window.rollouts),
+        str(window.trained_rollouts),
+        str(record.counts.tokens),
+        f"{window.reward_mean or 0.0:.3f}",
+        str(window.errored),
+        ", ".join(f"{k}={v}" for k, v in sorted(window.filtered.items())) or "0",
+        "" if window.staleness_max is None else str(window.staleness_max),
+    )
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    """The step table, with every committed file verified against its commit record: a damaged step is
+    left out of the table and named in one red line (exit status 2); a file in a step directory that its
+    commit record does not list is named in a yellow line (readers never open it: not an error)."""
     run_dir = RunDir(args.run_dir)
     if not run_dir.path.is_dir():
         console.print(f"[red]no run directory at {run_dir.path}[/red]")
         return 2
-    console.print(inspect_table(run_dir))
-    return 0
+    table, damaged, stray = _step_table(run_dir), [], []
+    for step in run_dir.committed_steps():
+        try:
+            record = run_dir.read_commit(step)
+            stray += run_dir.verify_step(record)
+        except (CommitRecordError, StepCorruptError) as err:
+            damaged.append(err)
+            continue
+        _add_step_row(table, record)
+    console.print(table)
+    for path in stray:
+        console.print(f"[yellow]{escape(str(path))}: not listed in its step's commit record; "
+                      "readers ignore it[/yellow]")
+    for err in damaged:
+        console.print(f"[red]{escape(str(err))}[/red]")
+    return 2 if damaged else 0
 
 
 def preflight(config: RunConfig, source: str) -> RunDir:
@@ -185,8 +210,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if not run_dir.committed_steps():
         console.print(f"[red]{run_dir.path} holds no committed step[/red]")
         return 2
-    console.print(inspect_table(run_dir))
-    console.print(f"plot: {write_plot(run_dir)}")
+    try:
+        console.print(inspect_table(run_dir))
+        console.print(f"plot: {write_plot(run_dir)}")
+    except CommitRecordError as err:
+        console.print(f"[red]{escape(str(err))}[/red]")
+        return 2
     return 0
 
 

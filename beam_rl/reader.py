@@ -11,7 +11,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from beam_rl.rundir import RunDir, StepNotCommittedError
+from beam_rl.rundir import (
+    CommitRecord,
+    CommitRecordError,
+    RunDir,
+    StepCorruptError,
+    StepNotCommittedError,
+    open_arrow_file,
+    rank_file_name,
+)
 from schemas.train_batch import TOKEN_COLUMNS, TRAIN_BATCH_SCHEMA, SchemaError, check_schema
 
 MicroBatchArrays = dict[str, Any]
@@ -27,17 +35,22 @@ class StepReader:
     Arrays are zero-copy views of the memory-mapped Arrow file: read-only, valid as long as they are
     referenced. Move them to the device (`.to("cuda")` copies) or pass `copy=True` before writing in
     place: an in-place write into a read-only mapping would crash the process.
+
+    Before a file is trusted it is checked against the step's commit record: its size always, its
+    checksum unless `verify=False` (cost: `RunDir.map_committed_file`). A damaged file raises
+    StepCorruptError naming the step and the file; a damaged COMMIT.json, CommitRecordError.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str] | RunDir, rank: int = 0) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str] | RunDir, rank: int = 0, *, verify: bool = True) -> None:
         self.run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.rank = rank
+        self.verify = verify
 
     def wait_for_step(
         self, step: int, timeout_s: float | None = None, poll_s: float = 0.02, max_poll_s: float = 1.0
-    ) -> dict[str, Any]:
+    ) -> CommitRecord:
         """Block until `step` is committed; returns its commit record or raises TimeoutError.
 
         Polls the commit file with exponential backoff from `poll_s` to `max_poll_s`: a stat call per
@@ -53,22 +66,25 @@ class StepReader:
             delay = min(delay * 2, max_poll_s)
         return self.run.read_commit(step)
 
-    def read_step(self, step: int, *, as_torch: bool = False, copy: bool = False) -> list[MicroBatchArrays]:
-        """This rank's micro-batches of a committed step, in order."""
-        commit = self.run.read_commit(step)  # raises StepNotCommittedError: never read a half-written step
-        ranks = commit["counts"]["ranks"]
-        if self.rank >= ranks:
-            raise ValueError(
-                f"{self.run.step_dir(step)}: rank {self.rank} requested, step {step} was written for {ranks} ranks"
-            )
+    def read_step(
+        self, step: int, *, as_torch: bool = False, copy: bool = False, record: CommitRecord | None = None
+    ) -> list[MicroBatchArrays]:
+        """This rank's micro-batches of a committed step, in order. `record`: the step's commit record,
+        if the caller has read it already."""
+        if record is None:
+            record = self.run.read_commit(step)  # StepNotCommittedError: never read a half-written step
+        if self.rank >= record.counts.ranks:
+            raise ValueError(f"{self.run.step_dir(step)}: rank {self.rank} requested, "
+                             f"step {step} was written for {record.counts.ranks} ranks")
         path = self.run.rank_path(step, self.rank)
-        source = str(path)
-        # The mapping outlives this `with`: Arrow buffers (and the numpy views on them) keep it referenced.
-        with pa.memory_map(source, "r") as mapped:
-            reader = pa.ipc.open_file(mapped)
-            check_schema(reader.schema, TRAIN_BATCH_SCHEMA, source)
-            count = reader.num_record_batches
-            micro_batches = [_micro_batch_arrays(reader.get_batch(i), source) for i in range(count)]
+        data = self.run.map_committed_file(record, rank_file_name(self.rank), verify=self.verify)
+        reader = open_arrow_file(step, path, data)
+        check_schema(reader.schema, TRAIN_BATCH_SCHEMA, str(path))
+        try:
+            micro_batches = [_micro_batch_arrays(reader.get_batch(i), str(path))
+                             for i in range(reader.num_record_batches)]
+        except (pa.ArrowInvalid, pa.ArrowIOError) as err:  # a damaged body that passed with verify=False
+            raise StepCorruptError(step, path, f"not a readable Arrow IPC file: {err}") from None
         if copy:
             micro_batches = [_copied(mb) for mb in micro_batches]
         if as_torch:
@@ -87,20 +103,18 @@ class StepReader:
 
 
 def _micro_batch_arrays(record_batch: pa.RecordBatch, source: str) -> MicroBatchArrays:
-    index = record_batch.column("micro_batch").to_numpy()
+    index = _view(record_batch.column("micro_batch"), np.int32, source, "micro_batch")
     if len(index) and not np.all(index == index[0]):
         mixed = sorted(set(index.tolist()))
         raise SchemaError(f"{source}: a record batch mixes micro-batches {mixed}; one per record batch expected")
-    seq_lens = record_batch.column("seq_len").to_numpy()
+    seq_lens = _view(record_batch.column("seq_len"), np.int32, source, "seq_len")
     arrays: MicroBatchArrays = {"micro_batch": int(index[0]) if len(index) else -1}
     cu_seqlens = None
     for name, dtype in TOKEN_COLUMNS.items():
         column: pa.ListArray = record_batch.column(name)
-        offsets = column.offsets.to_numpy()
+        offsets = _view(column.offsets, np.int32, source, name)
         # `.values` is the whole child array, even for a sliced list; the offsets say which part is ours.
-        values = column.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
-        if values.dtype != dtype:
-            raise SchemaError(f"{source}: column {name!r} holds {values.dtype}, expected {dtype}")
+        values = _view(column.values, dtype, source, name)[offsets[0] : offsets[-1]]
         if cu_seqlens is None:
             cu_seqlens = offsets if offsets[0] == 0 else offsets - offsets[0]
             if not np.array_equal(np.diff(cu_seqlens), seq_lens):
@@ -110,11 +124,27 @@ def _micro_batch_arrays(record_batch: pa.RecordBatch, source: str) -> MicroBatch
         arrays[name] = values.view(np.bool_) if name == "loss_mask" else values
     arrays["cu_seqlens"] = cu_seqlens
     arrays["seq_lens"] = seq_lens
-    arrays["policy_versions"] = record_batch.column("policy_version").to_numpy()
-    arrays["rewards"] = record_batch.column("reward").to_numpy()
+    arrays["policy_versions"] = _view(record_batch.column("policy_version"), np.int32, source, "policy_version")
+    arrays["rewards"] = _view(record_batch.column("reward"), np.float32, source, "reward")
     arrays["rollout_ids"] = record_batch.column("rollout_id").to_pylist()
     arrays["group_ids"] = record_batch.column("group_id").to_pylist()
     return arrays
+
+
+def _view(array: pa.Array, dtype: type | np.dtype, source: str, name: str) -> np.ndarray:
+    """A zero-copy, read-only numpy view of a primitive Arrow array without nulls.
+
+    Not `Array.to_numpy`: pyarrow 16 tries to import pandas on every call, and where pandas is not
+    installed the failed import is not cached. With 16 calls per micro-batch, turning the 195 micro-batches
+    of a 64 MiB rank file into arrays took 335 ms; with views, 51 ms (medians of 15 interleaved rounds)."""
+    dtype = np.dtype(dtype)
+    if array.type != pa.from_numpy_dtype(dtype) or array.null_count:
+        nulls = f" with {array.null_count} nulls" if array.null_count else ""
+        raise SchemaError(f"{source}: column {name!r} holds {array.type}{nulls}, expected {dtype} without nulls")
+    data = array.buffers()[1]
+    if data is None:  # an empty array may have no data buffer
+        data = b""
+    return np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
 
 
 def _copied(arrays: MicroBatchArrays) -> MicroBatchArrays:
@@ -130,4 +160,4 @@ def _to_torch(arrays: MicroBatchArrays) -> MicroBatchArrays:
         return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
 
 
-__all__ = ["MicroBatchArrays", "StepNotCommittedError", "StepReader"]
+__all__ = ["CommitRecordError", "MicroBatchArrays", "StepCorruptError", "StepNotCommittedError", "StepReader"]

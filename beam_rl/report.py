@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from beam_rl.rundir import MetricsTail, RunDir
+from beam_rl.rundir import CommitRecord, MetricsTail, RunDir
 
 
 @dataclass
@@ -61,7 +61,7 @@ class RunTail:
         self.keep = keep
         self.last_eval: dict[str, Any] | None = None
         self._metrics = MetricsTail(run_dir.metrics_path)
-        self._commits: deque[dict[str, Any]] = deque(maxlen=keep + 1)
+        self._commits: deque[CommitRecord] = deque(maxlen=keep + 1)
         self._next_step: int | None = None  # the step whose commit record comes next
         self._trainer: dict[int, dict[str, Any]] = {}
         self._dispatch: list[dict[str, Any]] = []  # sorted by time, as in `step_rows`
@@ -82,7 +82,7 @@ class RunTail:
             return _rows(commits, None, self._dispatch, self._trainer)  # every step since the first
         before = commits.pop(0)
         self._forget_before(before)
-        return _rows(commits, before["committed_at"], self._dispatch, self._trainer)
+        return _rows(commits, before.committed_at, self._dispatch, self._trainer)
 
     def _read_new_commits(self) -> None:
         if self._next_step is None:
@@ -95,11 +95,11 @@ class RunTail:
             self._commits.append(self.run_dir.read_commit(self._next_step))
             self._next_step += 1
 
-    def _forget_before(self, commit: dict[str, Any]) -> None:
+    def _forget_before(self, commit: CommitRecord) -> None:
         """Drop what no shown row needs: `commit` is the one before the first shown step."""
-        self._trainer = {step: record for step, record in self._trainer.items() if step > commit["step"]}
+        self._trainer = {step: record for step, record in self._trainer.items() if step > commit.step}
         # The last sample at or before that commit stays: a step with no sample of its own shows it.
-        at_or_before = bisect_right(self._dispatch, commit["committed_at"], key=_time)
+        at_or_before = bisect_right(self._dispatch, commit.committed_at, key=_time)
         del self._dispatch[:max(at_or_before - 1, 0)]
 
 
@@ -107,27 +107,27 @@ def _time(sample: dict[str, Any]) -> float:
     return sample["t"]
 
 
-def _rows(commits: Iterable[dict[str, Any]], previous: float | None, dispatch: list[dict[str, Any]],
+def _rows(commits: Iterable[CommitRecord], previous: float | None, dispatch: list[dict[str, Any]],
           trainer: dict[int, dict[str, Any]]) -> list[StepRow]:
     """One row per commit record, in step order. `previous`: the commit time of the step before the first
     (None: the first is the run's first); `dispatch`: load samples sorted by time."""
     times = [d["t"] for d in dispatch]
     rows: list[StepRow] = []
     for commit in commits:
-        window = commit["window"]
-        at = commit["committed_at"]
-        rate = window.get("rollouts", 0) / (at - previous) if previous is not None and at > previous else None
+        window = commit.window
+        at = commit.committed_at
+        rate = window.rollouts / (at - previous) if previous is not None and at > previous else None
         # The dispatcher's load samples since the previous commit; the last one before, if none.
         end = bisect_right(times, at)
         start = 0 if previous is None else bisect_right(times, previous)
         share, per_server = _dispatch_means(dispatch[start:end] or dispatch[max(end - 1, 0):end])
         previous = at
         rows.append(StepRow(
-            step=commit["step"], committed_at=at, rollouts=window.get("rollouts", 0),
-            trained=window.get("trained_rollouts", 0), reward_mean=window.get("reward_mean"),
-            errored=window.get("errored", 0), filtered=window.get("filtered", {}),
-            policy_version_min=window.get("policy_version_min"), staleness_max=window.get("staleness_max"),
-            rollouts_per_s=rate, trainer=trainer.get(commit["step"]), permits_in_use=share,
+            step=commit.step, committed_at=at, rollouts=window.rollouts,
+            trained=window.trained_rollouts, reward_mean=window.reward_mean,
+            errored=window.errored, filtered=dict(window.filtered),
+            policy_version_min=window.policy_version_min, staleness_max=window.staleness_max,
+            rollouts_per_s=rate, trainer=trainer.get(commit.step), permits_in_use=share,
             server_inflight=per_server))
     return rows
 

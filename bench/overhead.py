@@ -106,10 +106,10 @@ def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
         server_cpu = procs.cpu_s(server_pids) - server_cpu0
         steps = rundir.committed_steps()
         commits = [rundir.read_commit(s) for s in steps]
-        rollouts = sum(c["window"]["rollouts"] for c in commits)
-        tokens = sum(c["counts"]["tokens"] for c in commits)
-        committed_at = np.array([c["committed_at"] for c in commits])
-        latency = np.array([c["committed_at"] - c["extra"]["last_rollout_finished_at"] for c in commits])
+        rollouts = sum(c.window.rollouts for c in commits)
+        tokens = sum(c.counts.tokens for c in commits)
+        committed_at = np.array([c.committed_at for c in commits])
+        latency = np.array([c.committed_at - c.extra["last_rollout_finished_at"] for c in commits])
         # Sustained: from the first rollout's start to the last commit, so runner start-up is not in
         # the rate (first-to-last commit would overstate it when several steps commit at once).
         first_start = min(min(rundir.read_window(s).column("t_start").to_pylist()) for s in steps)

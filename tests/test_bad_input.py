@@ -25,7 +25,7 @@ import pytest
 from rich.console import Console
 
 from beam_rl import cli
-from beam_rl import rundir as rundir_module
+from beam_rl.rundir import steps as steps_module
 from beam_rl.envs import make_env
 from beam_rl.inference.server import EmbeddedServer
 from beam_rl.rundir import RunDir, RunDirError
@@ -65,7 +65,7 @@ mode = "monitor"
 # is lost from every window (see tests/test_faults.py::test_groups_after_the_last_batch_...).
 
 GOOD_ROWS = ["left", "two", "pie", "stop cold", "roof song", "warm cook"]
-_REAL_ATOMIC_WRITE = rundir_module._atomic_write
+_REAL_ATOMIC_WRITE = steps_module.atomic_write
 
 
 @pytest.fixture(scope="module")
@@ -317,8 +317,8 @@ def test_an_unwritable_run_directory_fails_before_anything_starts(server_urls, t
 
 
 def _enospc_on(file_name: str, step: int, snapshot_at_failure: dict):
-    """An `_atomic_write` that runs out of disk space writing `file_name` of `step`, after some bytes."""
-    real = rundir_module._atomic_write
+    """An `atomic_write` that runs out of disk space writing `file_name` of `step`, after some bytes."""
+    real = steps_module.atomic_write
 
     def atomic_write(path: Path, write, fsync_dir: bool = True):
         if path.name == file_name and path.parent.name == f"step_{step}":
@@ -347,7 +347,7 @@ def test_a_full_disk_while_writing_a_step_commits_nothing_and_keeps_earlier_step
     run = RunDir(tmp_path)
     run.write_step(_small_batch(1))
     before: dict = {}
-    monkeypatch.setattr(rundir_module, "_atomic_write", _enospc_on(file_name, 2, before))
+    monkeypatch.setattr(steps_module, "atomic_write", _enospc_on(file_name, 2, before))
     with pytest.raises(RunDirError, match=r"step_2: step 2 is not committed: writing it failed: \[Errno 28\] No space"):
         run.write_step(_small_batch(2))
     assert run.committed_steps() == [1] and not run.is_committed(2)
@@ -365,7 +365,7 @@ def test_a_full_disk_mid_run_stops_the_cli_clearly_and_the_next_run_continues(
     committed_before = snapshot(run_copy / "rollouts")
     at_failure: dict = {}
     # Steps 1-2 are committed; this run commits step 3, then the disk fills while writing step 4.
-    monkeypatch.setattr(rundir_module, "_atomic_write", _enospc_on("window.arrow", 4, at_failure))
+    monkeypatch.setattr(steps_module, "atomic_write", _enospc_on("window.arrow", 4, at_failure))
     config = write_config(tmp_path / "c.toml", run_copy, server_urls, max_steps=6)
     status, out = run_cli(monkeypatch, "rollouts", "--config", str(config))
 
@@ -381,7 +381,7 @@ def test_a_full_disk_mid_run_stops_the_cli_clearly_and_the_next_run_continues(
     assert {k: v for k, v in after.items() if k.startswith("step_3/")} == {
         k.removeprefix("rollouts/"): v for k, v in at_failure.items() if k.startswith("rollouts/step_3/")}
 
-    monkeypatch.setattr(rundir_module, "_atomic_write", _REAL_ATOMIC_WRITE)  # the disk has room again
+    monkeypatch.setattr(steps_module, "atomic_write", _REAL_ATOMIC_WRITE)  # the disk has room again
     status, out = run_cli(monkeypatch, "rollouts", "--config", str(config))
     assert status == 0, out
     assert run.committed_steps() == list(range(1, 7))

@@ -64,10 +64,10 @@ def test_killed_runs_resume_without_losing_or_duplicating_a_step(tmp_path):
     seen_offsets: collections.Counter[tuple] = collections.Counter()
     for step in steps:
         commit = run_dir.read_commit(step)
-        seen_groups.update(commit["window"]["group_ids"])
-        seen_offsets.update(tuple(o) for o in commit["offsets"])
+        seen_groups.update(commit.window.group_ids)
+        seen_offsets.update(commit.offsets)
         table = pa.ipc.open_file(pa.memory_map(str(run_dir.rank_path(step, 0)))).read_all()
-        assert set(table.column("group_id").to_pylist()) <= set(commit["group_ids"])
+        assert set(table.column("group_id").to_pylist()) <= set(commit.group_ids)
     assert max(seen_groups.values()) == 1, "a group was consumed by two steps"
     assert max(seen_offsets.values()) == 1, "a prompt offset was consumed twice"
     assert run_dir.latest_stable_weights()[0] == MAX_STEPS  # the trainer resumed too

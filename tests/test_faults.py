@@ -103,10 +103,10 @@ def checked_windows(run_dir: RunDir, prompts: int = PROMPTS) -> list[dict]:
     steps_of_group: dict[str, set[int]] = defaultdict(set)
     for step in steps:
         window = run_dir.read_window(step).to_pylist()
-        summary = run_dir.read_commit(step)["window"]
+        summary = run_dir.read_commit(step).window
         errored = sum(r["status"] == "error" for r in window)
-        assert summary["errored"] == summary["status"]["error"] == errored
-        assert summary["rollouts"] == len(window)
+        assert summary.errored == summary.status["error"] == errored
+        assert summary.rollouts == len(window)
         for r in window:
             steps_of_group[r["group_id"]].add(step)
         records += window

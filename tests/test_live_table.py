@@ -16,7 +16,7 @@ def commit(run: RunDir, step: int) -> float:
     run.write_step(TrainBatch(step=step, micro_batches=[], group_ids=[], window={
         "rollouts": 8 + step, "trained_rollouts": step, "reward_mean": step / 10, "errored": step % 2,
         "filtered": {"zero_advantage": step % 3}, "policy_version_min": step - 1, "staleness_max": 1}))
-    return run.read_commit(step)["committed_at"]
+    return run.read_commit(step).committed_at
 
 
 def dispatch(run: RunDir, inflight: int, t: float | None = None) -> None:

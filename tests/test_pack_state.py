@@ -144,7 +144,7 @@ def test_a_packer_restored_from_an_older_checkpoint_skips_what_was_committed_sin
     assert feed(groups[4]) == [] and feed(groups[5]) == [3]  # g2 dropped, step 2 not reused
     run_dir = RunDir(tmp_path)
     assert run_dir.committed_steps() == [1, 2, 3]
-    assert [run_dir.read_commit(s)["group_ids"] for s in (1, 2, 3)] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
+    assert [run_dir.read_commit(s).group_ids for s in (1, 2, 3)] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
 
 
 def test_the_last_batch_waits_for_every_shards_end_of_input_and_every_group_it_announced(tmp_path):

@@ -88,7 +88,7 @@ def test_every_ok_rollout_is_trained_once_or_counted_as_filtered(finished_run):
             if row["status"] != "ok":
                 assert row["rollout_id"] not in trained
         filtered = collections.Counter(r["filtered"] for r in rows if r["status"] == "ok" and r["filtered"])
-        assert dict(filtered) == finished_run.read_commit(step)["window"]["filtered"]
+        assert dict(filtered) == finished_run.read_commit(step).window.filtered
     assert len(trained) == len(set(trained))
     all_rows = [r for w in _windows(finished_run).values() for r in w.to_pylist()]
     ok_unfiltered = {r["rollout_id"] for r in all_rows if r["status"] == "ok" and not r["filtered"]}
@@ -96,7 +96,7 @@ def test_every_ok_rollout_is_trained_once_or_counted_as_filtered(finished_run):
 
 
 def test_first_step_is_committed_while_dispatch_is_still_running(finished_run):
-    first_commit = finished_run.read_commit(1)["committed_at"]
+    first_commit = finished_run.read_commit(1).committed_at
     last_finished = max(max(w.column("t_end").to_pylist()) for w in _windows(finished_run).values())
     assert first_commit < last_finished
 
@@ -106,7 +106,7 @@ def test_batches_hold_whole_groups_and_the_configured_size(finished_run):
         commit = finished_run.read_commit(step)
         trained = _trained_rollout_ids(finished_run, step)
         groups = collections.Counter(rid.rsplit("/", 1)[0] for rid in trained)
-        assert set(commit["group_ids"]) == set(groups)
+        assert set(commit.group_ids) == set(groups)
         if step < finished_run.last_committed_step():  # only the final flush may be partial
             assert len(trained) >= ROLLOUTS_PER_STEP
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import time
 from pathlib import Path
@@ -12,9 +13,11 @@ import pyarrow as pa
 import pytest
 
 from beam_rl.reader import StepReader
-from beam_rl.rundir import RunDir, StepNotCommittedError
+from beam_rl.rundir import CommitRecordError, RunDir, StepCorruptError, StepNotCommittedError
 from beam_rl.types import MicroBatch, Sample, TrainBatch
 from schemas import TRAIN_BATCH_SCHEMA, SchemaError, samples_to_table
+from schemas.commit_record import FileEntry, checksum
+from step_damage import FILE_DAMAGE, RECORD_DAMAGE, truncate
 
 
 def sample(ids, mask, adv, rollout_id, version=1, reward=1.0) -> Sample:
@@ -117,9 +120,13 @@ def test_uncommitted_step_and_missing_rank_are_refused(tmp_path):
         StepReader(run, rank=2).read_step(1)
 
 
-def _overwrite_rank_file(path: Path, schema: pa.Schema, table: pa.Table) -> None:
+def _overwrite_rank_file(run: RunDir, path: Path, schema: pa.Schema, table: pa.Table) -> None:
+    """Replace step 1's rank file, and its entry in the commit record, as a writer of that file would."""
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         writer.write_table(table.replace_schema_metadata(schema.metadata))
+    record, data = run.read_commit(1), path.read_bytes()
+    files = {**record.files, path.name: FileEntry(bytes=len(data), xxh3_128=checksum(data))}
+    run.commit_path(1).write_bytes(record.model_copy(update={"files": files}).to_json())
 
 
 def test_unknown_schema_version_is_refused_naming_the_file(tmp_path):
@@ -127,10 +134,10 @@ def test_unknown_schema_version_is_refused_naming_the_file(tmp_path):
     run.write_step(batch())
     path = run.rank_path(1, 0)
     table = samples_to_table(batch().micro_batches[0])
-    _overwrite_rank_file(path, TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "99"}), table)
+    _overwrite_rank_file(run, path, TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "99"}), table)
     with pytest.raises(SchemaError, match=rf"{path}: schema version 99 is not supported"):
         StepReader(run).read_step(1)
-    _overwrite_rank_file(path, TRAIN_BATCH_SCHEMA.remove_metadata(), table)
+    _overwrite_rank_file(run, path, TRAIN_BATCH_SCHEMA.remove_metadata(), table)
     with pytest.raises(SchemaError, match=rf"{path}: no beam_rl.schema_version"):
         StepReader(run).read_step(1)
 
@@ -139,7 +146,7 @@ def test_a_record_batch_mixing_micro_batches_is_refused(tmp_path):
     run = RunDir(tmp_path)
     run.write_step(batch())
     merged = samples_to_table(batch().micro_batches[0]).combine_chunks()  # one record batch, two micro-batches
-    _overwrite_rank_file(run.rank_path(1, 0), TRAIN_BATCH_SCHEMA, merged)
+    _overwrite_rank_file(run, run.rank_path(1, 0), TRAIN_BATCH_SCHEMA, merged)
     with pytest.raises(SchemaError, match=r"mixes micro-batches \[0, 1\]"):
         StepReader(run).read_step(1)
 
@@ -163,7 +170,7 @@ def test_wait_for_step_returns_when_another_thread_commits(tmp_path):
         commit = reader.wait_for_step(1, timeout_s=30, poll_s=0.01)
     finally:
         writer.join()
-    assert commit["step"] == 1 and commit["extra"] == {"by": "writer thread"}
+    assert commit.step == 1 and commit.extra == {"by": "writer thread"}
     assert [mb["micro_batch"] for mb in reader.read_step(1)] == [0, 1]
 
 
@@ -178,3 +185,86 @@ def test_iter_steps_yields_each_step_in_order_and_waits_for_the_next(tmp_path):
     assert step == 2
     with pytest.raises(StopIteration):
         next(steps)
+
+
+# -- damaged steps: every file is checked against the commit record before it is trusted -----------------
+
+
+@pytest.mark.parametrize("damage", sorted(FILE_DAMAGE))
+def test_a_damaged_rank_file_is_a_typed_error_naming_the_step_and_the_file(tmp_path, damage):
+    run = RunDir(tmp_path)
+    run.write_step(batch())
+    damage_file, says = FILE_DAMAGE[damage]
+    path = run.rank_path(1, 0)
+    damage_file(path)
+    with pytest.raises(StepCorruptError, match=rf"^{re.escape(str(path))}: step 1 is corrupt: {says}$") as info:
+        StepReader(run, rank=0).read_step(1)
+    assert (info.value.step, info.value.file) == (1, path)
+    (mb,) = StepReader(run, rank=1).read_step(1)  # the other rank's file is intact and reads
+    np.testing.assert_array_equal(mb["input_ids"], [41, 42])
+
+
+@pytest.mark.parametrize("damage", sorted(FILE_DAMAGE))
+def test_a_damaged_window_file_is_refused_too(tmp_path, damage):
+    run = RunDir(tmp_path)
+    run.write_step(batch())
+    damage_file, says = FILE_DAMAGE[damage]
+    damage_file(run.window_path(1))
+    with pytest.raises(StepCorruptError, match=rf"window.arrow: step 1 is corrupt: {says}$"):
+        run.read_window(1)
+
+
+def test_without_verify_the_size_is_still_checked(tmp_path):
+    run = RunDir(tmp_path)
+    run.write_step(batch())
+    truncate(run.rank_path(1, 0))
+    with pytest.raises(StepCorruptError, match="truncated or overwritten"):
+        StepReader(run, verify=False).read_step(1)
+
+
+def test_a_file_arrow_cannot_parse_is_a_step_corrupt_error_not_a_bare_arrow_error(tmp_path):
+    run = RunDir(tmp_path)
+    run.write_step(batch())
+    path = run.rank_path(1, 0)
+    data = bytearray(path.read_bytes())
+    data[-6:] = b"NOTARR"  # the footer's Arrow magic, same size: unverified, only parsing can tell
+    path.write_bytes(bytes(data))
+    with pytest.raises(StepCorruptError, match=rf"{re.escape(str(path))}: step 1 is corrupt: not a readable Arrow IPC"):
+        StepReader(run, verify=False).read_step(1)
+    with pytest.raises(StepCorruptError, match="xxh3_128 checksum"):  # verified, the checksum catches it first
+        StepReader(run).read_step(1)
+
+
+def test_a_file_the_commit_record_does_not_list_is_ignored_by_readers_and_reported(tmp_path):
+    run = RunDir(tmp_path)
+    run.write_step(batch())
+    before = [mb["input_ids"].tolist() for mb in StepReader(run).read_step(1)]
+    stray = [run.step_dir(1) / "notes.txt", run.step_dir(1) / "rank_2.arrow"]
+    stray[0].write_text("not part of step 1")
+    stray[1].write_bytes(run.rank_path(1, 0).read_bytes())  # e.g. a rank file copied in by hand
+    assert [mb["input_ids"].tolist() for mb in StepReader(run).read_step(1)] == before
+    with pytest.raises(ValueError, match="rank 2 requested, step 1 was written for 2 ranks"):
+        StepReader(run, rank=2).read_step(1)  # a stray rank file does not add a rank
+    assert run.verify_step(run.read_commit(1)) == stray
+
+
+@pytest.mark.parametrize("damage", sorted(RECORD_DAMAGE))
+def test_a_damaged_commit_record_is_a_typed_error_naming_the_file(tmp_path, damage):
+    run = RunDir(tmp_path)
+    run.write_step(batch())
+    damage_record, says = RECORD_DAMAGE[damage]
+    path = run.commit_path(1)
+    damage_record(path)
+    reader = StepReader(run)
+    for read in (lambda: reader.read_step(1), lambda: reader.wait_for_step(1, timeout_s=1), lambda: run.read_window(1)):
+        with pytest.raises(CommitRecordError, match=rf"^{re.escape(str(path))}: {says}"):
+            read()
+
+
+def test_a_commit_record_in_the_wrong_step_directory_is_refused(tmp_path):
+    run = RunDir(tmp_path)
+    run.write_step(batch(1))
+    run.write_step(batch(2))
+    run.commit_path(2).write_bytes(run.commit_path(1).read_bytes())
+    with pytest.raises(CommitRecordError, match=r"step_2/COMMIT.json: the record is of step 1, not 2"):
+        StepReader(run).read_step(2)

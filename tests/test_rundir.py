@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -13,15 +15,19 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from beam_rl import rundir as rundir_module
+from beam_rl.rundir import steps as steps_module
 from beam_rl.config import config_from_dict
 from beam_rl.rundir import (
+    CommitRecordError,
     MetricsTail,
     RunDir,
+    RunDirError,
     StepAlreadyCommittedError,
+    StepCorruptError,
     StepNotCommittedError,
 )
 from beam_rl.types import MicroBatch, Rollout, Sample, TrainBatch
+from schemas.commit_record import RECORD_VERSION, StepCounts, WindowStats, checksum
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,16 +65,17 @@ def test_write_step_commits_rank_files_window_and_record(tmp_path):
     assert step_dir == tmp_path / "rollouts" / "step_1"
     assert sorted(os.listdir(step_dir)) == ["COMMIT.json", "rank_0.arrow", "rank_1.arrow", "window.arrow"]
     commit = run.read_commit(1)
-    assert commit["step"] == 1 and commit["schema_version"] == 1
-    assert commit["group_ids"] == ["g0", "g1"]
-    assert commit["offsets"] == [["arithmetic", 0, 4], ["arithmetic", 0, 7]]
-    assert commit["counts"] == {
-        "ranks": 2, "micro_batches": [2, 1], "samples": 4, "tokens": 18, "trained_tokens": 10, "groups": 2,
-        "window_rollouts": 2,
-    }
-    assert commit["timings"]["pack_s"] == 0.5 and commit["timings"]["write_s"] >= 0
-    assert commit["extra"] == {"note": "x"} and commit["window"] == {"rollouts": 5}
-    assert set(commit["files"]) == {"rank_0.arrow", "rank_1.arrow", "window.arrow"}
+    assert commit.step == 1 and commit.schema_version == 1 and commit.record_version == RECORD_VERSION
+    assert commit.group_ids == ["g0", "g1"]
+    assert commit.offsets == [("arithmetic", 0, 4), ("arithmetic", 0, 7)]
+    assert commit.counts == StepCounts(
+        ranks=2, micro_batches=[2, 1], samples=4, tokens=18, trained_tokens=10, groups=2, window_rollouts=2)
+    assert commit.timings["pack_s"] == 0.5 and commit.timings["write_s"] >= 0
+    assert commit.extra == {"note": "x"} and commit.window == WindowStats(rollouts=5)
+    assert set(commit.files) == {"rank_0.arrow", "rank_1.arrow", "window.arrow"}
+    for name, entry in commit.files.items():  # each file's size and checksum as it lies on disk
+        data = (step_dir / name).read_bytes()
+        assert entry.bytes == len(data) and entry.xxh3_128 == checksum(data)
     assert run.read_window(1).column("rollout_id").to_pylist() == ["g0/0", "g0/1"]
     # Arrow IPC *file* format (footer, random access), not the stream format.
     with pa.memory_map(str(run.rank_path(1, 0))) as f:
@@ -84,7 +91,7 @@ def test_the_window_defaults_to_the_batch_rollouts(tmp_path):
     got = (row["rollout_id"], row["env"], row["reward"], row["filtered"])
     assert got == ("g1/1", "reverse_text", 0.25, "zero_advantage")
     run.write_step(batch(2))
-    assert run.read_window(2).num_rows == 0 and run.read_commit(2)["counts"]["window_rollouts"] == 0
+    assert run.read_window(2).num_rows == 0 and run.read_commit(2).counts.window_rollouts == 0
 
 
 def test_steps_are_listed_in_numeric_order_and_next_step_follows_the_last(tmp_path):
@@ -126,7 +133,7 @@ def test_uncommitted_step_is_invisible_and_unreadable(tmp_path):
 def test_failed_write_leaves_no_commit_and_no_temp_file(tmp_path, monkeypatch):
     run = RunDir(tmp_path)
     calls = []
-    real = rundir_module._write_arrow_file
+    real = steps_module._write_arrow_file
 
     def fail_on_second_rank(f, table):
         calls.append(1)
@@ -135,12 +142,12 @@ def test_failed_write_leaves_no_commit_and_no_temp_file(tmp_path, monkeypatch):
             raise OSError("disk full")
         real(f, table)
 
-    monkeypatch.setattr(rundir_module, "_write_arrow_file", fail_on_second_rank)
+    monkeypatch.setattr(steps_module, "_write_arrow_file", fail_on_second_rank)
     with pytest.raises(OSError, match="disk full"):
         run.write_step(batch(1))
     assert run.committed_steps() == []
     assert sorted(os.listdir(run.step_dir(1))) == ["rank_0.arrow"]  # the temp of rank 1 was removed
-    monkeypatch.setattr(rundir_module, "_write_arrow_file", real)
+    monkeypatch.setattr(steps_module, "_write_arrow_file", real)
     run.write_step(batch(1))  # the uncommitted leftover does not block a retry
     assert run.committed_steps() == [1]
 
@@ -166,7 +173,7 @@ def test_killed_writer_leaves_an_uncommitted_step_that_clean_uncommitted_removes
             if str(dst).endswith("COMMIT.json"):
                 os._exit(3)
             real_replace(src, dst)
-        rundir.os.replace = crash_on_commit
+        os.replace = crash_on_commit
         run.write_step(batch(2))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -296,3 +303,43 @@ def test_weights_without_stable_are_ignored_and_replaced_and_stable_ones_never(t
     with pytest.raises(StepAlreadyCommittedError, match="weights of step 4 are already published"):
         with run.publish_weights_dir(4):
             pass
+
+
+# -- the commit record's checks ----------------------------------------------------------------------------
+
+
+def test_window_stats_the_commit_record_does_not_know_fail_before_any_file_is_written(tmp_path):
+    run = RunDir(tmp_path)
+    unknown = batch(1)
+    unknown.window = {"rollouts": 5, "a_new_stat": 1.5}
+    with pytest.raises(ValueError, match=r"^step 1: window stats: a_new_stat: Extra inputs are not permitted$"):
+        run.write_step(unknown)
+    with pytest.raises(ValueError, match=r"^step 1: extra timings: pack_s: Input should be a valid number, unable"):
+        run.write_step(batch(1), {"timings": {"pack_s": "slow"}})
+    not_a_number = batch(1)
+    not_a_number.window = {"rollouts": 5, "reward_mean": float("nan")}  # JSON could not hold it
+    with pytest.raises(ValueError, match=r"^step 1: window stats: reward_mean: Input should be a finite number$"):
+        run.write_step(not_a_number)
+    assert not run.step_dir(1).exists()
+
+
+def test_an_io_error_reading_a_commit_record_is_a_typed_error_naming_it(tmp_path, monkeypatch):
+    run = RunDir(tmp_path)
+    run.write_step(batch(1))
+    real_read_bytes = Path.read_bytes
+
+    def failing_disk(path: Path) -> bytes:
+        if path.name == "COMMIT.json":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", failing_disk)
+    with pytest.raises(CommitRecordError, match=rf"^{run.commit_path(1)}: unreadable: \[Errno 5\] Input/output error"):
+        run.read_commit(1)
+
+
+def test_a_corrupt_step_error_keeps_its_step_and_file_across_processes(tmp_path):
+    err = StepCorruptError(3, tmp_path / "rank_0.arrow", "missing")
+    copy = pickle.loads(pickle.dumps(err))
+    assert (copy.step, copy.file, copy.what, str(copy)) == (3, err.file, "missing", str(err))
+    assert str(err) == f"{tmp_path}/rank_0.arrow: step 3 is corrupt: missing" and isinstance(err, RunDirError)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import numpy as np
@@ -13,11 +14,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from beam_rl.config import TrainerSection
 from beam_rl.packing import pack_for_ranks
-from beam_rl.rundir import RunDir, StepAlreadyCommittedError
+from beam_rl.rundir import CommitRecordError, RunDir, StepAlreadyCommittedError, StepCorruptError
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
 from beam_rl.training import CheckpointError, ReferenceTrainer, publish_weights, run_trainer, validate_checkpoint
 from beam_rl.training.checkpoint import optimizer_state_path
 from beam_rl.types import Sample, TrainBatch
+from step_damage import FILE_DAMAGE, RECORD_DAMAGE
 
 TEMPERATURE = 0.8
 
@@ -283,3 +285,49 @@ def test_stop_event_ends_a_trainer_waiting_for_data(tmp_path, model_dir):
     stop.set()
     thread.join(timeout=30)
     assert not thread.is_alive() and result == [[]]
+
+
+# -- damaged steps: the trainer's reads are verified against the commit record ------------------------------
+
+
+@pytest.mark.parametrize("damage", sorted(FILE_DAMAGE))
+def test_a_damaged_rank_file_stops_the_trainer_before_any_update_naming_it(tmp_path, model_dir, base_model, damage):
+    run = RunDir(tmp_path)
+    write_step(run, 1, make_samples(base_model, 1, [1.0, -1.0, 0.5, -0.5]), ranks=2)
+    damage_file, says = FILE_DAMAGE[damage]
+    path = run.rank_path(1, 1)
+    damage_file(path)
+    trainer = ReferenceTrainer(run, model_dir, TrainerSection())
+    before = weights_of(trainer.model)
+    with pytest.raises(StepCorruptError, match=rf"^{re.escape(str(path))}: step 1 is corrupt: {says}$"):
+        trainer.train(max_steps=1, timeout_s=10)
+    # Nothing trained, published or recorded: the step can be repaired and trained again.
+    assert trainer.step == 1 and run.stable_weight_steps() == [] and run.read_metrics() == []
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+
+
+@pytest.mark.parametrize("damage", sorted(RECORD_DAMAGE))
+def test_a_damaged_commit_record_stops_the_trainer_naming_it(tmp_path, model_dir, base_model, damage):
+    run = RunDir(tmp_path)
+    write_step(run, 1, make_samples(base_model, 1, [1.0, -1.0]))
+    damage_record, says = RECORD_DAMAGE[damage]
+    damage_record(run.commit_path(1))
+    with pytest.raises(CommitRecordError, match=rf"^{re.escape(str(run.commit_path(1)))}: {says}"):
+        run_trainer(run, model_dir, TrainerSection(), max_steps=1, timeout_s=10)
+    assert run.stable_weight_steps() == []
+
+
+def test_a_stray_file_in_a_step_does_not_change_what_the_trainer_trains(tmp_path, model_dir, base_model):
+    samples = make_samples(base_model, 5, [1.0, -1.0, 0.5, -0.5])
+    clean, with_stray = RunDir(tmp_path / "clean"), RunDir(tmp_path / "stray")
+    for run in (clean, with_stray):
+        write_step(run, 1, samples)
+    other = RunDir(tmp_path / "other")
+    write_step(other, 1, make_samples(base_model, 6, [2.0, -2.0, 2.0, -2.0]))
+    (with_stray.step_dir(1) / "rank_1.arrow").write_bytes(other.rank_path(1, 0).read_bytes())  # not in the record
+    for run in (clean, with_stray):
+        run_trainer(run, model_dir, TrainerSection(), max_steps=1, timeout_s=10)
+    a = load_file(str(clean.weights_path(1) / "model.safetensors"))
+    b = load_file(str(with_stray.weights_path(1) / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["trainer"]["ranks"] for m in with_stray.read_metrics()] == [1]

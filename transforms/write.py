@@ -27,7 +27,7 @@ class _WriteStepFn(beam.DoFn):
         if self._dir.is_committed(batch.step):
             # A runner retrying a bundle replays the packer deterministically from its state at
             # the bundle's start; a step it already committed must come out identical.
-            committed = self._dir.read_commit(batch.step)["group_ids"]
+            committed = self._dir.read_commit(batch.step).group_ids
             if committed != list(batch.group_ids):
                 raise RuntimeError(f"step {batch.step} is committed with other groups than this replay "
                                    f"produced: committed {committed}, replay {list(batch.group_ids)}")

@@ -35,7 +35,7 @@ class CommittedSteps:
                 steps.append(self.last_step + len(steps) + 1)
         new = []
         for step in steps:
-            offsets = {tuple(o) for o in self._run_dir.read_commit(step)["offsets"]}
+            offsets = {tuple(o) for o in self._run_dir.read_commit(step).offsets}
             self.consumed |= offsets
             new.append(offsets)
             self.last_step = max(self.last_step, step)

@@ -104,9 +104,12 @@ class ReferenceTrainer:
     def train_step(self, step: int, wait_s: float = 0.0) -> StepMetrics:
         """Train on committed step `step`, publish its weights, record and return its metrics."""
         t0 = time.monotonic()
-        commit = self.run.read_commit(step)
+        # Every rank's file is verified against the commit record (StepCorruptError names a damaged one)
+        # before any gradient is taken: a damaged step trains nothing and publishes nothing.
+        record = self.run.read_commit(step)
         micro_batches = [
-            mb for rank in range(commit["counts"]["ranks"]) for mb in StepReader(self.run, rank).read_step(step)
+            mb for rank in range(record.counts.ranks)
+            for mb in StepReader(self.run, rank).read_step(step, record=record)
         ]
         for mb in micro_batches:
             _check_positions(mb, self.run, step)
@@ -137,7 +140,7 @@ class ReferenceTrainer:
             "tokens": int(sum(len(mb["input_ids"]) for mb in micro_batches)),
             "samples": len(versions),
             "micro_batches": len(micro_batches),
-            "ranks": commit["counts"]["ranks"],
+            "ranks": record.counts.ranks,
             "reward_mean": float(rewards.mean()) if len(rewards) else None,
             "staleness_mean": float(staleness.mean()) if len(staleness) else None,
             "staleness_max": int(staleness.max()) if len(staleness) else None,

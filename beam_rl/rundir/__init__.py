@@ -1,0 +1,61 @@
+"""The run directory, the durable contract between orchestrator and trainer: committed steps, weights,
+metrics. `RunDir` is the one entry point; each module beside it holds one concern."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from beam_rl.rundir.atomic import TMP_MARK, atomic_write, json_bytes, write_atomic
+from beam_rl.rundir.errors import RunDirError, StepAlreadyCommittedError, StepCorruptError, StepNotCommittedError
+from beam_rl.rundir.layout import COMMIT_FILE, STABLE_FILE, WINDOW_FILE, RunLayout, rank_file_name
+from beam_rl.rundir.metrics import MetricsStore, MetricsTail
+from beam_rl.rundir.steps import StepStore, open_arrow_file
+from beam_rl.rundir.weights import WeightStore
+from schemas.commit_record import CommitRecord, CommitRecordError, Offset
+
+
+class RunDir(StepStore, WeightStore, MetricsStore):
+    """One run directory (layout: `RunLayout`): committed steps (`StepStore`), published weights
+    (`WeightStore`), metrics and status (`MetricsStore`), and the run config."""
+
+    def check_writable(self) -> None:
+        """Fail before any work starts if the run directory cannot be created or written."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".write-probe{TMP_MARK}{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise RunDirError(f"run directory {self.path} is not writable: {err}") from err
+
+    def write_config(self, config: dict[str, Any]) -> Path:
+        self.path.mkdir(parents=True, exist_ok=True)
+        data = json_bytes(config, indent=2)
+        atomic_write(self.config_path, lambda f: f.write(data))
+        return self.config_path
+
+    def read_config(self) -> dict[str, Any]:
+        return json.loads(self.config_path.read_text())
+
+
+__all__ = [
+    "COMMIT_FILE",
+    "STABLE_FILE",
+    "WINDOW_FILE",
+    "CommitRecord",
+    "CommitRecordError",
+    "MetricsTail",
+    "Offset",
+    "RunDir",
+    "RunDirError",
+    "RunLayout",
+    "StepAlreadyCommittedError",
+    "StepCorruptError",
+    "StepNotCommittedError",
+    "open_arrow_file",
+    "rank_file_name",
+    "write_atomic",
+]

@@ -1,0 +1,118 @@
+"""`beam-rl inspect` and `beam-rl report` (in-process) on intact and damaged run directories: inspect
+verifies every committed file, names each damaged step in one red line and exits with status 2."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+from rich.console import Console
+
+from beam_rl import cli
+from beam_rl.rundir import RunDir
+from beam_rl.types import TrainBatch
+from step_damage import FILE_DAMAGE, RECORD_DAMAGE
+from test_reader import batch
+
+RED, YELLOW = "\x1b[31m", "\x1b[33m"
+_STYLE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def run_cli(monkeypatch, *argv: str) -> tuple[int, list[str]]:
+    """`beam-rl ARGV` in this process; its exit status and the lines it printed, with their colours."""
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=10_000, color_system="standard", force_terminal=True))
+    status = cli.main(list(argv))
+    return status, out.getvalue().splitlines()
+
+
+def coloured(lines: list[str], colour: str) -> list[str]:
+    """The text of the lines printed in `colour` (rich highlights numbers and paths within them)."""
+    return [_STYLE.sub("", line) for line in lines if line.startswith(colour)]
+
+
+def cells(lines: list[str], step: int) -> list[str]:
+    row = next(_STYLE.sub("", line) for line in lines if re.search(rf"│\s+{step}\s+│", _STYLE.sub("", line)))
+    return [cell.strip() for cell in row.split("│")[1:-1]]
+
+
+def three_steps(run: RunDir) -> RunDir:
+    for step in (1, 2, 3):
+        committed = batch(step)
+        committed.window = {"rollouts": 10 * step, "trained_rollouts": step, "reward_mean": 0.25, "errored": 1,
+                            "filtered": {"gibberish": 2}, "staleness_max": 0}
+        run.write_step(committed)
+    return run
+
+
+def step_rows(lines: list[str]) -> list[str]:
+    """The step numbers of the table's rows."""
+    rows = [_STYLE.sub("", line).split("│") for line in lines]
+    return [row[1].strip() for row in rows if len(row) == 10 and row[1].strip().isdigit()]
+
+
+def test_inspect_shows_every_committed_step_of_an_intact_run(tmp_path, monkeypatch):
+    run = three_steps(RunDir(tmp_path))
+    status, lines = run_cli(monkeypatch, "inspect", str(run.path))
+    assert status == 0 and step_rows(lines) == ["1", "2", "3"]
+    assert cells(lines, 3) == ["3", "30", "3", "11", "0.250", "1", "gibberish=2", "0"]
+    assert coloured(lines, RED) == []
+
+
+@pytest.mark.parametrize("damage", sorted(FILE_DAMAGE))
+@pytest.mark.parametrize("name", ["rank_1.arrow", "window.arrow"])
+def test_inspect_names_a_damaged_file_in_one_red_line_and_exits_2(tmp_path, monkeypatch, damage, name):
+    run = three_steps(RunDir(tmp_path))
+    damage_file, says = FILE_DAMAGE[damage]
+    path = run.step_dir(2) / name
+    damage_file(path)
+    status, lines = run_cli(monkeypatch, "inspect", str(run.path))
+    assert status == 2
+    red = coloured(lines, RED)
+    assert len(red) == 1 and re.fullmatch(rf"{re.escape(str(path))}: step 2 is corrupt: {says}", red[0]), red
+    assert step_rows(lines) == ["1", "3"]  # the intact steps are still shown
+    assert not any("Traceback" in line for line in lines)
+
+
+@pytest.mark.parametrize("damage", sorted(RECORD_DAMAGE))
+def test_inspect_names_a_damaged_commit_record_in_one_red_line_and_exits_2(tmp_path, monkeypatch, damage):
+    run = three_steps(RunDir(tmp_path))
+    damage_record, says = RECORD_DAMAGE[damage]
+    damage_record(run.commit_path(3))
+    status, lines = run_cli(monkeypatch, "inspect", str(run.path))
+    assert status == 2
+    red = coloured(lines, RED)
+    assert len(red) == 1 and re.match(rf"{re.escape(str(run.commit_path(3)))}: {says}", red[0]), red
+    assert step_rows(lines) == ["1", "2"]
+    assert not any("Traceback" in line for line in lines)
+
+
+def test_inspect_reports_a_stray_file_as_a_warning_and_exits_0(tmp_path, monkeypatch):
+    run = three_steps(RunDir(tmp_path))
+    stray = run.step_dir(1) / "rank_5.arrow"
+    stray.write_bytes(run.rank_path(1, 0).read_bytes())
+    status, lines = run_cli(monkeypatch, "inspect", str(run.path))
+    assert status == 0 and step_rows(lines) == ["1", "2", "3"]
+    assert coloured(lines, YELLOW) == [f"{stray}: not listed in its step's commit record; readers ignore it"]
+    assert coloured(lines, RED) == []
+
+
+def test_report_plots_an_intact_run_and_names_a_damaged_commit_record(tmp_path, monkeypatch):
+    run = three_steps(RunDir(tmp_path))
+    status, lines = run_cli(monkeypatch, "report", str(run.path))
+    assert status == 0 and step_rows(lines) == ["1", "2", "3"]
+    assert (run.path / "report.png").stat().st_size > 0
+    RECORD_DAMAGE["garbage"][0](run.commit_path(2))
+    status, lines = run_cli(monkeypatch, "report", str(run.path))
+    red = coloured(lines, RED)
+    assert status == 2
+    assert red == [f"{run.commit_path(2)}: not a commit record: Invalid JSON: expected value at line 1 column 1"]
+    assert not any("Traceback" in line for line in lines)
+
+
+def test_an_empty_window_step_shows_zeros(tmp_path, monkeypatch):
+    run = RunDir(tmp_path)
+    run.write_step(TrainBatch(step=1, micro_batches=[], group_ids=[], window={}))
+    status, lines = run_cli(monkeypatch, "inspect", str(run.path))
+    assert status == 0 and cells(lines, 1) == ["1", "0", "0", "0", "0.000", "0", "0", ""]
