@@ -55,7 +55,7 @@ class WandbTracker:
         self.run.define_metric("*", step_metric="step")
         if any(self.logged.values()):
             _LOG.info("W&B run %s: resuming after steps %s", run_id, self.logged)
-        self._table = wandb.Table
+        self._table, self._teardown = wandb.Table, wandb.teardown
 
     def log(self, stream: str, step: int, figures: Figures, samples: list[Sample] | None = None) -> None:
         row: dict[str, Any] = {"step": step, f"{stream}/step": step, **figures}
@@ -71,6 +71,9 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+        # Stop W&B's service process too: it outlives the run otherwise, and a later run in this
+        # process would reuse it with this run's folders.
+        self._teardown()
 
 
 def _run_id(root: Path) -> str:
