@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ class WandbTracker:
         run_id = _run_id(root)
         if settings.mode == "offline":
             self.logged = last_steps(run_logs(root, run_id), _MARKERS)  # before this segment starts its own
+        _wait_for_a_new_segment_name(root, run_id)
         self.run = wandb.init(
             project=settings.project, entity=settings.entity or None, name=settings.run_name or run_name,
             id=run_id, resume="allow", dir=root.parent, config=config,
@@ -88,6 +91,17 @@ def _run_id(root: Path) -> str:
     if not run_id.isalnum():
         raise ValueError(f"{path}: not a W&B run id: {run_id!r}")
     return run_id
+
+
+def _wait_for_a_new_segment_name(root: Path, run_id: str) -> None:
+    """W&B names each process's folder of a run by its start time to the second, and a second
+    segment started within the same second would overwrite the first's transaction log."""
+    while True:
+        now = time.time()
+        stamp = datetime.fromtimestamp(now).strftime("%Y%m%d_%H%M%S")  # as W&B names it (local time)
+        if not any((root / f"{mode}-{stamp}-{run_id}").exists() for mode in ("offline-run", "run")):
+            return
+        time.sleep(1.01 - now % 1)
 
 
 def _quiet(root: Path, offline: bool) -> None:
