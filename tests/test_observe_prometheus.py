@@ -148,3 +148,13 @@ def test_the_grafana_dashboard_asks_only_for_exported_metrics(tmp_path):
     # Every panel reads the chosen Prometheus data source and is placed on the grid.
     for panel in dashboard["panels"]:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"} and panel["gridPos"]["w"] > 0
+
+
+def test_a_port_in_use_is_a_clear_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = observe_config(prometheus_port=port, prometheus_host="127.0.0.1")
+        with pytest.raises(OSError, match=f"logging.prometheus_port = {port}: cannot serve /metrics on 127.0.0.1:{port}"):
+            RunObserver(RunDir(tmp_path / "run"), config)

@@ -267,3 +267,33 @@ def test_offline_wandb_makes_no_network_call(tmp_path, home):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
     assert not list(home.rglob("*"))
+
+
+def test_a_failing_tracker_is_closed_the_run_goes_on_and_a_resumed_run_catches_it_up(tmp_path, home, monkeypatch,
+                                                                                     caplog):
+    run = RunDir(tmp_path / "run")
+    grow(run, range(1, 5))
+    from beam_rl.observe.tensorboard_tracker import TensorBoardTracker
+
+    log = TensorBoardTracker.log
+
+    def fail_at_step_3(self, stream, step, *args):
+        if step == 3:
+            raise OSError("No space left on device")
+        log(self, stream, step, *args)
+
+    monkeypatch.setattr(TensorBoardTracker, "log", fail_at_step_3)
+    with RunObserver(run, observe_config(**BOTH)) as observer:
+        observer.poll()
+        assert [t.name for t in observer.trackers] == ["wandb"]
+        grow(run, range(5, 7))
+        observer.poll()
+        assert observer.snapshot.steps_committed == 6
+    assert "tensorboard failed logging rollouts step 3" in caplog.text
+    assert [s for s, _ in tensorboard_steps(run)["rollouts/step"]] == [1, 2]
+    assert stream_steps(wandb_rows(run), "rollouts") == list(range(1, 7))
+
+    monkeypatch.setattr(TensorBoardTracker, "log", log)
+    with RunObserver(run, observe_config(**BOTH)) as observer:
+        observer.poll()
+    check_logged_once(run, 6)

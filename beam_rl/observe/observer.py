@@ -3,6 +3,7 @@ Prometheus endpoint, reading only what the run gained since its last poll."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from bisect import bisect_right
@@ -76,14 +77,18 @@ class RunObserver:
         if config.logging.prometheus_port:
             from beam_rl.observe.prometheus import serve
 
-            self._server, self.prometheus_port = serve(
-                self, beam_counters, config.logging.prometheus_host, config.logging.prometheus_port)
+            host, port = config.logging.prometheus_host, config.logging.prometheus_port
+            try:
+                self._server, self.prometheus_port = serve(self, beam_counters, host, port)
+            except OSError as err:
+                self.close()
+                raise OSError(f"logging.prometheus_port = {port}: cannot serve /metrics on {host}:{port}: {err}") from err
 
     def poll(self) -> None:
         """Read what the run directory gained; log each new step to the trackers; refresh the snapshot."""
         # Commit records first, then the metrics lines: the load samples taken before a commit seen
         # are then read too, and the trainer's record of a step follows the step's own.
-        commits = self._read_new_commits()
+        steps = self._new_steps()
         trainer, evals = [], []
         for record in self._metrics.read_new():
             if "dispatch" in record:
@@ -94,8 +99,8 @@ class RunObserver:
                 evals.append(record["eval"])
         self._dispatch.sort(key=_time)  # appended in time order but for stragglers: cheap when sorted
         snapshot, kept = self.snapshot, 0
-        for commit in commits:
-            snapshot, kept = self._on_commit(snapshot, commit, kept)
+        for step in steps:  # one record at a time: a first poll may go over days of steps
+            snapshot, kept = self._on_commit(snapshot, _as_dict(self.run_dir.read_commit(step)), kept)
         del self._dispatch[:kept]
         for record in trainer:
             figures = trainer_figures(record)
@@ -108,7 +113,7 @@ class RunObserver:
         status = self._read_status()
         if status is not None:
             snapshot = replace(snapshot, status=status)
-        if commits or trainer or evals:
+        if steps or trainer or evals:
             for tracker in self.trackers:
                 tracker.flush()
         self.snapshot = snapshot
@@ -131,17 +136,17 @@ class RunObserver:
 
     # -- reading the run directory -------------------------------------------------------------------
 
-    def _read_new_commits(self) -> list[dict[str, Any]]:
+    def _new_steps(self) -> range:
+        """The steps committed since the last poll (all of them at the first)."""
         if self._next_step is None:
             # Listing the step directories costs O(all steps): once. Steps commit in order
             # (`RunDir.next_step`), so probing the next one then finds each new commit.
-            steps = self.run_dir.committed_steps()
-            self._next_step = steps[0] if steps else 1
-        commits = []
+            committed = self.run_dir.committed_steps()
+            self._next_step = committed[0] if committed else 1
+        first = self._next_step
         while self.run_dir.is_committed(self._next_step):
-            commits.append(_as_dict(self.run_dir.read_commit(self._next_step)))
             self._next_step += 1
-        return commits
+        return range(first, self._next_step)
 
     def _read_status(self) -> dict[str, Any] | None:
         """status.json when it changed since the last poll (the orchestrator replaces it about once a second)."""
@@ -189,9 +194,19 @@ class RunObserver:
             return None
 
     def _log(self, stream: str, step: int, figures: Figures, samples: list[Sample] | None = None) -> None:
-        for tracker in self.trackers:
-            if step > tracker.logged[stream]:  # each tracker holds what it held when the run resumed
+        for tracker in list(self.trackers):
+            if step <= tracker.logged[stream]:  # each tracker holds what it held when the run resumed
+                continue
+            try:
                 tracker.log(stream, step, figures, samples)
+            except Exception:
+                # A tracker must not stop a run of days; the run directory keeps every figure, and the
+                # next process that follows the run logs what this tracker missed.
+                _LOG.error("%s failed logging %s step %d; it is closed for the rest of this process",
+                           tracker.name, stream, step, exc_info=True)
+                self.trackers.remove(tracker)
+                with contextlib.suppress(Exception):
+                    tracker.close()
 
 
 def _open_trackers(run_dir: RunDir, config: RunConfig) -> list[Tracker]:
