@@ -33,6 +33,11 @@ setup(
         "safetensors>=0.4",
         "torch>=2.3",
         "matplotlib>=3.8",
+        # Experiment trackers (imported only when [logging] enables them). Ranges as tested: W&B's
+        # transaction-log format is read back on resume (beam_rl/observe/wandb_history.py); both must
+        # resolve with apache-beam's protobuf<6 and grpcio<1.66 (tensorboard 2.21 does not).
+        "wandb>=0.31,<0.32",
+        "tensorboard>=2.20,<2.21",
     ],
     extras_require={
         "vllm": ["vllm"],

@@ -164,6 +164,28 @@ class EvalSection(_Section):
     limit: int | None = Field(None, gt=0)  # held-out prompts per environment (None = the whole split)
 
 
+class WandbLogging(_Section):
+    """Weights & Biases: "offline" writes under <run dir>/wandb/ only (upload later with `wandb sync`)."""
+
+    mode: Literal["disabled", "offline", "online"] = "disabled"
+    project: str = Field("beam-rl", min_length=1)
+    entity: str = ""  # "" = the account's default entity
+    run_name: str = ""  # "" = the run directory's name
+
+
+class TensorBoardLogging(_Section):
+    enabled: bool = False  # event files under <run dir>/tensorboard/
+
+
+class LoggingSection(_Section):
+    """Where a run's figures go besides metrics.jsonl: experiment trackers and a Prometheus endpoint."""
+
+    wandb: WandbLogging = Field(default_factory=WandbLogging)
+    tensorboard: TensorBoardLogging = Field(default_factory=TensorBoardLogging)
+    prometheus_port: int = Field(0, ge=0, le=65535)  # the orchestrator serves /metrics here; 0 = off
+    prometheus_host: str = Field("0.0.0.0", min_length=1)  # all interfaces, so a Prometheus elsewhere can scrape
+
+
 class _CrossFieldErrors(ValueError):
     """Raised by RunConfig's model validator so each problem keeps its own key path."""
 
@@ -191,6 +213,7 @@ class RunConfig(_Section):
     runner: RunnerSection = Field(default_factory=RunnerSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
