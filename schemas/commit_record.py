@@ -114,6 +114,7 @@ class WindowStats(BaseModel):
     tokens: NonNegativeInt = 0
     micro_batches: list[NonNegativeInt] = []  # per rank
     group_ids: list[str] = []  # every group seen in the window, trained or not
+    tokens_by_fate: dict[str, NonNegativeInt] = {}  # generated tokens by what became of them (goodput)
 
 
 class CommitRecord(BaseModel):

@@ -21,7 +21,7 @@ def window(step: int) -> dict[str, Any]:
     """A step's window stats as the packer computes them (beam_rl/sink.py), with figures other work adds."""
     return {
         "step": step, "rollouts": 64 + step, "status": {"ok": 60 + step, "error": 4, "cancelled": 0},
-        "errored": 4, "filtered": {"zero_advantage": step % 3}, "flagged": {"gibberish": 1},
+        "errored": 4, "filtered": {"zero_advantage": step % 3}, "flagged": {"monitored": {"gibberish": 1}, "enforced": {}},
         "trained_rollouts": 56, "reward_mean": step / 10, "completion_tokens_mean": 7.5 + step,
         "policy_version_min": step - 2, "policy_version_max": step - 1, "staleness_max": 1,
         "samples": 56, "tokens": 900 + step, "micro_batches": [2], "group_ids": [f"g{step}"],
@@ -34,7 +34,7 @@ def commit_step(run: RunDir, step: int) -> dict[str, Any]:
     run.write_step(TrainBatch(step=step, micro_batches=[], group_ids=[f"g{step}"], window=window(step)),
                    extra={"last_rollout_finished_at": time.time()})
     run.append_metrics({"step": step, "committed_at": time.time(), **window(step)})
-    return run.read_commit(step)
+    return run.read_commit(step).model_dump(mode="json")
 
 
 def dispatch_sample(run: RunDir, inflight: int) -> None:

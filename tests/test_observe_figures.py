@@ -17,7 +17,7 @@ def test_a_commit_record_gives_explicit_headline_names_and_flattened_rest(tmp_pa
     assert figures["reward/mean"] == w["reward_mean"] and figures["lag/max"] == w["staleness_max"]
     assert figures["policy/version_min"] == 1 and figures["policy/version_max"] == 2
     assert (figures["rollouts/seen"], figures["rollouts/trained"], figures["rollouts/errored"]) == (67, 56, 4)
-    assert figures["filtered/zero_advantage"] == 0 and figures["flagged/gibberish"] == 1
+    assert figures["filtered/zero_advantage"] == 0 and figures["flagged/monitored/gibberish"] == 1
     assert figures["tokens_by_fate/trained"] == 803 and figures["rollouts/status/ok"] == 63
     assert figures["rollouts/completion_tokens_mean"] == 10.5
     assert figures["batch/groups"] == 1 and figures["timings/write_s"] == commit["timings"]["write_s"]

@@ -46,15 +46,15 @@ def check_against_run_dir(samples: Samples, run: RunDir, state: dict) -> None:
     steps = run.committed_steps()
     commits = [run.read_commit(step) for step in steps]
     assert value(samples, "beam_rl_steps_committed") == steps[-1]
-    assert value(samples, "beam_rl_groups_packed_total") == sum(c["counts"]["groups"] for c in commits)
-    assert value(samples, "beam_rl_rollouts_observed_total") == sum(c["window"]["rollouts"] for c in commits)
-    assert value(samples, "beam_rl_rollouts_trained_total") == sum(c["window"]["trained_rollouts"] for c in commits)
+    assert value(samples, "beam_rl_groups_packed_total") == sum(c.counts.groups for c in commits)
+    assert value(samples, "beam_rl_rollouts_observed_total") == sum(c.window.rollouts for c in commits)
+    assert value(samples, "beam_rl_rollouts_trained_total") == sum(c.window.trained_rollouts for c in commits)
     for fate in ("trained", "filtered", "errored"):
         assert value(samples, "beam_rl_tokens_by_fate_total", fate=fate) == sum(
-            c["window"]["tokens_by_fate"][fate] for c in commits)
-    assert value(samples, "beam_rl_step_figure", figure="reward/mean") == commits[-1]["window"]["reward_mean"]
-    assert value(samples, "beam_rl_lag_max_steps") == commits[-1]["window"]["staleness_max"]
-    assert value(samples, "beam_rl_last_commit_timestamp_seconds") == commits[-1]["committed_at"]
+            c.window.tokens_by_fate[fate] for c in commits)
+    assert value(samples, "beam_rl_step_figure", figure="reward/mean") == commits[-1].window.reward_mean
+    assert value(samples, "beam_rl_lag_max_steps") == commits[-1].window.staleness_max
+    assert value(samples, "beam_rl_last_commit_timestamp_seconds") == commits[-1].committed_at
     trainer = [m["trainer"] for m in run.read_metrics() if "trainer" in m][-1]
     assert value(samples, "beam_rl_trainer_step") == trainer["step"]
     assert value(samples, "beam_rl_trainer_figure", figure="trainer/loss") == trainer["loss"]

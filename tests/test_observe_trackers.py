@@ -72,7 +72,7 @@ def check_logged_once(run: RunDir, last: int) -> None:
     tensorboard = tensorboard_steps(run)
     assert [step for step, _ in tensorboard["reward/mean"]] == expected["rollouts"]
     assert [value for _, value in tensorboard["reward/mean"]] == pytest.approx(
-        [commits[s]["window"]["reward_mean"] for s in expected["rollouts"]])
+        [commits[s].window.reward_mean for s in expected["rollouts"]])
     assert [step for step, _ in tensorboard["trainer/loss"]] == expected["trainer"]
     assert [value for _, value in tensorboard["trainer/loss"]] == pytest.approx([1 / s for s in expected["trainer"]])
     assert [step for step, _ in tensorboard["eval/arithmetic/pass@1"]] == expected["eval"]
@@ -85,7 +85,7 @@ def check_logged_once(run: RunDir, last: int) -> None:
     rollouts = [row for row in rows if "rollouts/step" in row]
     assert all(row["step"] == row["rollouts/step"] for row in rollouts)  # the x-axis of every chart
     assert [row["reward/mean"] for row in rollouts] == pytest.approx(
-        [commits[s]["window"]["reward_mean"] for s in expected["rollouts"]])
+        [commits[s].window.reward_mean for s in expected["rollouts"]])
     assert [row["trainer/loss"] for row in rows if "trainer/step" in row] == pytest.approx(
         [1 / s for s in expected["trainer"]])
 

@@ -37,7 +37,7 @@ class Snapshot:
     """What the run looked like at the end of the last poll; replaced whole, so a scrape from another
     thread always sees one consistent poll."""
 
-    status: dict[str, Any] = field(default_factory=dict)  # status.json as the orchestrator last wrote it
+    status: dict[str, Any] = field(default_factory=dict)  # the dispatch shards' status files, merged
     steps_committed: int = 0
     last_committed_at: float | None = None
     step: Figures = field(default_factory=dict)  # the last committed step's figures
@@ -149,14 +149,17 @@ class RunObserver:
         return range(first, self._next_step)
 
     def _read_status(self) -> dict[str, Any] | None:
-        """status.json when it changed since the last poll (the orchestrator replaces it about once a second)."""
-        try:
-            mtime = self.run_dir.status_path.stat().st_mtime_ns
-        except FileNotFoundError:
+        """The dispatch shards' status files, merged, when one changed since the last poll (each shard
+        replaces its own about once a second)."""
+        mtimes = []
+        for path in sorted(self.run_dir.path.glob("status-*.json")):
+            try:
+                mtimes.append(path.stat().st_mtime_ns)
+            except FileNotFoundError:
+                continue
+        if not mtimes or mtimes == self._status_mtime:
             return None
-        if mtime == self._status_mtime:
-            return None
-        self._status_mtime = mtime
+        self._status_mtime = mtimes
         return self.run_dir.read_status()
 
     # -- one committed step --------------------------------------------------------------------------
