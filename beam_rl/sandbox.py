@@ -4,19 +4,20 @@ home of code execution for rewards and tools.
 Why this shape: bubblewrap (`bwrap`, Debian package `bubblewrap`) builds the sandbox from kernel
 namespaces with no daemon and no image. Where the orchestrator runs as root, bwrap itself runs as the
 unprivileged uid 65534 ("nobody") and creates a user namespace, so nothing in the sandbox ever holds a
-capability on the host. It adds a PID namespace (the program sees only the sandbox's processes: it
-cannot signal or ptrace the orchestrator or anything else outside, and the sandbox's init, its parent
-there, ignores its SIGKILL), a network namespace with only its own loopback
-(unless `SandboxLimits.network`), and a mount namespace whose filesystem is `/usr` read-only, a fresh
-`/proc`, a read-only `/dev` (its `/dev/shm` a tmpfs capped at `file_size_mb`), and a tmpfs workdir
-`/sandbox` (also `/tmp`) capped at `memory_mb`; the rest of the root is read-only. So the program
-cannot write anywhere else, sees none of the host's files (the run directory, secrets), and its
-directory disappears with the namespace, so nothing is left on the host. The environment is cleared.
-Inside, a small launcher sets the rlimits (CPU seconds, address space, processes, file size, no core
-files) before it runs the program. RLIMIT_NPROC is set inside the user namespace, so it counts only
-that sandbox's processes (and threads): concurrent sandboxes do not share the budget, and it is
-enforced because the uid is not root. The wall-clock timeout kills bwrap, which takes its whole PID
-namespace with it.
+capability on the host. It adds a PID namespace (the program sees only the sandbox's processes and
+cannot signal or ptrace anything outside), a network namespace with only its own loopback (unless
+`SandboxLimits.network`), and a mount namespace whose filesystem is `/usr` read-only, a fresh `/proc`,
+a read-only `/dev` (its `/dev/shm` a tmpfs capped at `file_size_mb`), and a tmpfs workdir `/sandbox`
+(also `/tmp`) capped at `memory_mb`; the rest of the root is read-only. So the program cannot write
+anywhere else, sees none of the host's files (the run directory, secrets), and its directory
+disappears with the namespace: nothing is left on the host. The environment is cleared.
+
+Inside, a small launcher is the namespace's init (the program's parent, which it cannot kill): it sets
+the rlimits (CPU seconds, address space, processes, file size, no core files), runs the program, reaps
+what ends, and reports the program's exit status and CPU time through a pipe only it holds.
+RLIMIT_NPROC is set inside the user namespace, so it counts only that sandbox's processes (threads
+included): concurrent sandboxes do not share the budget, and it is enforced because the uid is not
+root. The wall-clock timeout kills the init, which takes the whole PID namespace with it.
 
 The program is the system's `python3` (under /usr: the project's interpreter may live in a home
 directory the sandbox's uid cannot enter), started with `-I`: it sees the standard library and what the
@@ -46,7 +47,7 @@ WORKDIR = "/sandbox"
 MAIN = "main.py"  # the program's file name in WORKDIR
 OUTPUT_LIMIT = 1 << 20  # bytes kept of each of stdout and stderr; the rest is read and dropped
 OPEN_FILES = 1024  # RLIMIT_NOFILE inside the sandbox
-_READY = b"R"  # the launcher's byte: the sandbox is up and the program's code runs next
+_READY = b"R"  # the launcher's first byte: the sandbox is up and the program's code runs next
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
@@ -73,9 +74,7 @@ class SandboxLimits:
 @dataclass
 class SandboxResult:
     """What a run did. A program killed by a signal has `exit_code` None and `signal` set ("SIGXCPU"
-    for the CPU limit; "SIGKILL" for the wall-clock timeout, with `timed_out`). bwrap reports a
-    signal as exit status 128 + its number, so a program that exits with such a status reads as
-    that signal."""
+    for the CPU limit; "SIGKILL" for the wall-clock timeout, with `timed_out` and no `cpu_s`)."""
 
     exit_code: int | None
     stdout: str
@@ -84,6 +83,7 @@ class SandboxResult:
     signal: str | None
     wall_s: float
     output_truncated: bool = False  # stdout or stderr went past OUTPUT_LIMIT
+    cpu_s: float | None = None  # CPU of the sandbox's processes that ended before the program did
 
     @property
     def ok(self) -> bool:
@@ -114,10 +114,10 @@ async def run_python(
     python = _system_python()
     unshare_net = not limits.network and await _network_namespaces_allowed(bwrap, python)
     with contextlib.ExitStack() as stack:
-        ready_r, ready_w = os.pipe()
-        stack.callback(os.close, ready_r)
-        os.set_blocking(ready_r, False)
-        child_fds = [ready_w]
+        status_r, status_w = os.pipe()
+        stack.callback(os.close, status_r)
+        os.set_blocking(status_r, False)
+        child_fds = [status_w]
         try:
             input_fds = {}
             for name, text in inputs.items():
@@ -125,7 +125,7 @@ async def run_python(
                 child_fds.append(input_fds[name])
             argv = [
                 bwrap, *_namespace_args(unshare_net), *_filesystem_args(limits, input_fds),
-                "--", python, "-I", "-c", _LAUNCHER, str(ready_w), json.dumps(_rlimits(limits)), MAIN,
+                "--", python, "-I", "-c", _LAUNCHER, str(status_w), json.dumps(_rlimits(limits)), MAIN,
             ]
             started = time.monotonic()
             try:
@@ -138,11 +138,11 @@ async def run_python(
         finally:
             for fd in child_fds:  # the sandbox holds its own copies now
                 os.close(fd)
-        return await _finish(proc, stdin, limits, started, ready_r)
+        return await _finish(proc, stdin, limits, started, status_r)
 
 
 async def _finish(
-    proc: asyncio.subprocess.Process, stdin: str, limits: SandboxLimits, started: float, ready_r: int
+    proc: asyncio.subprocess.Process, stdin: str, limits: SandboxLimits, started: float, status_r: int
 ) -> SandboxResult:
     assert proc.stdin and proc.stdout and proc.stderr
     feed = asyncio.create_task(_feed(proc.stdin, stdin.encode()))
@@ -155,22 +155,23 @@ async def _finish(
         timed_out = True
     finally:
         if proc.returncode is None:  # timed out, or this coroutine was cancelled: end the namespace
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+            await _end_sandbox(proc)
     wall_s = time.monotonic() - started
     # Every holder of the pipes died with the PID namespace; the bound only guards against surprises.
     done, pending = await asyncio.wait([feed, out, err], timeout=5)
     for task in pending:
         task.cancel()
-    (stdout, cut_out), (stderr, cut_err) = (
-        t.result() if t in done else (b"", True) for t in (out, err)
-    )
-    if not _was_ready(ready_r):
-        why = f"did not start within {limits.wall_s} s" if timed_out else f"failed (exit status {proc.returncode})"
+    (stdout, cut_out), (stderr, cut_err) = (t.result() if t in done else (b"", True) for t in (out, err))
+    ready, report = _read_status(status_r)
+    if not ready or (report is None and not timed_out):
+        why = (
+            f"did not start within {limits.wall_s} s" if timed_out and not ready
+            else f"failed (exit status {proc.returncode})" if not ready
+            else "ended without reporting the program's exit"
+        )
         detail = stderr.decode(errors="replace").strip()
         raise SandboxUnavailable(f"the sandbox {why}" + (f": {detail}" if detail else ""))
-    exit_code, signal_name = _status(proc.returncode)
+    exit_code, signal_name = _status(report["returncode"]) if report else (None, "SIGKILL")
     return SandboxResult(
         exit_code=exit_code,
         stdout=stdout.decode(errors="replace"),
@@ -179,19 +180,70 @@ async def _finish(
         signal=signal_name,
         wall_s=wall_s,
         output_truncated=cut_out or cut_err,
+        cpu_s=report["cpu_s"] if report else None,
     )
 
 
-def _status(returncode: int | None) -> tuple[int | None, str | None]:
-    if returncode is None:
-        return None, None
-    number = -returncode if returncode < 0 else returncode - 128 if 128 < returncode <= 128 + 64 else 0
-    if not number:
+async def _end_sandbox(proc: asyncio.subprocess.Process) -> None:
+    """Kill the sandbox's init (bwrap's child): its PID namespace dies with it, and bwrap reaps it
+    and exits. Killing bwrap instead would leave the init to whoever adopts orphans here."""
+    killed = False
+    for pid in _children(proc.pid):
+        with contextlib.suppress(OSError):
+            pidfd = os.pidfd_open(pid)
+            try:
+                if _parent(pid) == proc.pid:  # still bwrap's: the pid was not reused meanwhile
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    killed = True
+            finally:
+                os.close(pidfd)
+    if killed:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(proc.wait(), 5)
+    if proc.returncode is None:  # no init yet (bwrap still setting up), or bwrap did not follow it
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except OSError:
+        return []
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _read_status(status_r: int) -> tuple[bool, dict | None]:
+    """What the launcher wrote: (whether the program was started, its report once it ended)."""
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(status_r, 1 << 16):
+            data += chunk
+    if not data.startswith(_READY):
+        return False, None
+    try:
+        report = json.loads(data[len(_READY):])
+    except ValueError:
+        return True, None
+    return True, report
+
+
+def _status(returncode: int) -> tuple[int | None, str | None]:
+    if returncode >= 0:
         return returncode, None
     try:
-        return None, signal.Signals(number).name
+        return None, signal.Signals(-returncode).name
     except ValueError:
-        return None, f"SIG{number}"
+        return None, f"SIG{-returncode}"
 
 
 async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
@@ -212,13 +264,6 @@ async def _read_capped(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
         kept += chunk[:room]
         truncated |= len(chunk) > room
     return bytes(kept), truncated
-
-
-def _was_ready(ready_r: int) -> bool:
-    try:
-        return os.read(ready_r, 16).startswith(_READY)
-    except BlockingIOError:
-        return False
 
 
 def _checked_files(files: dict[str, str]) -> dict[str, str]:
@@ -256,6 +301,7 @@ def _namespace_args(unshare_net: bool) -> list[str]:
     args = [
         "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--disable-userns",  # no nested user namespace: no way to regain capabilities inside
+        "--as-pid-1",  # the launcher is the namespace's init (bwrap's own leaves a zombie behind)
         "--die-with-parent", "--new-session", "--hostname", "sandbox",
     ]
     return args + (["--unshare-net"] if unshare_net else [])
@@ -340,28 +386,53 @@ def _try(argv: list[str]) -> str | None:
     return None if done.returncode == 0 else (done.stderr.strip() or f"exit status {done.returncode}")
 
 
-# Runs first inside the sandbox, as `python3 -I -c _LAUNCHER <ready fd> <rlimits> main.py`: sets the
-# limits, closes every inherited descriptor, writes the ready byte (so a failure before this point is
-# the sandbox's, after it the program's), then runs main.py as __main__ in this same interpreter (one
-# start-up, not two) with a traceback that shows only the program's frames.
+# Runs first inside the sandbox, as its PID namespace's init: `python3 -I -c _LAUNCHER <status fd>
+# <rlimits> main.py`. It sets the limits, closes every inherited descriptor, writes the ready byte (a
+# failure before it is the sandbox's, after it the program's), and forks the program, which runs
+# main.py as __main__ with a traceback that shows only its own frames. The init then reaps whatever
+# ends (the program, and orphans handed to it) and, once the program has, writes its exit status and
+# CPU time after the ready byte. Being init and not dumpable, it is out of the program's reach: the
+# kernel drops a SIGKILL from inside the namespace, and /proc hides its descriptors from the program.
 _LAUNCHER = r"""
 def _launch():
-    import builtins, json, os, resource, sys
-    ready, limits, path = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+    import builtins, ctypes, json, os, resource, signal, sys
+    status, limits, path = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
     for name, (soft, hard) in limits.items():
         resource.setrlimit(getattr(resource, name), (soft, hard))
     for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
-        if fd > 2 and fd != ready:
+        if fd > 2 and fd != status:
             try:
                 os.close(fd)
             except OSError:
                 pass  # the directory listing's own descriptor, already closed
     with open(path, "rb") as f:
         source = f.read()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    if prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # init ignores what it has no handler for
+    os.write(status, b"R")
+    program = os.fork()
+    if program == 0:
+        os.close(status)
+        prctl(4, 1, 0, 0, 0)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _run(source, path)
+        return
+    while True:
+        pid, wait_status = os.wait()
+        if pid == program:
+            break
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu_s = sum(u.ru_utime + u.ru_stime for u in used)
+    report = {"returncode": os.waitstatus_to_exitcode(wait_status), "cpu_s": cpu_s}
+    os.write(status, json.dumps(report).encode())
+    os._exit(0)
+
+def _run(source, path):
+    import builtins, os, sys
     sys.argv = [path]
     sys.path.insert(0, os.getcwd())
-    os.write(ready, b"R")
-    os.close(ready)
     main = sys.modules["__main__"].__dict__
     main.clear()
     main.update(__name__="__main__", __file__=os.path.join(os.getcwd(), path), __builtins__=builtins)
@@ -378,5 +449,6 @@ def _launch():
         exc.__traceback__ = exc.__traceback__.tb_next  # this launcher's frame is not the program's
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.exit(1)
+
 _launch()
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -98,9 +99,35 @@ def test_an_uncaught_exception_and_a_syntax_error_fail_with_the_programs_traceba
     assert broken.exit_code == 1 and 'File "main.py", line 1' in broken.stderr and "SyntaxError" in broken.stderr
 
 
-def test_a_signal_that_kills_the_program_is_named() -> None:
+def test_a_signal_that_kills_the_program_is_named_and_exit_statuses_are_exact() -> None:
     result = run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
     assert (result.exit_code, result.signal, result.timed_out) == (None, "SIGSEGV", False)
+    result = run("import sys\nsys.exit(128 + 9)\n")  # not mistaken for a SIGKILL
+    assert (result.exit_code, result.signal) == (137, None)
+
+
+def test_cpu_time_counts_the_program_and_its_children() -> None:
+    spin = "t = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
+    result = run(f"import os, time\nif os.fork() == 0:\n    {spin.replace(chr(10), chr(10) + '    ')}os._exit(0)\n"
+                 f"os.wait()\n{spin}")
+    assert result.ok, result.stderr
+    assert result.cpu_s >= 0.6
+
+
+def test_no_process_of_the_sandbox_is_left_for_others_to_reap() -> None:
+    # As a subreaper, this process adopts whatever the sandbox orphans; none may be left unreaped.
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    try:
+        run("import os\nif os.fork() == 0:\n    os.setsid()\n    import time; time.sleep(30)\nprint('done')\n")
+        run("import time\ntime.sleep(30)\n", limits=SandboxLimits(wall_s=1))
+        time.sleep(0.2)
+        assert not sandbox_pids()
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
 
 
 def test_output_is_capped() -> None:
@@ -254,12 +281,16 @@ def test_a_program_cannot_kill_its_parent_or_the_orchestrator() -> None:
             "    except OSError as exc:\n"
             "        print(name, pid, type(exc).__name__)\n"
             f"print('ptrace', ctypes.CDLL(None, use_errno=True).ptrace(16, {os.getpid()}, 0, 0))  # PTRACE_ATTACH\n"
+            "try:\n"
+            "    os.listdir('/proc/1/fd')\n"
+            "except OSError as exc:\n"
+            "    print('init fds', type(exc).__name__)\n"
             "import time; time.sleep(0.3)\n"
             "print('survived')\n"
         )
         result = run(source)
         # The program lives on, so its parent (the sandbox's init, whose death would end it) did too.
-        assert result.ok and result.stdout.endswith("ptrace -1\nsurvived\n"), result.stdout + result.stderr
+        assert result.ok and result.stdout.endswith("ptrace -1\ninit fds PermissionError\nsurvived\n"), result.stdout
         assert "parent 1 " in result.stdout  # inside its PID namespace, the parent is the sandbox's init
         assert victim.poll() is None
     finally:
