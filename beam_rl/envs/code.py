@@ -123,7 +123,7 @@ class Code(DatasetEnvironment):
         memory_mb: int = 512,
         processes: int = 32,
         file_size_mb: int = 16,
-        test_timeout_s: float = 2.0,
+        test_timeout_s: float = 1.0,
         dataset: str | Path | None = None,
         bad_rows: BadRows = "fail",
         max_context: int | None = None,
