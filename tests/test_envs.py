@@ -16,6 +16,7 @@ from beam_rl.datasets import DatasetError
 from beam_rl.envs import ENVIRONMENTS, make_env, register_env
 from beam_rl.envs.arithmetic import Arithmetic, ArithmeticEasy, first_integer
 from beam_rl.envs.base import Completion, Environment, SamplingParams, Trajectory, chat_prompt_ids
+from beam_rl.envs.code import Code
 from beam_rl.types import Turn
 from beam_rl.envs.data import make_datasets
 from beam_rl.envs.guess_number import CORRECT, HIGHER, LOWER, NO_GUESS, GuessNumber, hint
@@ -87,6 +88,7 @@ def test_registry_holds_the_bundled_environments(tok: Any) -> None:
         "arithmetic_easy": ArithmeticEasy,
         "reverse_text": ReverseText,
         "guess_number": GuessNumber,
+        "code": Code,
     }
     env = make_env("guess_number", tok, max_turns=3, max_context=256)
     assert isinstance(env, GuessNumber) and (env.max_turns, env.max_context) == (3, 256)
@@ -128,7 +130,7 @@ def test_register_env_refuses_clashes_and_non_environments(monkeypatch: pytest.M
 
 def test_bundled_datasets_are_what_the_generator_writes(tmp_path: Path) -> None:
     written = make_datasets.write_datasets(tmp_path)
-    assert len(written) == 6
+    assert len(written) == 8
     for path in written:
         assert path.read_bytes() == (make_datasets.DATA_DIR / path.name).read_bytes(), path.name
 

@@ -1,7 +1,7 @@
 """The environment registry: environments register by name; the pipeline builds them with `make_env`.
 
 Bundled: `arithmetic`, `arithmetic_easy` (the config a tiny model learns in minutes), `reverse_text`,
-`guess_number` (multi-turn).
+`guess_number` (multi-turn), `code` (programs run in a sandbox).
 """
 
 from __future__ import annotations
@@ -47,4 +47,4 @@ def make_env(name: str, tokenizer: Any, **kwargs: Any) -> Environment:
 
 
 # Imported last: each module registers its environments with the decorator defined above.
-from beam_rl.envs import arithmetic, guess_number, reverse_text  # noqa: E402,F401
+from beam_rl.envs import arithmetic, code, guess_number, reverse_text  # noqa: E402,F401

@@ -12,6 +12,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from beam_rl.envs.data.code_tasks import TASKS
+
 SEED = 20251130
 DATA_DIR = Path(__file__).resolve().parent
 
@@ -75,6 +77,18 @@ def guess_number_rows(rng: random.Random) -> dict[str, list[dict[str, Any]]]:
     return {"train": [game() for _ in range(200)], "eval": [game() for _ in range(50)]}
 
 
+def code_rows(rng: random.Random) -> dict[str, list[dict[str, Any]]]:
+    """The hand-written tasks of code_tasks.py, each row holding its complete reference solution;
+    a quarter of them held out for eval."""
+    rows = [
+        {"task_id": t.task_id, "prompt": t.prompt, "tests": list(t.tests), "reference": t.prompt + t.reference}
+        for t in TASKS
+    ]
+    rng.shuffle(rows)
+    n_eval = len(rows) // 4
+    return {"train": rows[n_eval:], "eval": rows[:n_eval]}
+
+
 def build_datasets() -> dict[str, list[dict[str, Any]]]:
     """File name -> rows, for every bundled dataset. Each env draws from its own seeded stream."""
     files: dict[str, list[dict[str, Any]]] = {}
@@ -82,6 +96,7 @@ def build_datasets() -> dict[str, list[dict[str, Any]]]:
         ("arithmetic", arithmetic_rows),
         ("reverse_text", reverse_text_rows),
         ("guess_number", guess_number_rows),
+        ("code", code_rows),
     ):
         for split, rows in recipe(random.Random(f"{SEED}-{name}")).items():
             files[f"{name}_{split}.jsonl"] = rows
