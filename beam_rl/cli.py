@@ -77,6 +77,7 @@ def preflight(config: RunConfig, source: str) -> RunDir:
 def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, list[DatasetError]]]:
     """(env, split, rows kept, rows skipped) for every split the run will read."""
     from beam_rl import components
+    from beam_rl.envs.plugins import PluginError
 
     loaded = []
     for i, env in enumerate(config.envs):
@@ -85,7 +86,10 @@ def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, 
         except DatasetError:
             raise
         except KeyError as err:  # an environment name nobody registered
-            raise ConfigError(source, [(f"envs[{i}].name", str(err.args[0]))]) from None
+            key = f"envs[{i}].kind" if env.kind else f"envs[{i}].name"
+            raise ConfigError(source, [(key, str(err.args[0]))]) from None
+        except PluginError as err:  # a plug-in that does not import or is not a usable Environment
+            raise ConfigError(source, [(f"envs[{i}].kind" if env.kind else f"envs[{i}].name", str(err))]) from err
         except (TypeError, ValueError) as err:  # constructor arguments it does not take or accept
             raise ConfigError(source, [(f"envs[{i}].args", str(err))]) from None
         # The held-out split too when evaluation is on: the source reads it mid-run.
