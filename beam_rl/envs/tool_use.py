@@ -60,19 +60,16 @@ class ToolResponses:
     def __init__(self, tokenizer: Any, stop_id: int) -> None:
         self.tokenizer = tokenizer
         self.stop_id = stop_id
-        base = self._base()
-        if stop_id not in base:
+        self._base = chat_prompt_ids(tokenizer, _base_messages(), add_generation_prompt=False)
+        if stop_id not in self._base:
             raise ChatTemplateError(f"the chat template does not end an assistant turn with token {stop_id}")
         # What the template writes between the assistant's stop token and the next message ("\n" in ChatML).
-        self.separator = base[len(base) - base[::-1].index(stop_id):]
-
-    def _base(self) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, _base_messages(), add_generation_prompt=False)
+        self.separator = self._base[len(self._base) - self._base[::-1].index(stop_id):]
 
     def ids(self, results: list[tuple[str, str]], closed: bool) -> list[int]:
         """What follows a completion that called tools: its stop token if it was cut before writing one,
         the tool messages (name, content) and the opening of the assistant's next turn."""
-        base = self._base()
+        base = self._base
         tool_messages = [{"role": "tool", "name": name, "content": content} for name, content in results]
         full = chat_prompt_ids(self.tokenizer, [*_base_messages(), *tool_messages])
         if full[: len(base)] != base:
