@@ -21,6 +21,7 @@ from beam_rl.envs.data import make_datasets
 from beam_rl.envs.guess_number import CORRECT, HIGHER, LOWER, NO_GUESS, GuessNumber, hint
 from beam_rl.envs.reverse_text import ReverseText, similarity
 from beam_rl.envs.tool_use import ToolArithmetic
+from beam_rl.envs.verifiers_env import VerifiersTaskset
 from beam_rl.tokenizer import load_tokenizer
 
 
@@ -89,6 +90,7 @@ def test_registry_holds_the_bundled_environments(tok: Any) -> None:
         "reverse_text": ReverseText,
         "guess_number": GuessNumber,
         "tool_arithmetic": ToolArithmetic,
+        "verifiers": VerifiersTaskset,
     }
     env = make_env("guess_number", tok, max_turns=3, max_context=256)
     assert isinstance(env, GuessNumber) and (env.max_turns, env.max_context) == (3, 256)

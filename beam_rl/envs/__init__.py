@@ -2,7 +2,8 @@
 plug-in's too (an entry point of the `beam_rl.environments` group, or "module:Class"; see plugins.py).
 
 Bundled: `arithmetic`, `arithmetic_easy` (the config a tiny model learns in minutes), `reverse_text`,
-`guess_number` (multi-turn), `tool_arithmetic` (multi-turn tool calling).
+`guess_number` (multi-turn), `tool_arithmetic` (multi-turn tool calling), `verifiers` (a verifiers
+taskset's own rewards).
 """
 
 from __future__ import annotations
@@ -83,4 +84,4 @@ def make_env(kind: str, tokenizer: Any, *, env_name: str | None = None, **kwargs
 
 
 # Imported last: each module registers its environments with the decorator defined above.
-from beam_rl.envs import arithmetic, guess_number, reverse_text, tool_use  # noqa: E402,F401
+from beam_rl.envs import arithmetic, guess_number, reverse_text, tool_use, verifiers_env  # noqa: E402,F401
