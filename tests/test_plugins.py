@@ -22,7 +22,7 @@ from beam_rl.cli import preflight
 from beam_rl.config import ConfigError, config_from_dict
 from beam_rl.envs import make_env
 from beam_rl.envs.arithmetic import Arithmetic
-from beam_rl.envs.base import Completion, RewardUnavailable, SamplingParams, Trajectory
+from beam_rl.envs.base import Completion, SamplingParams, Trajectory
 from beam_rl.envs.plugins import PluginEnvironment, PluginError, PluginFailure
 from beam_rl.inference.client import InferenceTimeout
 from beam_rl.rewards import assign_rewards
@@ -146,7 +146,8 @@ def test_name_alone_is_a_built_in_kind_and_kind_lets_one_class_run_under_two_nam
         ("X = 1\n", "{m}:Env", r"module '{m}' has no attribute 'Env'"),
         ("def Env(tokenizer): pass\n", "{m}:Env", r"names <function Env .*>, which is not a class"),
         ("class Env: pass\n", "{m}:Env", r"{m}\.Env is not a subclass of beam_rl\.envs\.base\.Environment"),
-        ("from beam_rl.envs.base import Environment\nclass Env(Environment):\n    def load_rows(self, split): return []\n",
+        ("from beam_rl.envs.base import Environment\n"
+         "class Env(Environment):\n    def load_rows(self, split): return []\n",
          "{m}:Env", r"{m}\.Env does not implement render_prompt, reward"),
         (PLUGIN + "\nclass Env(Toy):\n    def run(self, client, row, prompt_ids, sampling): pass\n",
          "{m}:Env", r"{m}\.Env\.run must be `async def`"),
@@ -173,7 +174,8 @@ def test_preflight_reports_a_broken_plugin_as_a_config_error_on_its_kind(
         preflight(config, "run.toml")
     ((key, message),) = caught.value.problems
     assert key == "envs[0].kind"
-    assert f"importing '{module}' failed: RuntimeError: needs a GPU (at {tmp_path / module}.py:1 in <module>)" in message
+    location = f"{tmp_path / module}.py:1 in <module>"
+    assert f"importing '{module}' failed: RuntimeError: needs a GPU (at {location})" in message
     assert not (tmp_path / "run").exists()  # nothing written before the config is known to work
 
 
@@ -204,7 +206,8 @@ def test_render_prompt_must_return_token_ids(toy: PluginEnvironment) -> None:
 @pytest.mark.parametrize(
     ("mode", "error"),
     [
-        ("run_raises", r"run raised KeyError: 'missing' \(at .*plugin_\d+\.py:\d+ in run\); row \{'mode': 'run_raises'\}"),
+        ("run_raises",
+         r"run raised KeyError: 'missing' \(at .*plugin_\d+\.py:\d+ in run\); row \{'mode': 'run_raises'\}"),
         ("not_trajectory", r"run returned \[\[4, 5\]\], not a beam_rl\.envs\.base\.Trajectory; row"),
         ("bad_ids", r"run returned turn 0 with completion_ids \['4'\], not a list of ints"),
         ("bad_info", r"run returned info that is not JSON-able \(Object of type object is not JSON serializable\)"),
@@ -245,7 +248,8 @@ def test_a_broken_reward_stops_scoring_with_the_env_the_plugin_and_the_row(
     toy: PluginEnvironment, mode: str, error: str
 ) -> None:
     # Not RewardUnavailable: a reward that is wrong must not quietly become a masked rollout.
-    with pytest.raises(PluginFailure, match=rf"env 'toys' \(plug-in 'plugin_\d+:Toy'\): {error}; row \{{'mode': '{mode}'\}}"):
+    expected = rf"env 'toys' \(plug-in 'plugin_\d+:Toy'\): {error}; row \{{'mode': '{mode}'\}}"
+    with pytest.raises(PluginFailure, match=expected):
         assign_rewards(_rollouts(mode), toy)
 
 

@@ -55,8 +55,10 @@ def play(env: ToolArithmetic, client: ScriptedClient, row: dict[str, Any] = ROW)
 
 
 def test_parse_well_formed_several_and_malformed_calls() -> None:
-    text = ("Let me compute.\n" + CALC + "\n<tool_call>\n{\"name\": \"python\", \"arguments\": \"{\\\"code\\\": \\\"print(1)\\\"}\"}"
-            "\n</tool_call>\n<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"1 +\"\n</tool_call>"
+    text = ("Let me compute.\n" + CALC
+            + "\n<tool_call>\n{\"name\": \"python\", \"arguments\": \"{\\\"code\\\": \\\"print(1)\\\"}\"}"
+            "\n</tool_call>\n<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"1 +\""
+            "\n</tool_call>"
             "\n<tool_call>[1, 2]</tool_call><tool_call>{\"name\": \"calculator\", \"arguments\": [1]}</tool_call>"
             "<tool_call>{\"name\": \"calculator\"")
     assert parse_tool_calls(text) == [
@@ -119,7 +121,8 @@ def test_tokens_stay_exact_across_tool_turns(tok: Any) -> None:
 
 def test_bad_calls_are_answered_and_the_loop_goes_on(tok: Any) -> None:
     env = make_env("tool_arithmetic", tok, max_turns=4)
-    several = CALC + '\n<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>\n<tool_call>\n{oops}\n</tool_call>'
+    several = (CALC + '\n<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>'
+               '\n<tool_call>\n{oops}\n</tool_call>')
     client = ScriptedClient(tok, several, (CALC, False), "It is 25161714800.")
     prompt, trajectory = play(env, client)
     turns = trajectory.turns

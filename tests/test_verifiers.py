@@ -124,7 +124,8 @@ def test_a_tasksets_own_rewards_score_beam_rl_rollouts(tmp_path: Path) -> None:
     assert out["rewards"] == [[1.5, 0.0, 0.5, None]] * 3  # exact answer; wordy; short but wrong; crashed
     assert all(errors[3] == ["RewardUnavailable: verifiers scoring failed: task SumTask scoring: RuntimeError: "
                              "grader crashed"] for errors in out["errors"])
-    assert out["refused"] == "verifiers rewards ['passes_tests'] need a runtime (a sandbox); this adapter scores offline"
+    assert out["refused"] == ("verifiers rewards ['passes_tests'] need a runtime (a sandbox); "
+                              "this adapter scores offline")
     assert out["beam_imported"] is False
 
 
