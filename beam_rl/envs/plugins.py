@@ -172,7 +172,10 @@ class PluginEnvironment(Environment):
         self._logged: set[str] = set()
 
     def __getattr__(self, attr: str) -> Any:  # only called for attributes not found on the guard
-        return getattr(self.__dict__["inner"], attr)
+        inner = self.__dict__.get("inner")
+        if inner is None:  # mid-construction (or unpickling): nothing to delegate to yet
+            raise AttributeError(attr)
+        return getattr(inner, attr)
 
     @property
     def multi_turn(self) -> bool:  # type: ignore[override]
@@ -191,7 +194,7 @@ class PluginEnvironment(Environment):
 
     def _failure(self, method: str, exc: Exception, row: Any) -> PluginFailure:
         location = plugin_location(exc, self._module)
-        if location not in self._logged:  # the full traceback once per place, not once per rollout
+        if (location or "") not in self._logged:  # the full traceback once per place, not once per rollout
             self._logged.add(location or "")
             log.error("%s: %s raised", self._who(), method, exc_info=exc)
         return PluginFailure(

@@ -32,14 +32,9 @@ class LetterWords(DatasetEnvironment):
 
     name = "letter_words"
     row_model = LetterWordsRow
-    data_dir = Path(__file__).resolve().parent / "data"
-    data_name = ""  # the bundled files are data/train.jsonl and data/eval.jsonl
+    data_dir = Path(__file__).resolve().parent / "data"  # letter_words_train.jsonl, letter_words_eval.jsonl
+    data_name = "letter_words"
     PROMPT = "Write {count} words that start with the letter '{letter}'."
-
-    def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
-        if self.dataset is None:
-            self.dataset = self.data_dir  # a directory of <split>.jsonl files
-        return super().load_rows(split)
 
     def render_prompt(self, row: dict[str, Any]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": self.PROMPT.format(**row)}])
