@@ -184,6 +184,9 @@ def test_python_tool_runs_code_through_the_sandbox_interface(tok: Any) -> None:
 
     async def run_python(source: str, *, stdin: str = "", files: dict[str, str] | None = None, limits: Any = None):
         ran.append(source)
+        if "spin" in source:  # the sandbox's CPU limit: killed by a signal, no exit code
+            return SimpleNamespace(exit_code=None, stdout="", stderr="", timed_out=False, signal="SIGXCPU",
+                                   wall_s=5.0)
         if "boom" in source:
             return SimpleNamespace(exit_code=1, stdout="", stderr="ZeroDivisionError: boom\n", timed_out=False,
                                    signal=None, wall_s=0.01)
@@ -194,13 +197,14 @@ def test_python_tool_runs_code_through_the_sandbox_interface(tok: Any) -> None:
     env.tools["python"] = PythonTool(run_python)
     code = {"name": "python", "arguments": {"code": "print(287717 * 87453)"}}
     boom = {"name": "python", "arguments": {"code": "boom"}}
-    client = ScriptedClient(tok, f"<tool_call>\n{json.dumps(code)}\n</tool_call><tool_call>\n{json.dumps(boom)}\n"
-                                 "</tool_call>", "25161714801")
-    prompt, trajectory = play(env, client)
-    assert ran == ["print(287717 * 87453)", "boom"]
+    spin = {"name": "python", "arguments": {"code": "spin"}}
+    calls = "".join(f"<tool_call>\n{json.dumps(call)}\n</tool_call>" for call in (code, boom, spin))
+    prompt, trajectory = play(env, ScriptedClient(tok, calls, "25161714801"))
+    assert ran == ["print(287717 * 87453)", "boom", "spin"]
     assert tok.decode(trajectory.turns[1].env_ids) == (
         "\n<|im_start|>user\n<tool_response>\n25161714801\n</tool_response>\n<tool_response>\n"
-        "ZeroDivisionError: boom\n[exit code 1]\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "ZeroDivisionError: boom\n[exit code 1]\n</tool_response>\n<tool_response>\n[killed by SIGXCPU]\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert env.reward(ROW, trajectory) == 1.0
 
 

@@ -187,6 +187,8 @@ class PythonTool(Tool):
         parts = [result.stdout]
         if result.timed_out:
             parts.append("[timed out]")
+        elif result.signal:  # a limit (SIGXCPU for CPU time, ...) ended it
+            parts += [result.stderr, f"[killed by {result.signal}]"]
         elif result.exit_code != 0:
             parts += [result.stderr, f"[exit code {result.exit_code}]"]
         return "\n".join(part.rstrip("\n") for part in parts if part)
