@@ -81,15 +81,15 @@ def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, 
 
     loaded = []
     for i, env in enumerate(config.envs):
+        kind_key = f"envs[{i}].kind" if env.kind else f"envs[{i}].name"
         try:
             built = components.build_envs(config.model_copy(update={"envs": [env]}))[env.name]
         except DatasetError:
             raise
         except KeyError as err:  # an environment name nobody registered
-            key = f"envs[{i}].kind" if env.kind else f"envs[{i}].name"
-            raise ConfigError(source, [(key, str(err.args[0]))]) from None
-        except PluginError as err:  # a plug-in that does not import or is not a usable Environment
-            raise ConfigError(source, [(f"envs[{i}].kind" if env.kind else f"envs[{i}].name", str(err))]) from err
+            raise ConfigError(source, [(kind_key, str(err.args[0]))]) from None
+        except (PluginError, ImportError) as err:  # a plug-in (or a library it needs) that is not usable here
+            raise ConfigError(source, [(kind_key, str(err))]) from err
         except (TypeError, ValueError) as err:  # constructor arguments it does not take or accept
             raise ConfigError(source, [(f"envs[{i}].args", str(err))]) from None
         # The held-out split too when evaluation is on: the source reads it mid-run.
