@@ -35,6 +35,8 @@ _names = itertools.count()
 
 # A plug-in whose behaviour each test picks through its row: {"mode": ...}.
 PLUGIN = '''
+import json
+
 from beam_rl.envs.base import Environment, Trajectory, RewardUnavailable
 from beam_rl.types import Turn
 
@@ -56,6 +58,8 @@ class Toy(Environment):
         mode = row["mode"]
         if mode == "run_raises":
             return {}["missing"]
+        if mode == "library_raises":
+            return json.loads("{")
         if mode == "client_fails":
             await client.complete(prompt_ids, sampling)
         if mode == "not_trajectory":
@@ -208,6 +212,8 @@ def test_render_prompt_must_return_token_ids(toy: PluginEnvironment) -> None:
     [
         ("run_raises",
          r"run raised KeyError: 'missing' \(at .*plugin_\d+\.py:\d+ in run\); row \{'mode': 'run_raises'\}"),
+        # Raised inside the json module, located at the plug-in's line that called it.
+        ("library_raises", r"run raised JSONDecodeError: .* \(at [^ ]*plugin_\d+\.py:\d+ in run\); row"),
         ("not_trajectory", r"run returned \[\[4, 5\]\], not a beam_rl\.envs\.base\.Trajectory; row"),
         ("bad_ids", r"run returned turn 0 with completion_ids \['4'\], not a list of ints"),
         ("bad_info", r"run returned info that is not JSON-able \(Object of type object is not JSON serializable\)"),

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import logging
 import math
 import numbers
-import sys
 import traceback
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -119,33 +119,39 @@ def _qualname(cls: type) -> str:
 
 
 def plugin_location(exc: BaseException, module_name: str) -> str | None:
-    """Where in the plug-in's own code `exc` was raised: the innermost traceback frame inside the
-    plug-in's top-level package (or, if none is, the innermost frame)."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    """Where in the plug-in's own code `exc` was raised: the innermost traceback frame in the plug-in's
+    top-level package or module (else the innermost frame that is not Python's import machinery)."""
     if isinstance(exc, SyntaxError) and exc.filename:  # the frame that matters is not in the traceback
         return f"{exc.filename}:{exc.lineno}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
     if not frames:
         return None
-    root = _package_dir(module_name)
-    inside = [f for f in frames if root is not None and _is_under(f.filename, root)]
-    frame = (inside or frames)[-1]
+    owned = _owns(module_name)
+    frame = ([f for f in frames if owned(f.filename)] or frames)[-1]
     return f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 
-def _package_dir(module_name: str) -> Path | None:
-    top = sys.modules.get(module_name.split(".", 1)[0])
-    if top is None:
-        return None
-    if getattr(top, "__path__", None):  # a package (possibly a namespace package)
-        return Path(list(top.__path__)[0]).resolve()
-    return Path(top.__file__).resolve().parent if getattr(top, "__file__", None) else None
-
-
-def _is_under(filename: str, root: Path) -> bool:
+def _owns(module_name: str) -> Callable[[str], bool]:
+    """Whether a file belongs to the plug-in: under its top-level package's directories, or its one file.
+    Found from the import spec, so it works for a module whose import just failed."""
     try:
-        return Path(filename).resolve().is_relative_to(root)
+        spec = importlib.util.find_spec(module_name.split(".", 1)[0])
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return lambda filename: False
+    if spec.submodule_search_locations:
+        roots = [Path(p).resolve() for p in spec.submodule_search_locations]
+        return lambda filename: any(_resolved(filename).is_relative_to(root) for root in roots)
+    origin = Path(spec.origin).resolve() if spec.origin else None
+    return lambda filename: _resolved(filename) == origin
+
+
+def _resolved(filename: str) -> Path:
+    try:
+        return Path(filename).resolve()
     except OSError:
-        return False
+        return Path(filename)
 
 
 def _at(location: str | None) -> str:
