@@ -102,15 +102,19 @@ def preflight(config: RunConfig, source: str) -> RunDir:
 def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, list[DatasetError]]]:
     """(env, split, rows kept, rows skipped) for every split the run will read."""
     from beam_rl import components
+    from beam_rl.envs.plugins import PluginError
 
     loaded = []
     for i, env in enumerate(config.envs):
+        kind_key = f"envs[{i}].kind" if env.kind else f"envs[{i}].name"
         try:
             built = components.build_envs(config.model_copy(update={"envs": [env]}))[env.name]
         except DatasetError:
             raise
         except KeyError as err:  # an environment name nobody registered
-            raise ConfigError(source, [(f"envs[{i}].name", str(err.args[0]))]) from None
+            raise ConfigError(source, [(kind_key, str(err.args[0]))]) from None
+        except (PluginError, ImportError) as err:  # a plug-in (or a library it needs) that is not usable here
+            raise ConfigError(source, [(kind_key, str(err))]) from err
         except (TypeError, ValueError) as err:  # constructor arguments it does not take or accept
             raise ConfigError(source, [(f"envs[{i}].args", str(err))]) from None
         # The held-out split too when evaluation is on: the source reads it mid-run.

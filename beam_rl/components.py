@@ -15,7 +15,7 @@ from typing import Any, Callable
 from beam_rl.advantages import AdvantageAlgorithm, get_algorithm
 from beam_rl.config import RunConfig
 from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
-from beam_rl.envs import ENVIRONMENTS, make_env
+from beam_rl.envs import env_class, make_env
 from beam_rl.envs.base import Environment, SamplingParams
 from beam_rl.filters import RolloutFilter, make_filter
 from beam_rl.inference.client import InferenceClient
@@ -44,16 +44,19 @@ def vocab_size(config: RunConfig) -> int:
 
 
 def build_envs(config: RunConfig) -> dict[str, Environment]:
+    """Every env entry's environment, by entry name (built once per worker process, in the dispatcher
+    and in the scoring stage alike)."""
     tokenizer = tokenizer_for(config.model.name)
     envs = {}
     for env in config.envs:
-        accepts = inspect.signature(ENVIRONMENTS[env.name]).parameters if env.name in ENVIRONMENTS else {}
+        kind = env.kind or env.name
+        accepts = inspect.signature(env_class(kind)).parameters
         kwargs: dict[str, Any] = {"max_turns": env.max_turns}
         if "bad_rows" in accepts:
             kwargs["bad_rows"] = config.run.bad_rows
         if "max_context" in accepts:  # multi-turn: the conversation must fit the model
             kwargs["max_context"] = config.model.max_context
-        envs[env.name] = make_env(env.name, tokenizer, **{**kwargs, **env.args})
+        envs[env.name] = make_env(kind, tokenizer, env_name=env.name, **{**kwargs, **env.args})
     return envs
 
 

@@ -66,7 +66,11 @@ class InferenceSection(_Section):
 
 
 class EnvConfig(_Section):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1)  # this entry's name in the run: group ids, metrics, the rollouts' env
+    # Which environment class: a built-in name, an entry point of the `beam_rl.environments` group, or an
+    # import path "package.module:Class". Unset: `name` is the kind (set, one kind can run twice under
+    # two names with different `args`).
+    kind: str | None = Field(None, min_length=1)
     group_size: int = Field(8, ge=1)
     algorithm: str = Field("grpo", min_length=1)
     algorithm_args: dict[str, Any] = Field(default_factory=dict)

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+import children
+
 from beam_rl.datasets import DatasetError
 from beam_rl.envs import make_env
 from beam_rl.envs.base import RewardUnavailable, Trajectory
@@ -25,7 +27,6 @@ from beam_rl.rewards import assign_rewards
 from beam_rl.sandbox import SandboxLimits
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus, Turn
-from bench.procs import tree_pids
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/setup.sh)")
 
@@ -65,7 +66,7 @@ def outcomes(env: Code, row: dict[str, Any], program: str) -> list[str]:
 
 
 def stray_processes() -> list[int]:
-    return [pid for pid in tree_pids(os.getpid()) if pid != os.getpid()]
+    return children.started_since_test_began()
 
 
 # --- Bundled tasks ---------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from beam_rl.types import Turn
 from beam_rl.envs.data import make_datasets
 from beam_rl.envs.guess_number import CORRECT, HIGHER, LOWER, NO_GUESS, GuessNumber, hint
 from beam_rl.envs.reverse_text import ReverseText, similarity
+from beam_rl.envs.tool_use import ToolArithmetic
+from beam_rl.envs.verifiers_env import VerifiersTaskset
 from beam_rl.tokenizer import load_tokenizer
 
 
@@ -89,6 +91,8 @@ def test_registry_holds_the_bundled_environments(tok: Any) -> None:
         "reverse_text": ReverseText,
         "guess_number": GuessNumber,
         "code": Code,
+        "tool_arithmetic": ToolArithmetic,
+        "verifiers": VerifiersTaskset,
     }
     env = make_env("guess_number", tok, max_turns=3, max_context=256)
     assert isinstance(env, GuessNumber) and (env.max_turns, env.max_context) == (3, 256)
@@ -130,14 +134,15 @@ def test_register_env_refuses_clashes_and_non_environments(monkeypatch: pytest.M
 
 def test_bundled_datasets_are_what_the_generator_writes(tmp_path: Path) -> None:
     written = make_datasets.write_datasets(tmp_path)
-    assert len(written) == 8
+    assert len(written) == 10
     for path in written:
         assert path.read_bytes() == (make_datasets.DATA_DIR / path.name).read_bytes(), path.name
 
 
 @pytest.mark.parametrize(
     ("name", "n_train", "n_eval"),
-    [("arithmetic", 200, 50), ("arithmetic_easy", 90, 20), ("reverse_text", 200, 50), ("guess_number", 200, 50)],
+    [("arithmetic", 200, 50), ("arithmetic_easy", 90, 20), ("reverse_text", 200, 50), ("guess_number", 200, 50),
+     ("tool_arithmetic", 200, 50)],
 )
 def test_bundled_datasets_load_and_validate(tok: Any, name: str, n_train: int, n_eval: int) -> None:
     env = make_env(name, tok)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import children
+
 from beam_rl import sandbox
 from beam_rl.sandbox import (
     OUTPUT_LIMIT,
@@ -26,7 +28,7 @@ from beam_rl.sandbox import (
     SandboxUnavailable,
     run_python,
 )
-from bench.procs import cmdline, tree_pids
+from bench.procs import cmdline
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/setup.sh)")
 
@@ -38,8 +40,8 @@ def run(source: str, **kwargs) -> SandboxResult:
 
 
 def sandbox_pids() -> list[int]:
-    """Every process this test process started that is still alive (the sandboxes' included)."""
-    return [pid for pid in tree_pids(os.getpid()) if pid != os.getpid()]
+    """Every process this test started that is still alive (the sandboxes' included)."""
+    return children.started_since_test_began()
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
-"""The environment registry: environments register by name; the pipeline builds them with `make_env`.
+"""The environment registry: built-in environments register by name; `make_env` builds any kind, a
+plug-in's too (an entry point of the `beam_rl.environments` group, or "module:Class"; see plugins.py).
 
 Bundled: `arithmetic`, `arithmetic_easy` (the config a tiny model learns in minutes), `reverse_text`,
-`guess_number` (multi-turn), `code` (programs run in a sandbox).
+`guess_number` (multi-turn), `code` (programs run in a sandbox), `tool_arithmetic` (multi-turn tool
+calling), `verifiers` (a verifiers taskset's own rewards).
 """
 
 from __future__ import annotations
@@ -34,17 +36,52 @@ def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def make_env(name: str, tokenizer: Any, **kwargs: Any) -> Environment:
-    """A new instance of the environment registered as `name`; `kwargs` go to its constructor."""
+def env_class(kind: str) -> type[Environment]:
+    """The class `kind` names. A built-in name wins over an entry point of the same name; "module:Class"
+    is always an import path. Raises KeyError for an unknown name, PluginError for a broken plug-in."""
+    from beam_rl.envs import plugins  # here: it imports the inference client, which imports this package
+
+    if kind in ENVIRONMENTS:
+        return ENVIRONMENTS[kind]
+    cls = plugins.load_plugin_class(kind)
+    if cls is None:
+        hint = " (an import path is written 'package.module:Class')" if "." in kind else ""
+        raise KeyError(
+            f"unknown environment {kind!r} (registered: {sorted(ENVIRONMENTS)}; "
+            f"{plugins.ENTRY_POINT_GROUP} entry points: {sorted(plugins.entry_points())}){hint}"
+        )
+    return cls
+
+
+def is_plugin(kind: str) -> bool:
+    """Whether `kind` comes from outside beam-rl's own registry."""
+    return kind not in ENVIRONMENTS
+
+
+def make_env(kind: str, tokenizer: Any, *, env_name: str | None = None, **kwargs: Any) -> Environment:
+    """A new instance of the environment `kind` names; `kwargs` go to its constructor.
+
+    A plug-in's instance comes wrapped in plugins.PluginEnvironment, named `env_name` (its env entry).
+    """
+    from beam_rl.envs import plugins
+
+    cls = env_class(kind)
     try:
-        cls = ENVIRONMENTS[name]
-    except KeyError:
-        raise KeyError(f"unknown environment {name!r} (registered: {sorted(ENVIRONMENTS)})") from None
-    try:
-        return cls(tokenizer, **kwargs)
+        env = cls(tokenizer, **kwargs)
     except TypeError as err:
-        raise TypeError(f"environment {name!r}: {err}") from err
+        raise TypeError(f"environment {kind!r}: {err}") from err
+    except ValueError:
+        raise
+    except Exception as exc:
+        if not is_plugin(kind):
+            raise
+        raise plugins.construction_failed(kind, cls, exc) from exc
+    if is_plugin(kind):
+        return plugins.PluginEnvironment(env, env_name or kind, kind)
+    if env_name is not None:
+        env.name = env_name  # the instance answers to its env entry's name (errors, metrics)
+    return env
 
 
 # Imported last: each module registers its environments with the decorator defined above.
-from beam_rl.envs import arithmetic, code, guess_number, reverse_text  # noqa: E402,F401
+from beam_rl.envs import arithmetic, code, guess_number, reverse_text, tool_use, verifiers_env  # noqa: E402,F401

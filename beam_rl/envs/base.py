@@ -61,15 +61,23 @@ class RewardUnavailable(Exception):
     rather than scored 0."""
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template, ready for the assistant.
+def chat_prompt_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of `messages` (and the `tools` the model may call) rendered with the tokenizer's chat
+    template, by default ready for the assistant.
 
     transformers 5 returns a BatchEncoding by default; the dispatcher needs a plain list of ints.
-    Control-token text inside messages (a dataset row containing "<|im_end|>") is encoded as plain
-    text, so data can never forge a turn boundary.
+    Control-token text inside messages (a dataset row or a tool's output containing "<|im_end|>") is
+    encoded as plain text, so data can never forge a turn boundary.
     """
     encoded = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False, sanitize_control_tokens=True
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+        sanitize_control_tokens=True,
     )
     if isinstance(encoded, Mapping):
         encoded = encoded["input_ids"]

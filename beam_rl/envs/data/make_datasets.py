@@ -89,6 +89,16 @@ def code_rows(rng: random.Random) -> dict[str, list[dict[str, Any]]]:
     return {"train": rows[n_eval:], "eval": rows[:n_eval]}
 
 
+def tool_arithmetic_rows(rng: random.Random) -> dict[str, list[dict[str, Any]]]:
+    """Products and sums too big to do in one's head (4- to 6-digit operands): a calculator call away."""
+    def task() -> dict[str, Any]:
+        a, b = rng.randint(1000, 999_999), rng.randint(1000, 99_999)
+        op = rng.choice("*+-")
+        return {"question": f"{a} {op} {b}", "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])}
+
+    return {"train": [task() for _ in range(200)], "eval": [task() for _ in range(50)]}
+
+
 def build_datasets() -> dict[str, list[dict[str, Any]]]:
     """File name -> rows, for every bundled dataset. Each env draws from its own seeded stream."""
     files: dict[str, list[dict[str, Any]]] = {}
@@ -97,6 +107,7 @@ def build_datasets() -> dict[str, list[dict[str, Any]]]:
         ("reverse_text", reverse_text_rows),
         ("guess_number", guess_number_rows),
         ("code", code_rows),
+        ("tool_arithmetic", tool_arithmetic_rows),
     ):
         for split, rows in recipe(random.Random(f"{SEED}-{name}")).items():
             files[f"{name}_{split}.jsonl"] = rows

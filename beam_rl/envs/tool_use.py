@@ -1,0 +1,210 @@
+"""Tool calling: the model writes <tool_call> blocks, the environment runs the tools and answers with tool
+messages rendered by the chat template, until the model answers without calling a tool.
+
+Tokens stay exact: each turn's context is the previous context plus the completion ids plus the tool
+messages' ids, which are cut from the chat template's own rendering; generated text is never re-tokenized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from beam_rl.datasets import BadRows, PromptText
+from beam_rl.envs import register_env
+from beam_rl.envs.base import CompletionClient, DatasetEnvironment, SamplingParams, Trajectory, chat_prompt_ids
+from beam_rl.envs.tools import TOOLS, BadToolCall, Tool, ToolCall, ToolError, parse_tool_calls
+from beam_rl.types import Turn
+
+# Thousands separators are accepted in an answer ("4,359,267,021"); the answer is the last integer written.
+_INTEGER = re.compile(r"-?[0-9]+(?:,[0-9]{3})*(?![0-9])")
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer written in `text` ("so 12 * 3 = 36" -> 36), or None if it has none."""
+    matches = _INTEGER.findall(text)
+    return int(matches[-1].replace(",", "")) if matches else None
+
+
+class ToolArithmeticRow(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    question: PromptText
+    answer: str
+
+    @field_validator("answer")
+    @classmethod
+    def _integer_answer(cls, answer: str) -> str:
+        if not re.fullmatch(r"-?[0-9]+", answer):
+            raise ValueError(f"answer must be an integer written in ASCII digits, got {answer!r}")
+        return answer
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot carry a tool conversation token-exactly."""
+
+
+class ToolResponses:
+    """Token ids of tool messages, cut from the chat template's rendering of a conversation.
+
+    The template renders [user, assistant] and [user, assistant, *tool messages] (with a generation
+    prompt); the second must extend the first token for token, and the extension is what follows an
+    assistant turn in the real conversation. The assistant's own tokens are never rendered into the
+    context: they are the ids the server returned.
+    """
+
+    def __init__(self, tokenizer: Any, stop_id: int) -> None:
+        self.tokenizer = tokenizer
+        self.stop_id = stop_id
+        self._base = chat_prompt_ids(tokenizer, _base_messages(), add_generation_prompt=False)
+        if stop_id not in self._base:
+            raise ChatTemplateError(f"the chat template does not end an assistant turn with token {stop_id}")
+        # What the template writes between the assistant's stop token and the next message ("\n" in ChatML).
+        self.separator = self._base[len(self._base) - self._base[::-1].index(stop_id):]
+
+    def ids(self, results: list[tuple[str, str]], closed: bool) -> list[int]:
+        """What follows a completion that called tools: its stop token if it was cut before writing one,
+        the tool messages (name, content) and the opening of the assistant's next turn."""
+        base = self._base
+        tool_messages = [{"role": "tool", "name": name, "content": content} for name, content in results]
+        full = chat_prompt_ids(self.tokenizer, [*_base_messages(), *tool_messages])
+        if full[: len(base)] != base:
+            raise ChatTemplateError(
+                "the chat template renders earlier messages differently once tool messages follow: "
+                "tool responses cannot be appended token-exactly"
+            )
+        return ([] if closed else [self.stop_id]) + self.separator + full[len(base):]
+
+
+def _base_messages() -> list[dict[str, str]]:
+    # Any user and assistant turn: only what the template writes after them is used.
+    return [{"role": "user", "content": "?"}, {"role": "assistant", "content": "."}]
+
+
+@register_env
+class ToolArithmetic(DatasetEnvironment):
+    """Arithmetic too big for mental math, with tools: a calculator (and, with tools = ["calculator",
+    "python"], Python in the sandbox).
+
+    Each turn's <tool_call> blocks are run in order and answered as tool messages; a malformed call or
+    an unknown tool is answered with what is wrong, so the model can try again. The episode ends on a
+    turn without a tool call (the final answer), after `max_turns` turns, or when the context is full.
+    reward = 1.0 if the final answer's last integer equals the row's answer, else 0.0 (also when the
+    episode ended without a final answer).
+    """
+
+    name = "tool_arithmetic"
+    multi_turn = True
+    row_model = ToolArithmeticRow
+    data_dir = Path(__file__).resolve().parent / "data"
+    data_name = "tool_arithmetic"
+    PROMPT = "What is {question}? Use a tool to compute it, then reply with just the number."
+    MAX_TOOL_OUTPUT_CHARS = 2000
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_turns: int = 4,
+        *,
+        tools: list[str] | tuple[str, ...] = ("calculator",),
+        max_context: int | None = None,
+        dataset: str | Path | None = None,
+        bad_rows: BadRows = "fail",
+    ) -> None:
+        # With max_context, a row whose prompt leaves no room to generate is a bad row.
+        super().__init__(tokenizer, max_turns, dataset=dataset, bad_rows=bad_rows, max_context=max_context)
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        unknown = sorted(set(tools) - set(TOOLS))
+        if unknown or not tools:
+            raise ValueError(f"tools must name some of {sorted(TOOLS)}, got {list(tools)}")
+        self.tools: dict[str, Tool] = {name: TOOLS[name]() for name in tools}
+        stops = self.stop_token_ids()
+        if not stops:
+            raise ChatTemplateError(f"{self.name} needs a tokenizer with an eos token (the end of a turn)")
+        self._stop_id = stops[0]
+        self.responses = ToolResponses(tokenizer, self._stop_id)
+        self._check_template()
+
+    def _check_template(self) -> None:
+        """The template must show the model its tools and carry tool messages; a template without tool
+        support would render `tools` as nothing and the model would never learn of them."""
+        probe = self.tokenizer.decode(self.render_prompt({"question": "1 + 1", "answer": "2"}))
+        response = self.tokenizer.decode(self.responses.ids([("calculator", "4242")], closed=True))
+        if any(name not in probe for name in self.tools) or "4242" not in response:
+            raise ChatTemplateError(
+                f"the chat template of this tokenizer does not render tools or tool messages; {self.name} "
+                "needs a tool-calling template (Qwen/Hermes style)"
+            )
+
+    def render_prompt(self, row: dict[str, Any]) -> list[int]:
+        content = self.PROMPT.format(question=row["question"])
+        return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": content}],
+                               tools=[tool.schema() for tool in self.tools.values()])
+
+    async def run(
+        self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int], sampling: SamplingParams
+    ) -> Trajectory:
+        context = list(prompt_ids)
+        turns: list[Turn] = []
+        env_ids: list[int] = []  # the tool messages before the coming turn; none before the first
+        info: dict[str, Any] = {"answered": False, "tool_calls": 0, "bad_tool_calls": 0}
+        for turn in range(1, self.max_turns + 1):
+            room = sampling.max_tokens if self.max_context is None else self.max_context - len(context)
+            if room < 1:
+                if turn == 1:
+                    raise ValueError(
+                        f"prompt of {len(context)} tokens leaves no room under max_context={self.max_context}"
+                    )
+                break
+            turn_sampling = dataclasses.replace(
+                sampling,
+                max_tokens=min(sampling.max_tokens, room),
+                seed=None if sampling.seed is None else sampling.seed + turn - 1,
+            )
+            (completion,) = await client.complete(list(context), turn_sampling, n=1)
+            completion_ids = list(completion.token_ids)
+            turns.append(Turn(completion_ids, list(completion.logprobs), completion.finish_reason, env_ids))
+            context += completion_ids
+            calls = parse_tool_calls(self.decode(completion_ids))
+            if not calls:
+                info["answered"] = True
+                break
+            if turn == self.max_turns:
+                break
+            results = [await self._answer(call, info) for call in calls]
+            closed = bool(completion_ids) and completion_ids[-1] == self._stop_id
+            env_ids = self.responses.ids(results, closed)
+            if self.max_context is not None and len(context) + len(env_ids) >= self.max_context:
+                break  # no room left to answer after the tool messages
+            context += env_ids
+        return Trajectory(turns, info)
+
+    async def _answer(self, call: ToolCall | BadToolCall, info: dict[str, Any]) -> tuple[str, str]:
+        """(tool name, what the tool answers) for one call; refusals are answers too."""
+        if isinstance(call, BadToolCall):
+            info["bad_tool_calls"] += 1
+            return "error", f"error: {call.problem}"
+        tool = self.tools.get(call.name)
+        if tool is None:
+            info["bad_tool_calls"] += 1
+            return call.name, f"error: unknown tool {call.name!r} (available: {', '.join(self.tools)})"
+        info["tool_calls"] += 1
+        try:
+            output = await tool(call.arguments)
+        except ToolError as exc:
+            return call.name, f"error: {exc}"
+        if len(output) > self.MAX_TOOL_OUTPUT_CHARS:
+            cut = len(output) - self.MAX_TOOL_OUTPUT_CHARS
+            output = output[: self.MAX_TOOL_OUTPUT_CHARS] + f"\n[{cut} more characters cut]"
+        return call.name, output
+
+    def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float:
+        if not trajectory.info.get("answered"):
+            return 0.0
+        return 1.0 if last_integer(self.final_text(trajectory)) == int(row["answer"]) else 0.0
+
