@@ -20,6 +20,13 @@ def _engine(max_num_seqs=4, params=FAST):
     return SimulatedEngine(params, max_num_seqs, vocab_size=100, special_ids={0, 1}, eos_token_ids=frozenset({1}))
 
 
+async def _complete(engine: SimulatedEngine, params: GenerationParams):
+    """The request's final choices (the last thing the backend's generate yields)."""
+    async for choices in engine.generate(params):
+        pass
+    return choices
+
+
 def test_prefix_cache_hits_full_blocks_of_a_repeated_prefix_only():
     cache = BlockPrefixCache(capacity_blocks=8, block_size=4)
     prompt = tuple(range(10, 20))  # two full blocks + 2 tokens
@@ -35,8 +42,8 @@ def test_batch_never_exceeds_max_num_seqs_and_seeded_requests_repeat():
     async def main():
         engine = _engine(max_num_seqs=4)
         params = [GenerationParams(prompt_ids=(5, 6, 7), n=3, max_tokens=32, seed=s) for s in range(4)]
-        first = await asyncio.gather(*(engine.generate(p) for p in params))
-        again = await engine.generate(params[2])
+        first = await asyncio.gather(*(_complete(engine, p) for p in params))
+        again = await _complete(engine, params[2])
         await engine.aclose()
         return engine, first, again
 
@@ -92,12 +99,12 @@ def test_server_in_simulated_mode_answers_completions_and_reports_vllm_metrics()
 def test_cancelled_request_frees_its_slots():
     async def main():
         engine = _engine(max_num_seqs=2, params=SimulatedParams(decode_base_s=0.01, length_median=1000))
-        slow = asyncio.ensure_future(engine.generate(GenerationParams(prompt_ids=(5,), n=2, max_tokens=1000, seed=1)))
+        slow = asyncio.ensure_future(_complete(engine, GenerationParams(prompt_ids=(5,), n=2, max_tokens=1000, seed=1)))
         await asyncio.sleep(0.05)
         assert engine.running == 2
         slow.cancel()
         await asyncio.gather(slow, return_exceptions=True)
-        quick = await asyncio.wait_for(engine.generate(GenerationParams(prompt_ids=(5,), n=2, max_tokens=3, seed=2)), 5)
+        quick = await asyncio.wait_for(_complete(engine, GenerationParams(prompt_ids=(5,), n=2, max_tokens=3, seed=2)), 5)
         await engine.aclose()
         return quick
 
