@@ -598,3 +598,19 @@ def test_fault_flags_are_derived_from_fault_config():
                                                        replies=["yes", "no"], step_delay_s=0.01)
     with pytest.raises(ValidationError):
         fault_config_from_args(parser.parse_args(["--fault-error-rate", "2"]))
+
+
+def test_stream_with_continuous_usage_and_without_token_ids(make_server):
+    s = make_server(model_dir=None, mode="instant", faults=FaultConfig(step_delay_s=0.001))
+    payload = {"prompt": PROMPT, "max_tokens": 4, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", s.url + "/v1/completions", json=payload, timeout=30) as response:
+        events = sse_data(list(response.iter_lines()))
+    *chunks, last, done = events
+    assert done == "[DONE]" and last["choices"] == []
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4]
+    assert all(c["usage"]["prompt_tokens"] == len(PROMPT) for c in chunks)
+    assert last["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 4, "total_tokens": len(PROMPT) + 4}
+    choices = [c["choices"][0] for c in chunks]
+    assert all(c["token_ids"] is None and c["prompt_token_ids"] is None and c["logprobs"] is None for c in choices)
+    assert "token_weight_versions" not in choices[0]

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from beam_rl.inference.generator import GenerationParams
+from beam_rl.inference.generator import GenerationParams, WeightsError
 from beam_rl.inference.server import EmbeddedServer
 from beam_rl.inference.simulated import BlockPrefixCache, SimulatedEngine, SimulatedParams
 
@@ -109,3 +109,28 @@ def test_cancelled_request_frees_its_slots():
         return quick
 
     assert all(len(c.token_ids) <= 3 for c in asyncio.run(main()))
+
+
+def test_each_token_carries_the_weights_version_of_its_step(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a simulated engine only checks the files exist
+
+    async def main():
+        engine = _engine(params=SimulatedParams(decode_base_s=0.005, decode_s_per_seq=0.0, length_median=1000))
+        params = GenerationParams(prompt_ids=(5,), max_tokens=30, seed=1, ignore_eos=True)
+        reloaded_after: list[int] = []  # tokens the request had when each reload returned
+        async for choices in engine.generate(params, progress=True):
+            sampled = len(choices[0].token_ids)
+            if sampled >= 5 * (len(reloaded_after) + 1) and len(reloaded_after) < 2:
+                await engine.load_weights(str(tmp_path))
+                reloaded_after.append(engine.generation_tokens)
+        await engine.aclose()
+        return choices[0].weight_versions, reloaded_after, engine.weights_version
+
+    versions, reloaded_after, final = asyncio.run(main())
+    first, second = versions.count(0), versions.count(1)
+    assert final == 2 and len(versions) == 30
+    assert versions == [0] * first + [1] * second + [2] * (30 - first - second)
+    # A reload lands between two steps: tokens sampled before it returned kept the older version.
+    assert first == reloaded_after[0] and first + second == reloaded_after[1]
+    with pytest.raises(WeightsError, match="no \\*.safetensors"):
+        asyncio.run(_engine().load_weights(str(tmp_path / "nowhere")))

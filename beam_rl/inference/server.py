@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import pathlib
 import signal
@@ -474,6 +475,10 @@ async def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
     url = await server.start_async()
+    # The heap of imports and model (torch, transformers: ~400k objects) lives as long as the
+    # process; frozen, full collections skip it (one cost ~0.18 s here, while serving).
+    gc.collect()
+    gc.freeze()
     print(f"READY {url}", flush=True)
     await stopping.wait()
     await server.stop_async()

@@ -120,18 +120,15 @@ class _Request:
 
 @dataclass(eq=False)
 class _Sequence:
-    """One choice: every token drawn up front, revealed one per engine step once admitted."""
+    """One choice: its length drawn when queued, its tokens when first needed (all at once, seeded),
+    revealed one per engine step once admitted."""
 
     request: _Request
     index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
+    key: int  # the seed of its draws
+    length: int
     admitted_step: int = -1
-
-    @property
-    def length(self) -> int:
-        return len(self.token_ids)
+    drawn: tuple[list[int], list[float], str] | None = None  # token ids, logprobs, finish reason
 
 
 @dataclass
@@ -226,7 +223,7 @@ class SimulatedEngine:
         key = params.seed if params.seed is not None else (self.params.seed << 32) + next(self._unseeded)
         request = _Request(params, asyncio.get_running_loop().create_future(),
                            [ChoiceResult() for _ in range(params.n)], params.n)
-        request.sequences = [self._draw(request, key, i) for i in range(params.n)]
+        request.sequences = [_Sequence(request, i, key, self._draw_length(params, key, i)) for i in range(params.n)]
         self._waiting.extend(request.sequences)
         self._poke()
         try:
@@ -248,17 +245,19 @@ class SimulatedEngine:
                 self._drop(request)  # the client gave up: free its slots, as vLLM aborts the request
         yield request.choices
 
-    def _draw(self, request: _Request, key: int, index: int) -> _Sequence:
-        params = request.params
-        length = self._draw_length(params, key, index)
-        rng = np.random.default_rng([key, index, 2])
-        ids = rng.choice(self._allowed, size=length).tolist()
-        stop = self._stop_token(params)
-        finish = "length"
-        if length < params.max_tokens and stop is not None:
-            ids[-1], finish = stop, "stop"
-        logprobs = (-rng.exponential(1.0, size=length)).tolist()
-        return _Sequence(request, index, ids, logprobs, finish)
+    def _draw(self, sequence: _Sequence) -> tuple[list[int], list[float], str]:
+        """The sequence's tokens, logprobs and finish reason, drawn once (lazily: most are needed
+        only when the sequence finishes)."""
+        if sequence.drawn is None:
+            params, length = sequence.request.params, sequence.length
+            rng = np.random.default_rng([sequence.key, sequence.index, 2])
+            ids = rng.choice(self._allowed, size=length).tolist()
+            stop = self._stop_token(params)
+            finish = "length"
+            if length < params.max_tokens and stop is not None:
+                ids[-1], finish = stop, "stop"
+            sequence.drawn = ids, (-rng.exponential(1.0, size=length)).tolist(), finish
+        return sequence.drawn
 
     def _draw_length(self, params: GenerationParams, key: int, index: int) -> int:
         p = self.params
@@ -280,19 +279,35 @@ class SimulatedEngine:
             return 0
         return min(sequence.length, self.steps - sequence.admitted_step)
 
-    def _version_at(self, step: int) -> int:
-        return self._versions[bisect.bisect_right(self._versions, (step, math.inf)) - 1][1]
+    def _versions_of(self, first_step: int, count: int) -> list[int]:
+        """The weights version of each of `count` engine steps from `first_step` on."""
+        if len(self._versions) == 1:
+            return [self.weights_version] * count  # never reloaded: the common case, kept cheap
+        span = bisect.bisect_right(self._versions, (first_step, math.inf)) - 1
+        versions: list[int] = []
+        step, end = first_step, first_step + count
+        while step < end:
+            upto = min(end, self._versions[span + 1][0]) if span + 1 < len(self._versions) else end
+            versions += [self._versions[span][1]] * (upto - step)
+            step, span = upto, span + 1
+        return versions
 
     def _set_choice(self, sequence: _Sequence, count: int, finish_reason: str | None) -> None:
         """Extend the sequence's choice to its first `count` tokens (never fewer than it has)."""
         choice = sequence.request.choices[sequence.index]
         have = len(choice.token_ids)
-        new_ids, new_logprobs = sequence.token_ids[have:count], sequence.logprobs[have:count]
-        choice.token_ids += new_ids
-        choice.logprobs += new_logprobs
-        choice.weight_versions += [self._version_at(sequence.admitted_step + j) for j in range(have, count)]
-        if sequence.request.params.top_logprobs:
-            choice.top_logprobs += [{t: lp} for t, lp in zip(new_ids, new_logprobs)]
+        if count > have:
+            ids, logprobs, _ = self._draw(sequence)
+            if have == 0:  # most choices are filled once, when they finish: no copies
+                new_ids, new_logprobs = (ids, logprobs) if count == len(ids) else (ids[:count], logprobs[:count])
+                choice.token_ids, choice.logprobs = new_ids, new_logprobs
+            else:
+                new_ids, new_logprobs = ids[have:count], logprobs[have:count]
+                choice.token_ids += new_ids
+                choice.logprobs += new_logprobs
+            choice.weight_versions += self._versions_of(sequence.admitted_step + have, count - have)
+            if sequence.request.params.top_logprobs:
+                choice.top_logprobs += [{t: lp} for t, lp in zip(new_ids, new_logprobs)]
         choice.finish_reason = finish_reason
 
     def _materialize(self, request: _Request) -> int:
@@ -330,10 +345,6 @@ class SimulatedEngine:
 
     async def running_drained(self) -> None:
         await self._until(lambda: not self._running)
-
-    async def drained(self) -> None:
-        """Return once nothing is running or waiting."""
-        await self._until(lambda: not self._running and not self._waiting)
 
     async def quiesce(self) -> None:
         await self._at_step_boundary(lambda: None)
@@ -429,7 +440,7 @@ class SimulatedEngine:
             finished = False
             while self._running and self._running[0][0] <= self.steps:
                 sequence = heapq.heappop(self._running)[2]
-                self._finish(sequence, sequence.length, sequence.finish_reason)
+                self._finish(sequence, sequence.length, self._draw(sequence)[2])
                 finished = True
             if finished:
                 self._signal_changed()
