@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 BACKENDS = ["model", "instant", "simulated"]
 STEP_S = 0.02  # every decode step takes at least this long, so requests are caught mid-generation
 PROMPT = [1, 396, 201, 19, 20, 264, 223, 25, 2, 201, 1, 67, 474, 201]
-MAX_TOKENS = 16
+MAX_TOKENS = 24  # at STEP_S a request runs ~0.5 s: pauses and reloads land well inside it
 REQUEST = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "seed": 7, "ignore_eos": True, "logprobs": 0,
            "return_token_ids": True, "return_weight_versions": True}
 GENERATED = "vllm:generation_tokens_total"

@@ -30,7 +30,9 @@ class FaultConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    latency_s: float = Field(0.0, ge=0, description="seconds added to every request while it holds its running slots")
+    latency_s: float = Field(
+        0.0, ge=0, description="seconds added to every request (model and instant: while it holds its running slots)"
+    )
     step_delay_s: float = Field(
         0.0, ge=0, description="seconds added to every decode step (a slow engine); instant mode then makes one token per step"
     )

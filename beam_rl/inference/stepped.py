@@ -87,7 +87,7 @@ class _SteppedBackend:
                 live.aborted = True
             else:
                 try:
-                    await self._run(live, params)
+                    await self._begin(live, params)
                     while not live.done and not live.aborted:
                         if not self._gate.steps:
                             await self._gate.changed()  # pause "keep": frozen between two steps
@@ -104,7 +104,8 @@ class _SteppedBackend:
         finally:
             self._live.discard(live)
 
-    async def _run(self, live: _Live, params: GenerationParams) -> None:
+    async def _begin(self, live: _Live, params: GenerationParams) -> None:
+        """An admitted request's prefill: the prefix-cache lookup, the latency fault, its first state."""
         self.prefix_cache.lookup(params.prompt_ids, params.cache_salt)
         self.prompt_tokens += len(params.prompt_ids)
         if self._faults.config.latency_s:
