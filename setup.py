@@ -41,7 +41,7 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "cryptography>=42"],  # cryptography: self-signed certs for https tests
     },
     entry_points={"console_scripts": ["beam-rl=beam_rl.cli:main"]},
 )

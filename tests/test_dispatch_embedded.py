@@ -19,7 +19,7 @@ from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
 from beam_rl.envs import make_env
 from beam_rl.envs.base import Environment, SamplingParams
 from beam_rl.inference.client import InferenceClient
-from beam_rl.inference.protocol import FaultConfig, FaultInjector
+from beam_rl.inference.faults import FaultConfig, FaultInjector
 from beam_rl.inference.server import EmbeddedServer
 from beam_rl.tinymodel import tiny_model_dir
 from beam_rl.tokenizer import load_tokenizer
@@ -166,7 +166,7 @@ def test_all_attempts_of_a_group_hit_one_server_and_share_its_prefix_cache(start
 def test_a_server_never_runs_more_sequences_than_the_permit_cap(start_server, env, mode, group_size):
     cap = 6
     # Latency held while a request occupies its running slots makes the permitted requests overlap.
-    server = start_server(mode="instant", latency_s=0.25)
+    server = start_server(mode="instant", faults=FaultConfig(latency_s=0.25))
     requests = group_requests(env, 8, group_size)
     with dispatcher_thread([server.url], env, mode, max_inflight=cap) as thread:
         rollouts = run_groups(thread, requests)
@@ -195,7 +195,7 @@ FAULT_RATE, FAULT_SEED = 0.4, 7
     [("error", "rollout"), ("error", "group"), ("hang", "rollout"), ("drop", "rollout"), ("empty", "rollout")],
 )
 def test_injected_faults_surface_once_per_rollout_with_their_error(start_server, env, kind, mode):
-    faulty = start_server(mode="instant", fault_seed=FAULT_SEED, **{f"{kind}_rate": FAULT_RATE})
+    faulty = start_server(mode="instant", faults=FaultConfig(seed=FAULT_SEED, **{f"{kind}_rate": FAULT_RATE}))
     clean = start_server(mode="instant")
     group_size = 4
     requests = group_requests(env, 16, group_size)

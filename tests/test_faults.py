@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.config import RunConfig, config_from_dict
-from beam_rl.inference.server import EmbeddedServer
+from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.rundir import RunDir
 from runners.pipeline import run_rollouts
 
@@ -63,7 +63,7 @@ def start_server() -> Iterator[Callable[..., EmbeddedServer]]:
     started: list[EmbeddedServer] = []
 
     def start(**faults) -> EmbeddedServer:
-        server = EmbeddedServer(mode="instant", **faults)
+        server = EmbeddedServer(mode="instant", faults=FaultConfig(**faults))
         server.start()
         started.append(server)
         return server

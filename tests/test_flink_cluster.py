@@ -19,7 +19,7 @@ import time
 import pytest
 
 from beam_rl.config import config_from_dict
-from beam_rl.inference.server import EmbeddedServer
+from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.rundir import RunDir
 from beam_rl.tinymodel import tiny_model_dir
 from runners.flink_cluster import start_cluster
@@ -55,7 +55,8 @@ def slow_servers():
     """Servers that answer each request after 1 s: with one group in flight at a time the 32 groups
     take over 30 s, so a kill after step 1 lands mid-run (with the fast servers every step is often
     committed before the kill, leaving nothing to recover)."""
-    started = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", max_num_seqs=64, latency_s=1.0)
+    started = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", max_num_seqs=64,
+                               faults=FaultConfig(latency_s=1.0))
                for _ in range(2)]
     yield [s.start() for s in started]
     for s in started:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from beam_rl.config import config_from_dict
-from beam_rl.inference.server import EmbeddedServer
+from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.rundir import RunDir
 from beam_rl.tinymodel import tiny_model_dir
 from runners.pipeline import run_rollouts, runner_settings, start_rollouts
@@ -32,7 +32,7 @@ def _config(run_dir, runner="direct", max_steps=10, runner_options=None, **infer
 def servers():
     # Latency keeps dispatch running well past the first step, whatever the machine's load.
     started = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", max_num_seqs=64,
-                              latency_s=0.3) for _ in range(2)]
+                              faults=FaultConfig(latency_s=0.3)) for _ in range(2)]
     yield [s.start() for s in started]
     for s in started:
         s.stop()

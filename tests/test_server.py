@@ -1,19 +1,23 @@
 """The embedded vLLM-compatible server, over real loopback HTTP: completions, metrics, admission,
-weight reloads, pause/resume, fault injection, instant mode and the subprocess launcher.
+weight reloads, pause/resume, fault injection (scripted replies and a server that dies mid-request
+included), chat completions, instant mode and the subprocess launcher.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import time
 
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
+from server_helpers import metrics, sse_data, wait_for_metrics
 
-from beam_rl.inference.server import EmbeddedServer, start_subprocess_server
+from beam_rl.inference.faults import add_fault_args, fault_config_from_args
+from beam_rl.inference.responses import visible_text
+from beam_rl.inference.server import EmbeddedServer, FaultConfig, start_subprocess_server
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
 from beam_rl.tokenizer import load_tokenizer
 
@@ -67,33 +71,9 @@ def tokens_of(body: dict) -> list[list[int]]:
     return [c["token_ids"] for c in body["choices"]]
 
 
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-async def wait_for_metrics(url: str, predicate, deadline_s: float = 20.0) -> dict[str, float]:
-    """Poll /metrics until `predicate` holds (a generous deadline, never a timing assertion)."""
-    async with httpx.AsyncClient(timeout=10) as client:
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            text = (await client.get(url + "/metrics")).text
-            snapshot = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-            if predicate(snapshot):
-                return snapshot
-            await asyncio.sleep(0.01)
-    raise AssertionError("metrics never reached the expected state")
-
-
 def slow_steps(s: EmbeddedServer, seconds: float) -> None:
     """Make every decode step take a while, so a request is reliably observed mid-generation."""
-    step = s.generator.step
-
-    def slow(state):
-        time.sleep(seconds)
-        step(state)
-
-    s.generator.step = slow
+    assert post(s, "/faults", step_delay_s=seconds).status_code == 200
 
 
 def reference_logprobs(model_dir, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
@@ -119,7 +99,9 @@ def test_completion_shape_and_logprobs_alignment(server):
     assert lp["top_logprobs"] is None
     assert all(v <= 0 for v in lp["token_logprobs"])
     tokenizer = load_tokenizer("tiny")
-    assert choice["text"] == tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+    # The text is what vLLM's detokenizer emits: a trailing incomplete UTF-8 character is held back.
+    assert choice["text"] == visible_text(tokenizer, choice["token_ids"], skip_special_tokens=True)
+    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True).startswith(choice["text"])
     assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
     assert choice["prompt_token_ids"] == PROMPT
     assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 8, "total_tokens": len(PROMPT) + 8}
@@ -175,7 +157,7 @@ def test_stop_token_ends_choice_and_is_kept(server):
 def test_eos_stops_unless_ignored(make_server):
     s = make_server()
     first = complete(s, temperature=0.0, max_tokens=4)["choices"][0]["token_ids"][0]
-    s.generator.eos_token_ids = frozenset({first})  # pretend the greedy first token is EOS
+    s.backend.generator.eos_token_ids = frozenset({first})  # pretend the greedy first token is EOS
     choice = complete(s, temperature=0.0, max_tokens=4)["choices"][0]
     assert (choice["token_ids"], choice["finish_reason"], choice["stop_reason"]) == ([first], "stop", None)
     ignored = complete(s, temperature=0.0, max_tokens=4, ignore_eos=True)["choices"][0]
@@ -202,7 +184,9 @@ def test_text_prompt_is_tokenized(server):
         ({"prompt": []}, "empty"),
         ({"prompt": [5] * 1020, "max_tokens": 8}, "maximum context length is 1024"),
         ({"prompt": PROMPT, "n": 0}, "invalid completion request"),
-        ({"prompt": PROMPT, "stream": True}, "not supported"),
+        ({"prompt": PROMPT, "echo": True}, "not supported"),
+        ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "only be defined when `stream=True`"),
+        ({"prompt": PROMPT, "cache_salt": ""}, "invalid completion request"),
         ({"prompt": PROMPT, "top_p": 0.5}, "not supported"),
         ({"prompt": "x", "max_tokens": "many"}, "invalid completion request"),
     ],
@@ -261,7 +245,7 @@ def test_prefix_cache_counts_repeated_prompts(make_server):
 
 
 def test_requests_beyond_max_num_seqs_wait(make_server):
-    s = make_server(max_num_seqs=2, latency_s=0.5)
+    s = make_server(max_num_seqs=2, faults=FaultConfig(latency_s=0.5))
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:
@@ -340,16 +324,27 @@ def test_bad_checkpoints_are_refused_and_model_untouched(make_server, model_dir,
     assert bad_rpc.status_code == 400 and "unsupported" in bad_rpc.json()["error"]["message"]
 
 
-def test_pause_rejects_new_requests_until_resume(make_server):
+@pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
+def test_pause_queues_new_requests_until_resume(make_server, mode):
+    """As in vLLM 0.32: every pause mode queues new requests (no 503); /health stays 200."""
     s = make_server()
-    assert post(s, "/pause?mode=keep").status_code == 200
-    assert httpx.get(s.url + "/health").status_code == 503
-    assert httpx.get(s.url + "/is_paused").json() == {"is_paused": True}
-    response = post(s, prompt=PROMPT, max_tokens=2)
-    assert response.status_code == 503 and "paused" in response.json()["error"]["message"]
-    assert post(s, "/resume").status_code == 200
-    assert httpx.get(s.url + "/health").status_code == 200
-    assert post(s, prompt=PROMPT, max_tokens=2).status_code == 200
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=30) as client:
+            assert (await client.post(s.url + f"/pause?mode={mode}")).json() == {"status": "paused"}
+            assert (await client.get(s.url + "/health")).status_code == 200
+            assert (await client.get(s.url + "/is_paused")).json() == {"is_paused": True}
+            payload = {"prompt": PROMPT, "max_tokens": 2, "return_token_ids": True}
+            queued = asyncio.create_task(client.post(s.url + "/v1/completions", json=payload))
+            during = await wait_for_metrics(s.url, lambda m: m["vllm:num_requests_waiting"] == 1)
+            assert not queued.done()
+            assert (await client.post(s.url + "/resume")).json() == {"status": "resumed"}
+            assert (await client.get(s.url + "/is_paused")).json() == {"is_paused": False}
+            return during, await queued
+
+    during, response = asyncio.run(scenario())
+    assert during["vllm:num_requests_running"] == 0 and during["beam_rl:paused"] == 1
+    assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 2
 
 
 def _pause_during_generation(s: EmbeddedServer, mode: str):
@@ -374,10 +369,12 @@ def test_pause_keep_freezes_and_resume_finishes(make_server):
     assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 12
 
 
-def test_pause_abort_drops_in_flight_requests(make_server):
+def test_pause_abort_ends_in_flight_requests_with_their_partial_tokens(make_server):
     s = make_server()
     _, response = _pause_during_generation(s, "abort")
-    assert response.status_code == 503 and "aborted" in response.json()["error"]["message"]
+    assert response.status_code == 200  # vLLM 0.32: an aborted request is answered, not failed
+    (choice,) = response.json()["choices"]
+    assert choice["finish_reason"] == "abort" and 1 <= len(choice["token_ids"]) < 12
     assert metrics(s.url)["vllm:num_requests_running"] == 0
     assert post(s, prompt=PROMPT, max_tokens=2).status_code == 200
 
@@ -386,13 +383,13 @@ def test_pause_abort_drops_in_flight_requests(make_server):
 
 
 def test_error_fault(make_server):
-    s = make_server(error_rate=1.0)
+    s = make_server(faults=FaultConfig(error_rate=1.0))
     response = post(s, prompt=PROMPT, max_tokens=2)
     assert response.status_code == 500 and response.json()["error"]["type"] == "InternalServerError"
 
 
 def test_drop_fault_closes_the_connection(make_server):
-    s = make_server(drop_rate=1.0)
+    s = make_server(faults=FaultConfig(drop_rate=1.0))
     with pytest.raises(httpx.RemoteProtocolError):
         post(s, prompt=PROMPT, max_tokens=2)
     post(s, "/faults", drop_rate=0.0)
@@ -410,7 +407,7 @@ def test_hang_fault_never_answers(make_server):
 
 
 def test_empty_fault_returns_no_tokens(make_server):
-    s = make_server(empty_rate=1.0)
+    s = make_server(faults=FaultConfig(empty_rate=1.0))
     body = complete(s, n=2)
     assert [(c["token_ids"], c["logprobs"]["token_logprobs"], c["text"]) for c in body["choices"]] == [([], [], "")] * 2
     assert body["usage"]["completion_tokens"] == 0
@@ -471,3 +468,149 @@ def test_start_stop_lifecycle(model_dir):
         httpx.get(url + "/health", timeout=5)
     with pytest.raises(RuntimeError, match="stopped"):
         s.start()
+
+
+# -- chat completions and scripted replies -----------------------------------------------------
+
+MESSAGES = [{"role": "system", "content": "You grade answers."}, {"role": "user", "content": "Is 2 + 2 = 4?"}]
+
+
+def chat(s: EmbeddedServer, timeout: float = 30, **payload) -> httpx.Response:
+    return httpx.post(s.url + "/v1/chat/completions", json={"messages": MESSAGES, **payload}, timeout=timeout)
+
+
+def test_chat_completion_renders_the_chat_template_and_answers_in_vllms_shape(server):
+    response = chat(server, max_completion_tokens=6, seed=3, ignore_eos=True, return_token_ids=True,
+                    logprobs=True, top_logprobs=2)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    tokenizer = load_tokenizer("tiny")
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    assert body["prompt_token_ids"] == tokenizer.encode(rendered, add_special_tokens=False)
+    assert body["usage"]["prompt_tokens"] == len(body["prompt_token_ids"])
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == 6
+    assert choice["message"]["content"] == visible_text(tokenizer, choice["token_ids"], skip_special_tokens=True)
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tokenizer.decode([t]) for t in choice["token_ids"]]
+    assert all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
+    # The same seed through /v1/completions with the rendered prompt samples the same tokens.
+    same = complete(server, prompt=body["prompt_token_ids"], max_tokens=6, seed=3, ignore_eos=True)
+    assert same["choices"][0]["token_ids"] == choice["token_ids"]
+
+
+def test_chat_completion_defaults_to_the_rest_of_the_context(make_server):
+    s = make_server(model_dir=None, mode="instant")
+    body = chat(s).json()
+    prompt = body["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == 1024 - prompt  # vLLM: max_model_len - prompt
+    assert chat(s, stream=True).status_code == 400
+    assert chat(s, messages=[]).status_code == 400
+
+
+def test_scripted_replies_are_cycled_with_their_own_latency(make_server):
+    s = make_server(model_dir=None, mode="instant")
+    replies = ["VERDICT: yes", "VERDICT: no", "I cannot decide ###", {"text": "VERDICT: yes", "latency_s": 2.0}]
+    assert post(s, "/faults", replies=replies).json()["replies"][3] == {"text": "VERDICT: yes", "latency_s": 2.0}
+    contents = [chat(s).json()["choices"][0]["message"]["content"] for _ in range(3)]
+    assert contents == ["VERDICT: yes", "VERDICT: no", "I cannot decide ###"]
+    with pytest.raises(httpx.ReadTimeout):
+        chat(s, timeout=0.3)  # the slow one: a judge client's timeout fires
+    tokenizer = load_tokenizer("tiny")
+    body = complete(s, n=2, max_tokens=20)  # the cycle starts over; completions answer from it too
+    expected_ids = tokenizer.encode("VERDICT: yes", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert [c["token_ids"] for c in body["choices"]][0] == expected_ids
+    assert [(c["text"], c["finish_reason"]) for c in body["choices"]] == [("VERDICT: yes", "stop"), ("VERDICT: no", "stop")]
+    cut = complete(s, max_tokens=2)["choices"][0]
+    assert (len(cut["token_ids"]), cut["finish_reason"]) == (2, "length")
+    post(s, "/faults", replies=[])
+    assert len(complete(s, max_tokens=5, ignore_eos=True)["choices"][0]["token_ids"]) == 5  # generated again
+
+
+# -- the die_after_tokens fault ----------------------------------------------------------------
+
+
+def stream_lines(url: str, payload: dict) -> tuple[list[str], Exception | None]:
+    """The lines of a streamed completion read until the server is gone, and how the stream ended."""
+    lines: list[str] = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**payload, "stream": True}, timeout=30) as response:
+            for line in response.iter_lines():
+                lines.append(line)
+    except httpx.HTTPError as exc:
+        return lines, exc
+    return lines, None
+
+
+def streamed_tokens(lines: list[str]) -> list[int]:
+    return [t for event in sse_data(lines) if event != "[DONE]" for t in event["choices"][0]["token_ids"]]
+
+
+DYING = {"prompt": PROMPT, "max_tokens": 20, "seed": 5, "ignore_eos": True, "return_token_ids": True}
+
+
+def test_an_in_process_server_dies_mid_stream_after_the_set_tokens(make_server):
+    s = make_server(model_dir=None, mode="instant", faults=FaultConfig(step_delay_s=0.005))
+    full = complete(s, **DYING)["choices"][0]["token_ids"]
+    post(s, "/faults", die_after_tokens=5)  # counted from now
+    lines, ended = stream_lines(s.url, DYING)
+    assert isinstance(ended, httpx.RemoteProtocolError)  # the body broke off: no finish, no [DONE]
+    assert streamed_tokens(lines) == full[:5]
+    assert "[DONE]" not in sse_data(lines)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s.url + "/health", timeout=5)  # and the port is closed
+
+
+def test_a_subprocess_server_exits_mid_request():
+    args = ("--fault-step-delay-s", "0.005", "--fault-die-after-tokens", "7")
+    proc, url = start_subprocess_server(mode="instant", extra_args=args, ready_timeout_s=60)
+    try:
+        lines, ended = stream_lines(url, DYING)
+        assert proc.wait(timeout=30) == 70  # DIED_EXIT_CODE: the process is gone
+    finally:
+        proc.kill()
+        proc.wait()
+    assert isinstance(ended, httpx.RemoteProtocolError)
+    assert len(streamed_tokens(lines)) == 7
+
+
+def test_a_non_streamed_request_gets_no_answer_from_a_dying_server(make_server):
+    s = make_server(model_dir=None, mode="instant", faults=FaultConfig(step_delay_s=0.005, die_after_tokens=3))
+    with pytest.raises(httpx.RemoteProtocolError):
+        post(s, **DYING)
+
+
+# -- fault settings: one model, the command line derived from it -------------------------------
+
+
+def test_fault_flags_are_derived_from_fault_config():
+    parser = argparse.ArgumentParser()
+    add_fault_args(parser)
+    flags = {action.dest for action in parser._actions}
+    assert flags == {"help"} | {f"fault_{name}" for name in FaultConfig.model_fields}
+    assert fault_config_from_args(parser.parse_args([])) == FaultConfig()
+    args = parser.parse_args(["--fault-error-rate", "0.5", "--fault-seed", "7", "--fault-die-after-tokens", "3",
+                              "--fault-replies", "yes", "no", "--fault-step-delay-s", "0.01"])
+    assert fault_config_from_args(args) == FaultConfig(error_rate=0.5, seed=7, die_after_tokens=3,
+                                                       replies=["yes", "no"], step_delay_s=0.01)
+    with pytest.raises(ValidationError):
+        fault_config_from_args(parser.parse_args(["--fault-error-rate", "2"]))
+
+
+def test_stream_with_continuous_usage_and_without_token_ids(make_server):
+    s = make_server(model_dir=None, mode="instant", faults=FaultConfig(step_delay_s=0.001))
+    payload = {"prompt": PROMPT, "max_tokens": 4, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", s.url + "/v1/completions", json=payload, timeout=30) as response:
+        events = sse_data(list(response.iter_lines()))
+    *chunks, last, done = events
+    assert done == "[DONE]" and last["choices"] == []
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4]
+    assert all(c["usage"]["prompt_tokens"] == len(PROMPT) for c in chunks)
+    assert last["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 4, "total_tokens": len(PROMPT) + 4}
+    choices = [c["choices"][0] for c in chunks]
+    assert all(c["token_ids"] is None and c["prompt_token_ids"] is None and c["logprobs"] is None for c in choices)
+    assert "token_weight_versions" not in choices[0]

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from beam_rl.inference.generator import GenerationParams
+from beam_rl.inference.generator import GenerationParams, WeightsError
 from beam_rl.inference.server import EmbeddedServer
 from beam_rl.inference.simulated import BlockPrefixCache, SimulatedEngine, SimulatedParams
 
@@ -18,6 +18,13 @@ FAST = SimulatedParams(decode_base_s=0.001, decode_s_per_seq=1e-5, prefill_s_per
 
 def _engine(max_num_seqs=4, params=FAST):
     return SimulatedEngine(params, max_num_seqs, vocab_size=100, special_ids={0, 1}, eos_token_ids=frozenset({1}))
+
+
+async def _complete(engine: SimulatedEngine, params: GenerationParams):
+    """The request's final choices (the last thing the backend's generate yields)."""
+    async for choices in engine.generate(params):
+        pass
+    return choices
 
 
 def test_prefix_cache_hits_full_blocks_of_a_repeated_prefix_only():
@@ -35,8 +42,8 @@ def test_batch_never_exceeds_max_num_seqs_and_seeded_requests_repeat():
     async def main():
         engine = _engine(max_num_seqs=4)
         params = [GenerationParams(prompt_ids=(5, 6, 7), n=3, max_tokens=32, seed=s) for s in range(4)]
-        first = await asyncio.gather(*(engine.generate(p) for p in params))
-        again = await engine.generate(params[2])
+        first = await asyncio.gather(*(_complete(engine, p) for p in params))
+        again = await _complete(engine, params[2])
         await engine.aclose()
         return engine, first, again
 
@@ -92,13 +99,38 @@ def test_server_in_simulated_mode_answers_completions_and_reports_vllm_metrics()
 def test_cancelled_request_frees_its_slots():
     async def main():
         engine = _engine(max_num_seqs=2, params=SimulatedParams(decode_base_s=0.01, length_median=1000))
-        slow = asyncio.ensure_future(engine.generate(GenerationParams(prompt_ids=(5,), n=2, max_tokens=1000, seed=1)))
+        slow = asyncio.ensure_future(_complete(engine, GenerationParams(prompt_ids=(5,), n=2, max_tokens=1000, seed=1)))
         await asyncio.sleep(0.05)
         assert engine.running == 2
         slow.cancel()
         await asyncio.gather(slow, return_exceptions=True)
-        quick = await asyncio.wait_for(engine.generate(GenerationParams(prompt_ids=(5,), n=2, max_tokens=3, seed=2)), 5)
+        quick = await asyncio.wait_for(_complete(engine, GenerationParams(prompt_ids=(5,), n=2, max_tokens=3, seed=2)), 5)
         await engine.aclose()
         return quick
 
     assert all(len(c.token_ids) <= 3 for c in asyncio.run(main()))
+
+
+def test_each_token_carries_the_weights_version_of_its_step(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a simulated engine only checks the files exist
+
+    async def main():
+        engine = _engine(params=SimulatedParams(decode_base_s=0.005, decode_s_per_seq=0.0, length_median=1000))
+        params = GenerationParams(prompt_ids=(5,), max_tokens=30, seed=1, ignore_eos=True)
+        reloaded_after: list[int] = []  # tokens the request had when each reload returned
+        async for choices in engine.generate(params, progress=True):
+            sampled = len(choices[0].token_ids)
+            if sampled >= 5 * (len(reloaded_after) + 1) and len(reloaded_after) < 2:
+                await engine.load_weights(str(tmp_path))
+                reloaded_after.append(engine.generation_tokens)
+        await engine.aclose()
+        return choices[0].weight_versions, reloaded_after, engine.weights_version
+
+    versions, reloaded_after, final = asyncio.run(main())
+    first, second = versions.count(0), versions.count(1)
+    assert final == 2 and len(versions) == 30
+    assert versions == [0] * first + [1] * second + [2] * (30 - first - second)
+    # A reload lands between two steps: tokens sampled before it returned kept the older version.
+    assert first == reloaded_after[0] and first + second == reloaded_after[1]
+    with pytest.raises(WeightsError, match="no \\*.safetensors"):
+        asyncio.run(_engine().load_weights(str(tmp_path / "nowhere")))

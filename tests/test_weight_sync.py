@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from beam_rl.config import config_from_dict
-from beam_rl.inference.server import EmbeddedServer
+from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.source import DispatchRange, RolloutSource, Shard, SourceSpec
 from beam_rl.rundir import RunDir
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
@@ -104,7 +104,8 @@ def test_published_weights_change_generations_and_advance_the_version(tmp_path):
 
 
 def test_a_stale_in_flight_group_is_cancelled_and_counted(tmp_path):
-    with EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", latency_s=30.0) as server:
+    with EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny",
+                        faults=FaultConfig(latency_s=30.0)) as server:
         source = _source(tmp_path, server.url, max_async_level=1, max_off_policy_steps=1)
         try:
             source.admit(0)

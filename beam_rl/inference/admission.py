@@ -1,7 +1,8 @@
 """First-come-first-served admission of sequences under a `max_num_seqs` cap, like vLLM's scheduler.
 
-Requests that do not fit wait in arrival order; their sequences count as waiting until admitted.
-Single event loop only (no locks): every method must be called from the loop that owns it.
+Requests that do not fit, or arrive while the pause gate holds new work back, wait in arrival order;
+their sequences count as waiting until admitted. Single event loop only (no locks): every method
+must be called from the loop that owns it.
 """
 
 from __future__ import annotations
@@ -10,24 +11,35 @@ import asyncio
 import time
 from collections import deque
 
+from beam_rl.inference.backend import PauseGate
+
+
+class Aborted(Exception):
+    """A queued request ended by `/pause?mode=abort` before it was admitted."""
+
 
 class Admission:
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, gate: PauseGate | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, not {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
         self.running = 0
         self.max_running = 0  # high-water mark, for tests and metrics
+        self._gate = gate
         self._busy_s = 0.0  # time with at least one sequence running, closed intervals
         self._busy_since: float | None = None
         self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
-        self._drained: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        if gate is not None:
+            gate.on_change(self._admit)  # a resume admits the queue
 
     @property
     def waiting(self) -> int:
         return sum(n for n, _ in self._queue)
 
     def _fits(self, n: int) -> bool:
+        if self._gate is not None and not self._gate.admits:
+            return False
         # A request larger than the cap still runs, alone, rather than waiting forever.
         return self.running == 0 or self.running + n <= self.max_num_seqs
 
@@ -44,7 +56,9 @@ class Admission:
         self.max_running = max(self.max_running, self.running)
 
     async def acquire(self, n: int) -> None:
-        """Wait until `n` sequences may run; FIFO, so a big request is not starved by small ones."""
+        """Wait until `n` sequences may run; FIFO, so a big request is not starved by small ones.
+
+        Raises Aborted if `abort_waiting` ends the wait."""
         if not self._queue and self._fits(n):
             self._take(n)
             return
@@ -53,9 +67,9 @@ class Admission:
         try:
             await entry[1]
         except asyncio.CancelledError:
-            if entry[1].done() and not entry[1].cancelled():
+            if entry[1].done() and not entry[1].cancelled() and entry[1].exception() is None:
                 self.release(n)  # admitted just as the client gave up: hand the slots on
-            else:
+            elif entry in self._queue:
                 self._queue.remove(entry)
                 self._admit()  # the head may have been blocking smaller requests behind it
             raise
@@ -67,19 +81,29 @@ class Admission:
             self._busy_since = None
         self._admit()
 
+    def abort_waiting(self) -> None:
+        """End every queued wait with Aborted."""
+        while self._queue:
+            _, future = self._queue.popleft()
+            if not future.done():
+                future.set_exception(Aborted())
+        self._signal()
+
     def _admit(self) -> None:
         while self._queue and self._fits(self._queue[0][0]):
             n, future = self._queue.popleft()
             self._take(n)
             future.set_result(None)
-        if self.running == 0 and not self._queue and self._drained is not None:
-            self._drained.set()
+        self._signal()
 
-    async def drained(self) -> None:
-        """Return once nothing is running or waiting."""
-        if self.running == 0 and not self._queue:
-            return
-        if self._drained is None:
-            self._drained = asyncio.Event()
-        self._drained.clear()
-        await self._drained.wait()
+    def _signal(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def drained(self, *, queued: bool = True) -> None:
+        """Return once nothing is running (and, with `queued`, nothing waits either)."""
+        while self.running or (queued and self._queue):
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            self._changed.clear()
+            await self._changed.wait()

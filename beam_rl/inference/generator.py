@@ -1,8 +1,8 @@
 """Token generation for the embedded server: a real causal LM stepped one token at a time, or an
 instant fake, plus validated in-place weight reloads.
 
-Everything here is synchronous and runs on the server's single model thread; the server interleaves
-the decode steps of all running requests, so a long request never starves the others.
+Everything here is synchronous; the "model" backend (stepped.py) runs it on one model thread and
+interleaves the decode steps of all running requests, so a long request never starves the others.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pathlib
 import secrets
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ class GenerationParams:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     top_logprobs: int = 0  # how many alternatives per position to report (0 = none)
+    cache_salt: str | None = None  # prefix-cache salt: a prompt under another salt never hits
 
 
 @dataclass
@@ -45,27 +46,8 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)  # the weights version that sampled each token
     finish_reason: str | None = None
-
-
-class GenerationState(Protocol):
-    params: GenerationParams
-    choices: list[ChoiceResult]
-
-    @property
-    def done(self) -> bool: ...
-
-
-class Generator(Protocol):
-    eos_token_ids: frozenset[int]
-    vocab_size: int
-    max_model_len: int
-
-    def start(self, params: GenerationParams) -> GenerationState: ...
-
-    def step(self, state: GenerationState) -> None:
-        """Advance every unfinished sequence of `state` by one token."""
-        ...
 
 
 def _finish_reason(token: int, length: int, params: GenerationParams, eos: frozenset[int]) -> str | None:
@@ -115,6 +97,8 @@ class ModelGenerator:
         # transformers 5.x renamed the forward argument `past_key_values` to `cache`.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        self.weights_version = 0  # bumped by load_weights, on the same thread as the steps
+        self.generation_tokens = 0
 
     def start(self, params: GenerationParams) -> _ModelState:
         rng = torch.Generator()
@@ -152,6 +136,8 @@ class ModelGenerator:
             token = int(tokens[i])
             choice.token_ids.append(token)
             choice.logprobs.append(float(chosen[i]))
+            choice.weight_versions.append(self.weights_version)
+            self.generation_tokens += 1
             if top is not None:
                 alternatives = dict(zip(top.indices[i].tolist(), top.values[i].tolist()))
                 alternatives[token] = float(chosen[i])
@@ -191,10 +177,12 @@ class ModelGenerator:
 
     @torch.inference_mode()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy checked tensors into the live model (in place: KV caches of running requests stay valid)."""
+        """Copy checked tensors into the live model (in place: KV caches of running requests stay
+        valid) and bump the weights version."""
         params = self.model.state_dict()
         for name, tensor in tensors.items():
             params[name].copy_(tensor.to(params[name].dtype))
+        self.weights_version += 1
 
 
 @dataclass

@@ -22,7 +22,7 @@ def start_subprocess_server(
 ) -> tuple[subprocess.Popen, str]:
     """Returns (process, base url). The caller owns the process: terminate() and wait() it.
 
-    `extra_args` are more server flags, e.g. ("--latency-s", "0.1", "--served-model-name", "m").
+    `extra_args` are more server flags, e.g. ("--fault-latency-s", "0.1", "--served-model-name", "m").
     """
     cmd = [sys.executable, "-m", "beam_rl.inference.server", "--port", "0", "--mode", mode]
     if model_dir is not None:

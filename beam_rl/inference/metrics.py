@@ -11,28 +11,36 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from beam_rl.inference.backend import PauseState
+
 KV_BLOCK_SIZE = 16  # vLLM's default block size
 
 
 class PrefixCache:
-    """An LRU of prompts seen, standing in for vLLM's prefix cache in the hit/query counters."""
+    """An LRU of (cache salt, prompt) pairs seen, standing in for vLLM's prefix cache in the
+    hit/query counters: a prompt hits only under the salt it was cached with."""
 
     def __init__(self, capacity: int = 1024) -> None:
         self.capacity = capacity
-        self._prompts: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self._prompts: OrderedDict[tuple[str | None, tuple[int, ...]], None] = OrderedDict()
         self.queries = 0
         self.hits = 0
 
-    def lookup(self, prompt: tuple[int, ...]) -> None:
+    def lookup(self, prompt: tuple[int, ...], salt: str | None = None) -> None:
         # Per request, as the n choices share one prefill: a repeated prompt hits all its tokens.
         self.queries += len(prompt)
-        if prompt in self._prompts:
+        key = (salt, prompt)
+        if key in self._prompts:
             self.hits += len(prompt)
-            self._prompts.move_to_end(prompt)
+            self._prompts.move_to_end(key)
         else:
-            self._prompts[prompt] = None
+            self._prompts[key] = None
             if len(self._prompts) > self.capacity:
                 self._prompts.popitem(last=False)
+
+    def reset(self) -> None:
+        """Forget every cached prompt (vLLM's /reset_prefix_cache); the counters keep counting."""
+        self._prompts.clear()
 
 
 def kv_cache_usage(active_states: list[Any], capacity_blocks: int) -> float:
@@ -56,7 +64,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
-        s = self.server
+        s, b = self.server, self.server.backend
         label = [s.served_model_name]
 
         def family(kind: type, name: str, doc: str, value: float) -> Metric:
@@ -65,16 +73,16 @@ class ServerMetrics:
             return metric
 
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        yield family(gauge, "vllm:num_requests_running", "Sequences being generated.", s.admission.running)
-        yield family(gauge, "vllm:num_requests_waiting", "Sequences waiting for a running slot.", s.admission.waiting)
-        yield family(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", s.kv_cache_usage())
-        yield family(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up.", s.prefix_cache.queries)
-        yield family(counter, "vllm:prefix_cache_hits", "Prompt tokens found cached.", s.prefix_cache.hits)
-        yield family(counter, "vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total)
-        yield family(counter, "vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)
-        yield family(gauge, "beam_rl:max_concurrent_requests", "Most sequences running at once.", s.admission.max_running)
+        yield family(gauge, "vllm:num_requests_running", "Sequences being generated.", b.running)
+        yield family(gauge, "vllm:num_requests_waiting", "Sequences waiting for a running slot.", b.waiting)
+        yield family(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", b.kv_cache_usage())
+        yield family(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up.", b.prefix_cache.queries)
+        yield family(counter, "vllm:prefix_cache_hits", "Prompt tokens found cached.", b.prefix_cache.hits)
+        yield family(counter, "vllm:prompt_tokens", "Prompt tokens processed.", b.prompt_tokens)
+        yield family(counter, "vllm:generation_tokens", "Tokens generated, counted as they are sampled.",
+                     b.generation_tokens)
+        yield family(gauge, "beam_rl:max_concurrent_requests", "Most sequences running at once.", b.max_running)
         yield family(counter, "beam_rl:requests", "Completion requests received.", s.requests_total)
-        yield family(counter, "beam_rl:busy_seconds", "Seconds with at least one sequence running.",
-                     s.admission.busy_seconds)
-        yield family(gauge, "beam_rl:weights_version", "Successful weight reloads so far.", s.weights_version)
-        yield family(gauge, "beam_rl:paused", "1 while paused.", float(s.paused))
+        yield family(counter, "beam_rl:busy_seconds", "Seconds with at least one sequence running.", b.busy_seconds)
+        yield family(gauge, "beam_rl:weights_version", "Successful weight reloads so far.", b.weights_version)
+        yield family(gauge, "beam_rl:paused", "1 while paused.", float(s.gate.state != PauseState.UNPAUSED))

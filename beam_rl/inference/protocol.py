@@ -1,39 +1,98 @@
-"""The wire shapes of the embedded server: vLLM's `/v1/completions` request and response, its error
-body, and the test-only fault-injection settings.
+"""The requests the embedded server accepts, as vLLM 0.32 names their fields: `/v1/completions`,
+`/v1/chat/completions`, and the error body of a refused request.
 """
 
 from __future__ import annotations
 
-import random
-import time
-import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from beam_rl.inference.generator import ChoiceResult, GenerationParams
+from beam_rl.inference.generator import GenerationParams
 
 
-class CompletionRequest(BaseModel):
-    """The `/v1/completions` fields honoured here; other fields are ignored, as vLLM ignores extras."""
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False  # a last chunk with the usage of the whole request
+    continuous_usage_stats: bool | None = False  # usage on every chunk too
+
+
+class SamplingRequest(BaseModel):
+    """Fields both endpoints honour; other fields are ignored, as vLLM ignores extras."""
 
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
     model: str | None = None
-    prompt: list[int] | str
     n: int = Field(1, ge=1)
     seed: int | None = None
-    max_tokens: int = Field(16, ge=1)  # vLLM's completions default
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = None
-    logprobs: int | None = Field(None, ge=0)
-    return_token_ids: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     ignore_eos: bool = False
-    stream: bool = False
+    return_token_ids: bool = False
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # salts the prefix cache
+    # Not vLLM: per choice, the weights version that sampled each token (`token_weight_versions`).
+    return_weight_versions: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
+
+    def generation_params(self, prompt: list[int], max_tokens: int, top_logprobs: int, vocab_size: int,
+                          max_model_len: int) -> GenerationParams:
+        """What to generate for this request, once its prompt is tokenized; RequestError if it cannot be."""
+        if self.top_p < 1.0 or (self.top_k is not None and self.top_k > 0):
+            raise RequestError(400, "top_p/top_k truncation is not supported by the embedded server")
+        if not prompt:
+            raise RequestError(400, "prompt is empty")
+        if any(t < 0 or t >= vocab_size for t in prompt):
+            raise RequestError(400, f"prompt has token ids outside [0, {vocab_size})")
+        if len(prompt) + max_tokens > max_model_len:
+            raise RequestError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} for the completion).",
+            )
+        return GenerationParams(
+            prompt_ids=tuple(prompt),
+            n=self.n,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            seed=self.seed,
+            stop_token_ids=frozenset(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            top_logprobs=top_logprobs,
+            cache_salt=self.cache_salt,
+        )
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: list[int] | str
+    max_tokens: int = Field(16, ge=1)  # vLLM's completions default
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # names, tool fields: passed to the chat template as given
+
+    role: str
+    content: str
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated in favour of max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class RequestError(Exception):
@@ -45,105 +104,3 @@ class RequestError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
-
-
-class TokenTexts:
-    """Each token id's own text (`decode([id])`), memoised. The logprobs body names every generated
-    token twice; decoding them one by one was most of the embedded server's CPU."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-
-def completion_body(
-    texts: TokenTexts, model_name: str, params: GenerationParams, request: CompletionRequest, choices: list[ChoiceResult]
-) -> dict[str, Any]:
-    """A vLLM-shaped completions response; `token_ids` keep the EOS/stop token that ended a choice."""
-    out = []
-    for index, choice in enumerate(choices):
-        last = choice.token_ids[-1] if choice.token_ids else None
-        out.append(
-            {
-                "index": index,
-                "text": texts.tokenizer.decode(choice.token_ids, skip_special_tokens=request.skip_special_tokens),
-                "logprobs": _logprobs_body(texts, choice, request.logprobs) if request.logprobs is not None else None,
-                "finish_reason": choice.finish_reason,
-                # vLLM names the stop token here when a stop_token_id (not EOS) ended the choice.
-                "stop_reason": last if last is not None and last in params.stop_token_ids else None,
-                "token_ids": choice.token_ids if request.return_token_ids else None,
-                "prompt_token_ids": list(params.prompt_ids) if request.return_token_ids else None,
-                "prompt_logprobs": None,
-            }
-        )
-    completion_tokens = sum(len(c.token_ids) for c in choices)
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model_name,
-        "choices": out,
-        "usage": {
-            "prompt_tokens": len(params.prompt_ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(params.prompt_ids) + completion_tokens,
-        },
-    }
-
-
-def _logprobs_body(texts: TokenTexts, choice: ChoiceResult, top_k: int) -> dict[str, Any]:
-    tokens = [texts(t) for t in choice.token_ids]
-    offsets = []
-    position = 0
-    for text in tokens:
-        offsets.append(position)
-        position += len(text)
-    top = None
-    if top_k:
-        top = [{texts(t): lp for t, lp in alternatives.items()} for alternatives in choice.top_logprobs]
-    return {"tokens": tokens, "token_logprobs": choice.logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-class FaultConfig(BaseModel):
-    """Test-only fault injection; each rate is a per-request probability, drawn from a seeded RNG."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    latency_s: float = Field(0.0, ge=0)  # added to every request while it holds its running slots
-    error_rate: float = Field(0.0, ge=0, le=1)  # HTTP 500
-    hang_rate: float = Field(0.0, ge=0, le=1)  # never answer; ends when the client disconnects
-    empty_rate: float = Field(0.0, ge=0, le=1)  # HTTP 200 with zero completion tokens
-    drop_rate: float = Field(0.0, ge=0, le=1)  # close the connection without a response
-    seed: int = 0
-
-
-FAULTS = ("drop", "error", "hang", "empty")
-
-
-class FaultInjector:
-    """Draws at most one fault per request; one seed gives one fault sequence."""
-
-    def __init__(self, config: FaultConfig) -> None:
-        self.config = config
-        self._rng = random.Random(config.seed)
-
-    def update(self, changes: dict[str, Any]) -> FaultConfig:
-        """Apply a partial update (validated as a whole); a new `seed` restarts the sequence."""
-        self.config = FaultConfig.model_validate({**self.config.model_dump(), **changes})
-        if "seed" in changes:
-            self._rng.seed(self.config.seed)
-        return self.config
-
-    def draw(self) -> str | None:
-        # Every switch is drawn on every request, so changing one rate does not shift the others.
-        draws = [self._rng.random() for _ in FAULTS]
-        for name, draw in zip(FAULTS, draws):
-            if draw < getattr(self.config, f"{name}_rate"):
-                return name
-        return None

@@ -17,6 +17,8 @@ The cost model, one engine step at a time (all times multiplied by `time_scale`)
   reaches it is "length". Seeded requests give identical tokens, lengths and logprobs.
 - Sequences are scheduled first-come-first-served; a request's n choices are n sequences (vLLM V1
   units), each freeing its slot when it finishes; the HTTP answer leaves when the last one does.
+- A sequence admitted before step a samples its token j during step a + j, with the weights version
+  current when that step started; reloads, aborts and pauses land between two steps.
 """
 
 from __future__ import annotations
@@ -27,13 +29,17 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Callable
+import bisect
+import pathlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from beam_rl.inference.generator import ChoiceResult, GenerationParams
+from beam_rl.inference.backend import PauseGate
+from beam_rl.inference.faults import FaultConfig, FaultInjector
+from beam_rl.inference.generator import ChoiceResult, GenerationParams, WeightsError
 from beam_rl.inference.metrics import KV_BLOCK_SIZE
 
 
@@ -75,10 +81,13 @@ class BlockPrefixCache:
         self.queries = 0
         self.hits = 0
 
-    def lookup(self, prompt: tuple[int, ...]) -> int:
-        """Count the prompt's tokens as queried, cache its full blocks; returns the uncached token count."""
+    def lookup(self, prompt: tuple[int, ...], salt: str | None = None) -> int:
+        """Count the prompt's tokens as queried, cache its full blocks; returns the uncached token count.
+
+        The salt seeds the chain of block hashes (as vLLM hashes `cache_salt` into the first block),
+        so a prompt under a new salt misses."""
         self.queries += len(prompt)
-        cached, parent, hitting = 0, 0, True
+        cached, parent, hitting = 0, hash(salt), True
         for start in range(0, len(prompt) - self.block_size + 1, self.block_size):
             parent = hash((parent, prompt[start : start + self.block_size]))
             if hitting and parent in self._blocks:
@@ -102,18 +111,24 @@ class BlockPrefixCache:
 class _Request:
     params: GenerationParams
     future: asyncio.Future
-    rng_key: int
-    lengths: list[int]
     choices: list[ChoiceResult]
     remaining: int
+    sequences: list[_Sequence] = field(default_factory=list)
+    progressed: asyncio.Event | None = None  # set after every step, for requests that stream
     prefilled: bool = False
 
 
 @dataclass(eq=False)
 class _Sequence:
+    """One choice: its length drawn when queued, its tokens when first needed (all at once, seeded),
+    revealed one per engine step once admitted."""
+
     request: _Request
     index: int
-    admitted_step: int = 0
+    key: int  # the seed of its draws
+    length: int
+    admitted_step: int = -1
+    drawn: tuple[list[int], list[float], str] | None = None  # token ids, logprobs, finish reason
 
 
 @dataclass
@@ -126,12 +141,7 @@ class _Trace:
 
 
 class SimulatedEngine:
-    """The continuous-batching engine; lives on the server's event loop (no locks).
-
-    Exposes what the server and its metrics read: `running`, `waiting`, `max_running`,
-    `max_num_seqs`, `drained()` (admission), `prefix_cache`, `kv_cache_usage()`, and the Generator
-    attributes `vocab_size`, `max_model_len`, `eos_token_ids` used to validate requests.
-    """
+    """The continuous-batching engine, a server backend; lives on the server's event loop (no locks)."""
 
     def __init__(
         self,
@@ -140,7 +150,8 @@ class SimulatedEngine:
         vocab_size: int,
         special_ids: set[int] | frozenset[int],
         eos_token_ids: frozenset[int],
-        gate: Callable[[], Awaitable[None]] | None = None,
+        gate: PauseGate | None = None,
+        faults: FaultInjector | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_num_seqs < 1:
@@ -153,18 +164,27 @@ class SimulatedEngine:
         self.prefix_cache = BlockPrefixCache(params.prefix_cache_blocks)
         self.max_running = 0
         self.busy_seconds = 0.0  # engine time spent on steps with sequences running
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
         self.steps = 0
+        self.weights_version = 0
         self.kv_capacity_blocks = max(1, params.prefix_cache_blocks)
+        self._versions = [(0, 0)]  # (first step, weights version) at every reload
         self._allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64))
-        self._gate = gate  # awaited before every step: the server's pause ("keep") freezes the batch
+        self._gate = gate or PauseGate()
+        self._faults = faults or FaultInjector(FaultConfig())
         self._clock = clock
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[tuple[int, int, _Sequence]] = []  # heap of (finish step, order, sequence)
         self._order = itertools.count()
         self._unseeded = itertools.count()
-        self._work: asyncio.Event | None = None
-        self._idle: asyncio.Event | None = None
+        self._streaming: set[_Request] = set()
+        self._in_step = False
+        self._at_step_end: list[tuple[Callable[[], Any], asyncio.Future]] = []
+        self._work: asyncio.Event | None = None  # for the engine loop: work arrived or the gate changed
+        self._changed: asyncio.Event | None = None  # for waiters: sequences finished or left
         self._task: asyncio.Task | None = None
+        self._gate.on_change(self._poke)
         self.trace = _Trace()
 
     # -- what the server reads -----------------------------------------------------------------
@@ -178,24 +198,15 @@ class SimulatedEngine:
         return len(self._waiting)
 
     def kv_cache_usage(self) -> float:
-        tokens = sum(
-            len(s.request.params.prompt_ids) + (self.steps - s.admitted_step) for _, _, s in self._running
-        )
+        tokens = sum(len(s.request.params.prompt_ids) + self._revealed(s) for _, _, s in self._running)
         return min(1.0, tokens / KV_BLOCK_SIZE / self.kv_capacity_blocks)
 
-    async def drained(self) -> None:
-        """Return once nothing is running or waiting."""
-        self._ensure_loop()
-        assert self._idle is not None
-        while self._running or self._waiting:
-            self._idle.clear()
-            await self._idle.wait()
-
-    def trace_since(self, since: float) -> dict[str, list[float]]:
+    def trace_since(self, since: float) -> dict[str, Any]:
         """Engine steps that started at or after wall-clock time `since`."""
         t = list(self.trace.t)
         first = int(np.searchsorted(np.asarray(t), since)) if t else 0
         return {
+            "max_num_seqs": self.max_num_seqs,
             "t": t[first:],
             "duration": list(itertools.islice(self.trace.duration, first, None)),
             "running": list(itertools.islice(self.trace.running, first, None)),
@@ -203,22 +214,50 @@ class SimulatedEngine:
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def generate(self, params: GenerationParams) -> list[ChoiceResult]:
-        """Queue the request's n sequences; returns their choices once the last one finishes."""
+    async def generate(self, params: GenerationParams, progress: bool = False) -> AsyncIterator[list[ChoiceResult]]:
+        """Queue the request's n sequences; yields its choices after every step when `progress`,
+        and once all have finished."""
         self._ensure_loop()
+        if self._faults.config.latency_s:
+            await asyncio.sleep(self._faults.config.latency_s)  # before queueing: holds no slot
         key = params.seed if params.seed is not None else (self.params.seed << 32) + next(self._unseeded)
-        lengths = [self._draw_length(params, key, i) for i in range(params.n)]
-        request = _Request(params, asyncio.get_running_loop().create_future(), key, lengths,
+        request = _Request(params, asyncio.get_running_loop().create_future(),
                            [ChoiceResult() for _ in range(params.n)], params.n)
-        sequences = [_Sequence(request, i) for i in range(params.n)]
-        self._waiting.extend(sequences)
-        assert self._work is not None
-        self._work.set()
+        request.sequences = [_Sequence(request, i, key, self._draw_length(params, key, i)) for i in range(params.n)]
+        self._waiting.extend(request.sequences)
+        self._poke()
         try:
-            return await request.future
-        except asyncio.CancelledError:
-            self._drop(request)  # the client gave up: free its slots, as vLLM aborts the request
-            raise
+            if progress:
+                request.progressed = asyncio.Event()
+                self._streaming.add(request)
+                sent = 0
+                while not request.future.done():
+                    await request.progressed.wait()
+                    request.progressed.clear()
+                    revealed = self._materialize(request)
+                    if revealed > sent and not request.future.done():
+                        sent = revealed
+                        yield request.choices
+            await request.future
+        finally:
+            self._streaming.discard(request)
+            if not request.future.done():
+                self._drop(request)  # the client gave up: free its slots, as vLLM aborts the request
+        yield request.choices
+
+    def _draw(self, sequence: _Sequence) -> tuple[list[int], list[float], str]:
+        """The sequence's tokens, logprobs and finish reason, drawn once (lazily: most are needed
+        only when the sequence finishes)."""
+        if sequence.drawn is None:
+            params, length = sequence.request.params, sequence.length
+            rng = np.random.default_rng([sequence.key, sequence.index, 2])
+            ids = rng.choice(self._allowed, size=length).tolist()
+            stop = self._stop_token(params)
+            finish = "length"
+            if length < params.max_tokens and stop is not None:
+                ids[-1], finish = stop, "stop"
+            sequence.drawn = ids, (-rng.exponential(1.0, size=length)).tolist(), finish
+        return sequence.drawn
 
     def _draw_length(self, params: GenerationParams, key: int, index: int) -> int:
         p = self.params
@@ -235,42 +274,121 @@ class SimulatedEngine:
             return min(self.eos_token_ids)
         return None
 
+    def _revealed(self, sequence: _Sequence) -> int:
+        if sequence.admitted_step < 0:
+            return 0
+        return min(sequence.length, self.steps - sequence.admitted_step)
+
+    def _versions_of(self, first_step: int, count: int) -> list[int]:
+        """The weights version of each of `count` engine steps from `first_step` on."""
+        if len(self._versions) == 1:
+            return [self.weights_version] * count  # never reloaded: the common case, kept cheap
+        span = bisect.bisect_right(self._versions, (first_step, math.inf)) - 1
+        versions: list[int] = []
+        step, end = first_step, first_step + count
+        while step < end:
+            upto = min(end, self._versions[span + 1][0]) if span + 1 < len(self._versions) else end
+            versions += [self._versions[span][1]] * (upto - step)
+            step, span = upto, span + 1
+        return versions
+
+    def _set_choice(self, sequence: _Sequence, count: int, finish_reason: str | None) -> None:
+        """Extend the sequence's choice to its first `count` tokens (never fewer than it has)."""
+        choice = sequence.request.choices[sequence.index]
+        have = len(choice.token_ids)
+        if count > have:
+            ids, logprobs, _ = self._draw(sequence)
+            if have == 0:  # most choices are filled once, when they finish: no copies
+                new_ids, new_logprobs = (ids, logprobs) if count == len(ids) else (ids[:count], logprobs[:count])
+                choice.token_ids, choice.logprobs = new_ids, new_logprobs
+            else:
+                new_ids, new_logprobs = ids[have:count], logprobs[have:count]
+                choice.token_ids += new_ids
+                choice.logprobs += new_logprobs
+            choice.weight_versions += self._versions_of(sequence.admitted_step + have, count - have)
+            if sequence.request.params.top_logprobs:
+                choice.top_logprobs += [{t: lp} for t, lp in zip(new_ids, new_logprobs)]
+        choice.finish_reason = finish_reason
+
+    def _materialize(self, request: _Request) -> int:
+        """Fill a streaming request's choices with the tokens its sequences have sampled so far."""
+        for sequence in request.sequences:
+            if request.choices[sequence.index].finish_reason is None:
+                self._set_choice(sequence, self._revealed(sequence), None)
+        return sum(len(c.token_ids) for c in request.choices)
+
+    def _finish(self, sequence: _Sequence, count: int, finish_reason: str) -> None:
+        self._set_choice(sequence, count, finish_reason)
+        request = sequence.request
+        request.remaining -= 1
+        if request.remaining == 0 and not request.future.done():
+            request.future.set_result(None)
+        if request.progressed is not None:
+            request.progressed.set()
+
     def _drop(self, request: _Request) -> None:
         self._waiting = collections.deque(s for s in self._waiting if s.request is not request)
         kept = [entry for entry in self._running if entry[2].request is not request]
         if len(kept) != len(self._running):
             heapq.heapify(kept)
             self._running = kept
-        self._signal_idle()
+        self._signal_changed()
 
-    def _finish(self, sequence: _Sequence) -> None:
-        request, i = sequence.request, sequence.index
-        params, length = request.params, request.lengths[i]
-        rng = np.random.default_rng([request.rng_key, i, 2])
-        ids = rng.choice(self._allowed, size=length).tolist()
-        stop = self._stop_token(params)
-        finish = "length"
-        if length < params.max_tokens and stop is not None:
-            ids[-1], finish = stop, "stop"
-        logprobs = (-rng.exponential(1.0, size=length)).tolist()
-        choice = request.choices[i]
-        choice.token_ids, choice.logprobs, choice.finish_reason = ids, logprobs, finish
-        if params.top_logprobs:
-            choice.top_logprobs = [{t: lp} for t, lp in zip(ids, logprobs)]
-        request.remaining -= 1
-        if request.remaining == 0 and not request.future.done():
-            request.future.set_result(request.choices)
+    async def abort_all(self) -> None:
+        def abort() -> None:
+            for sequence in [s for _, _, s in self._running] + list(self._waiting):
+                self._finish(sequence, self._revealed(sequence), "abort")
+            self._running, self._waiting = [], collections.deque()
+            self._signal_changed()
+
+        await self._at_step_boundary(abort)
+
+    async def running_drained(self) -> None:
+        await self._until(lambda: not self._running)
+
+    async def quiesce(self) -> None:
+        await self._at_step_boundary(lambda: None)
+
+    async def load_weights(self, weights_path: str) -> None:
+        # No model to check shapes against; still refuse a path with no weights.
+        if not any(pathlib.Path(weights_path).glob("*.safetensors")):
+            raise WeightsError(f"no *.safetensors files in {weights_path}")
+
+        def bump() -> None:
+            self.weights_version += 1
+            self._versions.append((self.steps, self.weights_version))
+
+        await self._at_step_boundary(bump)
+
+    async def _at_step_boundary(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` between two engine steps (now, if none is in flight)."""
+        if not self._in_step:
+            return fn()
+        future = asyncio.get_running_loop().create_future()
+        self._at_step_end.append((fn, future))
+        return await future
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        self._ensure_loop()
+        assert self._changed is not None
+        while not condition():
+            self._changed.clear()
+            await self._changed.wait()
 
     # -- the engine loop -----------------------------------------------------------------------
 
     def _ensure_loop(self) -> None:
         if self._task is None:
-            self._work, self._idle = asyncio.Event(), asyncio.Event()
+            self._work, self._changed = asyncio.Event(), asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="simulated-engine")
 
-    def _signal_idle(self) -> None:
-        if not self._running and not self._waiting and self._idle is not None:
-            self._idle.set()
+    def _poke(self) -> None:
+        if self._work is not None:
+            self._work.set()
+
+    def _signal_changed(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
 
     def _admit(self) -> int:
         """Move waiting sequences into the batch while slots are free; returns uncached prompt tokens."""
@@ -280,41 +398,59 @@ class SimulatedEngine:
             request = sequence.request
             if not request.prefilled:
                 request.prefilled = True
-                prefill += self.prefix_cache.lookup(request.params.prompt_ids)
+                prefill += self.prefix_cache.lookup(request.params.prompt_ids, request.params.cache_salt)
+                self.prompt_tokens += len(request.params.prompt_ids)
             sequence.admitted_step = self.steps
-            length = request.lengths[sequence.index]
-            heapq.heappush(self._running, (self.steps + length, next(self._order), sequence))
+            heapq.heappush(self._running, (self.steps + sequence.length, next(self._order), sequence))
         self.max_running = max(self.max_running, len(self._running))
         return prefill
+
+    def _can_step(self) -> bool:
+        if not self._gate.steps:
+            return False  # pause "keep": the batch is frozen
+        return bool(self._running) or (bool(self._waiting) and self._gate.admits)
 
     async def _run(self) -> None:
         assert self._work is not None
         p = self.params
         next_at = self._clock()
         while True:
-            if not self._running and not self._waiting:
-                self._signal_idle()
+            if not self._can_step():
                 self._work.clear()
                 await self._work.wait()
                 next_at = self._clock()
-            if self._gate is not None:
-                await self._gate()
-            prefill = self._admit()
-            running = len(self._running)
-            if running == 0:
                 continue
-            duration = p.step_s(running, prefill)
+            prefill = self._admit() if self._gate.admits else 0
+            running = len(self._running)
+            duration = p.step_s(running, prefill) + self._faults.config.step_delay_s
             self._record(duration, running)
             # Sleep to a deadline, so event-loop overhead does not slow the simulated GPU down;
             # one that fell a whole step behind restarts its clock rather than bursting to catch up.
             next_at += duration
             delay = next_at - self._clock()
-            await asyncio.sleep(max(0.0, delay))
+            self._in_step = True
+            try:
+                await asyncio.sleep(max(0.0, delay))
+            finally:
+                self._in_step = False
             if delay < -duration:
                 next_at = self._clock()
             self.steps += 1
+            self.generation_tokens += len(self._running)
+            finished = False
             while self._running and self._running[0][0] <= self.steps:
-                self._finish(heapq.heappop(self._running)[2])
+                sequence = heapq.heappop(self._running)[2]
+                self._finish(sequence, sequence.length, self._draw(sequence)[2])
+                finished = True
+            if finished:
+                self._signal_changed()
+            for request in self._streaming:
+                assert request.progressed is not None
+                request.progressed.set()
+            calls, self._at_step_end = self._at_step_end, []
+            for fn, future in calls:
+                if not future.done():
+                    future.set_result(fn())
 
     def _record(self, duration: float, running: int) -> None:
         if running:
@@ -333,12 +469,11 @@ class SimulatedEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        for _, _, sequence in self._running:
+        for sequence in [s for _, _, s in self._running] + list(self._waiting):
             if not sequence.request.future.done():
                 sequence.request.future.cancel()
-        for sequence in self._waiting:
-            if not sequence.request.future.done():
-                sequence.request.future.cancel()
+        for _, future in self._at_step_end:
+            future.cancel()
 
 
 def simulated_params_from_args(args: Any) -> SimulatedParams:

@@ -1,0 +1,224 @@
+"""The answers of the embedded server in vLLM 0.32's shapes: a completion, its Server-Sent-Events
+stream (`serving.py`'s chunks, then `data: [DONE]`), and a chat completion.
+
+`token_weight_versions` (per choice, parallel to `token_ids`) is not vLLM's: it appears only when a
+request sets `return_weight_versions`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import orjson
+from tokenizers.decoders import DecodeStream
+
+from beam_rl.inference.generator import ChoiceResult, GenerationParams
+from beam_rl.inference.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class TokenTexts:
+    """Each token id's own text (`decode([id])`), memoised. The logprobs body names every generated
+    token twice; decoding them one by one was most of the embedded server's CPU."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()  # completions bodies carry thousands of logprobs
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}
+
+
+def visible_text(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool) -> str:
+    """A choice's text as vLLM's detokenizer (tokenizers' DecodeStream) leaves it: trailing tokens
+    that only make an incomplete UTF-8 character (their text ends in U+FFFD) are never emitted."""
+    end = len(token_ids)
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    while end and text.endswith("\ufffd"):
+        end -= 1
+        text = tokenizer.decode(token_ids[:end], skip_special_tokens=skip_special_tokens)
+    return text
+
+
+def _stop_reason(choice: ChoiceResult, params: GenerationParams) -> int | None:
+    # vLLM names the stop token here when a stop_token_id (not EOS) ended the choice.
+    last = choice.token_ids[-1] if choice.token_ids else None
+    if choice.finish_reason == "stop" and last is not None and last in params.stop_token_ids:
+        return last
+    return None
+
+
+def completion_logprobs(texts: TokenTexts, choice: ChoiceResult, start: int, end: int, top_k: int,
+                        text_offset: int = 0) -> dict[str, Any]:
+    """vLLM's `CompletionLogProbs` of tokens [start, end) of a choice, offsets counted from `text_offset`."""
+    tokens = [texts(t) for t in choice.token_ids[start:end]]
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    top = None
+    if top_k:
+        top = [{texts(t): lp for t, lp in alternatives.items()} for alternatives in choice.top_logprobs[start:end]]
+    return {"tokens": tokens, "token_logprobs": choice.logprobs[start:end], "top_logprobs": top, "text_offset": offsets}
+
+
+def completion_body(
+    texts: TokenTexts, model_name: str, params: GenerationParams, request: CompletionRequest, choices: list[ChoiceResult]
+) -> dict[str, Any]:
+    """A vLLM-shaped completions response; `token_ids` keep the EOS/stop token that ended a choice."""
+    out = []
+    for index, choice in enumerate(choices):
+        body = {
+            "index": index,
+            "text": visible_text(texts.tokenizer, choice.token_ids, request.skip_special_tokens),
+            "logprobs": (completion_logprobs(texts, choice, 0, len(choice.token_ids), request.logprobs)
+                         if request.logprobs is not None else None),
+            "finish_reason": choice.finish_reason,
+            "stop_reason": _stop_reason(choice, params),
+            "token_ids": choice.token_ids if request.return_token_ids else None,
+            "prompt_token_ids": list(params.prompt_ids) if request.return_token_ids else None,
+            "prompt_logprobs": None,
+        }
+        if request.return_weight_versions:
+            body["token_weight_versions"] = choice.weight_versions
+        out.append(body)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": out,
+        "usage": _usage(len(params.prompt_ids), sum(len(c.token_ids) for c in choices)),
+    }
+
+
+class CompletionStream:
+    """The SSE chunks of one streamed completion: one per choice per step that sampled tokens or
+    finished it, as vLLM's `completion_stream_generator` writes them."""
+
+    def __init__(self, texts: TokenTexts, model_name: str, params: GenerationParams, request: CompletionRequest) -> None:
+        self.texts, self.params, self.request = texts, params, request
+        self._backend = texts.tokenizer.backend_tokenizer
+        self._head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                      "model": model_name}
+        n = params.n
+        self._sent = [0] * n  # tokens already in a chunk, per choice
+        self._finished = [False] * n
+        # vLLM's own incremental detokenizer: an incomplete UTF-8 character waits for the token completing it.
+        self._text = [DecodeStream(skip_special_tokens=request.skip_special_tokens) for _ in range(n)]
+        self._text_offset = [0] * n
+        options = request.stream_options
+        self._usage = bool(options and options.include_usage)
+        self._continuous_usage = self._usage and bool(options and options.continuous_usage_stats)
+
+    def chunks(self, choices: list[ChoiceResult]) -> bytes:
+        """`data:` events for what the choices gained since the last call."""
+        events = []
+        for index, choice in enumerate(choices):
+            start, end = self._sent[index], len(choice.token_ids)
+            finished = choice.finish_reason is not None
+            if self._finished[index] or (end == start and not finished) or (end == 0 and finished):
+                continue  # nothing new; a choice that ends with no token at all sends nothing, as in vLLM
+            self._sent[index], self._finished[index] = end, finished
+            if choice.finish_reason == "abort" and end > start:
+                # An abort samples nothing: tokens not yet streamed came from earlier steps, and vLLM
+                # streams them before the abort's own chunk, which carries no token.
+                events.append(self._chunk(index, choice, start, end, None))
+                start = end
+            events.append(self._chunk(index, choice, start, end, choice.finish_reason))
+        return b"".join(events)
+
+    def _chunk(self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None) -> bytes:
+        request = self.request
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = completion_logprobs(self.texts, choice, start, end, request.logprobs, self._text_offset[index])
+            if logprobs["tokens"]:
+                self._text_offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        body: dict[str, Any] = {
+            "index": index,
+            "text": "".join(self._text[index].step(self._backend, t) or "" for t in choice.token_ids[start:end]),
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": _stop_reason(choice, self.params) if finish_reason else None,
+            "prompt_token_ids": list(self.params.prompt_ids) if request.return_token_ids and start == 0 else None,
+            "token_ids": choice.token_ids[start:end] if request.return_token_ids else None,
+        }
+        if request.return_weight_versions:
+            body["token_weight_versions"] = choice.weight_versions[start:end]
+        chunk: dict[str, Any] = {**self._head, "choices": [body]}
+        if self._continuous_usage:
+            chunk["usage"] = _usage(len(self.params.prompt_ids), end)
+        return _event(chunk)
+
+    def end(self) -> bytes:
+        """The usage chunk (when asked for) and `data: [DONE]`."""
+        tail = b""
+        if self._usage:
+            usage = _usage(len(self.params.prompt_ids), sum(self._sent))
+            tail = _event({**self._head, "choices": [], "usage": usage})
+        return tail + b"data: [DONE]\n\n"
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def chat_body(
+    texts: TokenTexts, model_name: str, params: GenerationParams, request: ChatCompletionRequest, choices: list[ChoiceResult]
+) -> dict[str, Any]:
+    """A vLLM-shaped chat completion: the assistant's reply in `choices[].message.content`."""
+    out = []
+    for index, choice in enumerate(choices):
+        content = visible_text(texts.tokenizer, choice.token_ids, request.skip_special_tokens)
+        body = {
+            "index": index,
+            "message": {"role": "assistant", "content": content, "refusal": None, "annotations": None,
+                        "audio": None, "function_call": None, "reasoning": None},
+            "logprobs": _chat_logprobs(texts, choice, request.top_logprobs) if request.logprobs else None,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": _stop_reason(choice, params),
+            "token_ids": choice.token_ids if request.return_token_ids else None,
+        }
+        if request.return_weight_versions:
+            body["token_weight_versions"] = choice.weight_versions
+        out.append(body)
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": out,
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": _usage(len(params.prompt_ids), sum(len(c.token_ids) for c in choices)),
+        "prompt_logprobs": None,
+        "prompt_token_ids": list(params.prompt_ids) if request.return_token_ids else None,
+        "kv_transfer_params": None,
+    }
+
+
+def _chat_logprobs(texts: TokenTexts, choice: ChoiceResult, top_k: int) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = texts(token_id)
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
+
+    content = []
+    for position, (token_id, logprob) in enumerate(zip(choice.token_ids, choice.logprobs)):
+        alternatives = choice.top_logprobs[position].items() if top_k else ()
+        top = [entry(t, lp) for t, lp in sorted(alternatives, key=lambda kv: -kv[1])[:top_k]]
+        content.append({**entry(token_id, logprob), "top_logprobs": top})
+    return {"content": content}
