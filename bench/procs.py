@@ -8,36 +8,10 @@ import subprocess
 from collections.abc import Iterator
 
 from beam_rl.inference.launch import start_subprocess_server
-from beam_rl.processes import stop_processes
+from beam_rl.processes import stop_processes, tree_pids  # noqa: F401  (tests and benches use tree_pids from here)
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # exited while we looked
-        tree.setdefault(ppid, []).append(int(name))
-    return tree
-
-
-def tree_pids(root: int, exclude: set[int] = frozenset()) -> list[int]:
-    """`root` and its descendants, without the subtrees rooted at `exclude`."""
-    tree, out, todo = _children(), [], [root]
-    while todo:
-        pid = todo.pop()
-        if pid in exclude:
-            continue
-        out.append(pid)
-        todo.extend(tree.get(pid, []))
-    return out
 
 
 def name(pid: int) -> str | None:

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import zipfile
@@ -161,6 +162,35 @@ def _manifest_line(line: str) -> str:
     """Manifest lines are at most 72 bytes; continuation lines start with one space."""
     chunks = [line[:72]] + [" " + line[i:i + 71] for i in range(72, len(line), 71)]
     return "\n".join(chunks)
+
+
+FLINK_CLUSTER_VERSION = "1.19.0"  # the Flink the job server speaks (FLINK_VERSION) at this Beam version
+
+
+def ensure_flink_distribution(version: str = FLINK_CLUSTER_VERSION) -> Path:
+    """A standalone Flink distribution (FLINK_HOME: bin/, lib/, conf/) of `version`, for a cluster on this
+    machine. It comes inside the PyPI apache-flink wheel, installed without its Python dependencies (it pins
+    an older Beam) into a virtualenv of its own, cached; only its Java distribution is used."""
+    root = cache_root() / f"flink-cluster-{version}"
+    stamp = root / "venv" / ".installed"
+    if stamp.is_file():
+        return Path(stamp.read_text().strip())
+    started = time.monotonic()
+    venv = root / "venv"
+    root.mkdir(parents=True, exist_ok=True)
+    if not (venv / "bin" / "python").exists():
+        _run([sys.executable, "-m", "venv", str(venv)], "creating the Flink distribution's virtualenv")
+    _run([str(venv / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+          f"apache-flink=={version}", f"apache-flink-libraries=={version}"], f"installing apache-flink {version}")
+    home = Path(_run([str(venv / "bin" / "python"), "-c", "import os, pyflink; print(os.path.dirname(pyflink.__file__))"],
+                     "locating the Flink distribution").strip())
+    for script in (home / "bin").iterdir():
+        script.chmod(script.stat().st_mode | 0o755)
+    if not list((home / "lib").glob("flink-dist*.jar")):
+        raise BootstrapError(f"apache-flink {version} has no lib/flink-dist*.jar under {home}")
+    stamp.write_text(f"{home}\n")
+    _LOG.info("Flink %s distribution ready in %.1fs -> %s", version, time.monotonic() - started, home)
+    return home
 
 
 def main() -> None:

@@ -1,45 +1,53 @@
-"""A standalone Flink cluster on this machine: one JobManager and N TaskManagers, each its own JVM.
+"""A standalone Flink cluster on this machine: one JobManager and N TaskManagers, each its own JVM, and
+beside each TaskManager a Beam worker pool that runs its Python workers (as a sidecar does on Kubernetes).
 
-The distribution is the one inside the PyPI apache-flink wheel (scripts/setup-flink-cluster.sh), at
-the Flink version Beam's job server speaks. Every cluster gets its own conf/log directory and free
-loopback ports, so tests can run several and kill single TaskManagers. For users:
+The distribution is the one inside the PyPI apache-flink wheel (runners/bootstrap.py), at the Flink
+version Beam's job server speaks. Every cluster gets its own conf/log directory and free loopback ports,
+so tests can run several and kill single TaskManagers. For users:
 
     python -m runners.flink_cluster --taskmanagers 2     # prints the flink_master, runs until Ctrl-C
+
+A pipeline names its worker pool by one address that every TaskManager resolves on its own host (on
+Kubernetes, localhost:50000 in each pod). Here all TaskManagers share one host, so each runs in a mount
+namespace of its own whose /etc/hosts gives WORKER_POOL_HOST its own loopback address (127.0.0.11 for the
+first, ...), where its pool listens. Flink itself keeps talking over 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from beam_rl.processes import stop_processes
+from beam_rl.processes import stop_processes, tree_pids
+from runners.bootstrap import ensure_flink_distribution
+from runners.flink_rest import FlinkRest
 
-_REPO = Path(__file__).resolve().parents[1]
-SETUP_SCRIPT = _REPO / "scripts" / "setup-flink-cluster.sh"
+WORKER_POOL_HOST = "beam-rl-worker-pool"  # runner.worker_pool's host: each TaskManager's own pool
+WORKER_POOL_PORT = 50000
 
 # Loopback-only, small JVMs, and fast failure detection: a killed TaskManager is noticed within
 # seconds (default heartbeat timeout is 50 s), so a job's restart is measurable in a test.
 DEFAULT_SETTINGS: dict[str, Any] = {
-    "jobmanager.bind-host": "localhost",
-    "jobmanager.rpc.address": "localhost",
-    "rest.address": "localhost",
-    "rest.bind-address": "localhost",
-    "taskmanager.bind-host": "localhost",
-    "taskmanager.host": "localhost",
+    "jobmanager.bind-host": "127.0.0.1",
+    "jobmanager.rpc.address": "127.0.0.1",
+    "rest.address": "127.0.0.1",
+    "rest.bind-address": "127.0.0.1",
+    "taskmanager.bind-host": "127.0.0.1",
+    "taskmanager.host": "127.0.0.1",
     "jobmanager.memory.process.size": "1024m",
     "taskmanager.memory.process.size": "1280m",
     "taskmanager.memory.managed.size": "64m",
@@ -60,10 +68,15 @@ def flink_home() -> Path:
     """$FLINK_HOME if set, else the cached distribution (set up on first use, ~30 s)."""
     if os.environ.get("FLINK_HOME"):
         return Path(os.environ["FLINK_HOME"])
-    proc = subprocess.run([str(SETUP_SCRIPT)], check=False, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise FlinkClusterError(f"{SETUP_SCRIPT} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+    return ensure_flink_distribution()
+
+
+def _can_unshare_mounts() -> bool:
+    try:
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _free_port() -> int:
@@ -84,19 +97,39 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 @dataclass
+class TaskManager:
+    """One TaskManager JVM and, beside it, its worker pool (None: its Python workers run elsewhere)."""
+
+    name: str
+    process: subprocess.Popen
+    pool: subprocess.Popen | None = None
+    pool_address: str | None = None  # host:port the pool listens on; the TaskManager knows it as WORKER_POOL_HOST
+
+
+@dataclass
 class FlinkCluster:
-    """A running cluster; `master` is what Beam's `--flink_master` takes."""
+    """A running cluster; `master` is what Beam's `--flink_master` takes, `worker_pool` what
+    `--environment_config` takes for EXTERNAL workers."""
 
     home: Path
     workdir: Path
     rest_port: int
     jobmanager: subprocess.Popen | None = None
-    taskmanagers: list[subprocess.Popen] = field(default_factory=list)
+    taskmanagers: list[TaskManager] = field(default_factory=list)
     slots_per_taskmanager: int = 2
+    worker_pools: bool = True
 
     @property
     def master(self) -> str:
         return f"localhost:{self.rest_port}"
+
+    @property
+    def worker_pool(self) -> str:
+        return f"{WORKER_POOL_HOST}:{WORKER_POOL_PORT}"
+
+    @property
+    def api(self) -> FlinkRest:
+        return FlinkRest(self.master)
 
     @property
     def conf_dir(self) -> Path:
@@ -108,23 +141,63 @@ class FlinkCluster:
 
     # -- processes -------------------------------------------------------------------------------
 
-    def _spawn(self, script: str, name: str, *args: str) -> subprocess.Popen:
+    def _spawn(self, script: str, name: str, *args: str, hosts: Path | None = None) -> subprocess.Popen:
         env = dict(os.environ, FLINK_CONF_DIR=str(self.conf_dir), FLINK_LOG_DIR=str(self.log_dir),
                    FLINK_PID_DIR=str(self.workdir), FLINK_IDENT_STRING=name)
-        # start-foreground execs the JVM, so this pid is the JVM's: kill() hits exactly that process.
+        command = [str(self.home / "bin" / script), "start-foreground", *args]
+        if hosts is not None:
+            # Its own mount namespace, where /etc/hosts names its own worker pool; unshare and sh exec
+            # what follows, and start-foreground execs the JVM: this pid ends up the JVM's.
+            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                       f'mount --bind "{hosts}" /etc/hosts && exec "$@"', "sh", *command]
         with open(self.log_dir / f"{name}.out", "ab") as out:
-            return subprocess.Popen([str(self.home / "bin" / script), "start-foreground", *args], env=env,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start_jobmanager(self) -> None:
         self.jobmanager = self._spawn("jobmanager.sh", "jobmanager")
 
-    def add_taskmanager(self) -> subprocess.Popen:
-        name = f"taskmanager-{len(self.taskmanagers)}"
+    def add_taskmanager(self) -> TaskManager:
+        """A new TaskManager, with a worker pool of its own if the cluster has them."""
+        index = len(self.taskmanagers)
+        name = f"taskmanager-{index}"
+        pool = address = hosts = None
+        if self.worker_pools:
+            address = f"127.0.0.{11 + index}:{WORKER_POOL_PORT}"
+            pool = self._start_pool(name, address)
+            hosts = self.workdir / f"hosts-{name}"
+            hosts.write_text(Path("/etc/hosts").read_text() + f"\n{address.split(':')[0]} {WORKER_POOL_HOST}\n")
         # The resource id is what the REST API names a subtask's TaskManager by: kill the right one.
-        proc = self._spawn("taskmanager.sh", name, f"-Dtaskmanager.resource-id={name}")
-        self.taskmanagers.append(proc)
-        return proc
+        process = self._spawn("taskmanager.sh", name, f"-Dtaskmanager.resource-id={name}", hosts=hosts)
+        taskmanager = TaskManager(name, process, pool, address)
+        self.taskmanagers.append(taskmanager)
+        return taskmanager
+
+    def _start_pool(self, name: str, address: str) -> subprocess.Popen:
+        host, port = address.split(":")
+        logs = self.log_dir / f"workers-{name}"
+        logs.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, BEAM_RL_WORKER_LOG_DIR=str(logs))
+        # Workers run `python`: the interpreter of this environment must lead PATH.
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        out = open(self.log_dir / f"pool-{name}.out", "ab")
+        pool = subprocess.Popen([sys.executable, "-m", "runners.workers", "pool", "--host", host, "--port", port],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if pool.poll() is not None:
+                raise FlinkClusterError(f"the worker pool of {name} exited with {pool.returncode}; see {self.log_dir}")
+            try:
+                with socket.create_connection((host, int(port)), timeout=1):
+                    return pool
+            except OSError:
+                time.sleep(0.2)
+        raise FlinkClusterError(f"the worker pool of {name} did not listen on {address} within 60 s")
+
+    def worker_pids(self, index: int | None = None) -> list[int]:
+        """The Python workers (children of the worker pools) now running, of one TaskManager or all."""
+        pools = [tm.pool for i, tm in enumerate(self.taskmanagers) if tm.pool and index in (None, i)]
+        return [pid for pool in pools for pid in tree_pids(pool.pid) if pid != pool.pid]
 
     def taskmanagers_of(self, job_id: str) -> set[str]:
         """Resource ids of the TaskManagers running any subtask of the job."""
@@ -135,13 +208,19 @@ class FlinkCluster:
         return names - {None, "(unassigned)"}
 
     def kill_taskmanager(self, index: int) -> None:
-        """SIGKILL, as a crashed machine would: no deregistration, the JobManager must notice."""
-        proc = self.taskmanagers[index]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        """SIGKILL, as a crashed machine would: no deregistration, the JobManager must notice. Its worker
+        pool stays up (a sidecar outlives its neighbour's crash); workers it served lose their TaskManager."""
+        process = self.taskmanagers[index].process
+        process.send_signal(signal.SIGKILL)
+        process.wait()
 
     def stop(self) -> None:
-        stop_processes([p for p in [*self.taskmanagers, self.jobmanager] if p is not None], timeout_s=20)
+        processes = [tm.process for tm in self.taskmanagers] + [tm.pool for tm in self.taskmanagers if tm.pool]
+        stop_processes([p for p in [*processes, self.jobmanager] if p is not None], timeout_s=20)
+        for tm in self.taskmanagers:  # the pools' workers, if any outlived their pool
+            if tm.pool is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(tm.pool.pid, signal.SIGKILL)
         # Flink's scratch (io.tmp.dirs: blob caches, every job's uploaded jars) is ~1 GB per run;
         # conf/ and log/ stay for a post-mortem.
         shutil.rmtree(self.workdir / "tmp", ignore_errors=True)
@@ -149,8 +228,7 @@ class FlinkCluster:
     # -- REST ------------------------------------------------------------------------------------
 
     def rest(self, path: str, timeout_s: float = 5.0) -> Any:
-        with urllib.request.urlopen(f"http://{self.master}{path}", timeout=timeout_s) as response:
-            return json.loads(response.read())
+        return self.api.get(path, timeout_s)
 
     def overview(self) -> dict[str, Any] | None:
         try:
@@ -174,14 +252,13 @@ class FlinkCluster:
         raise FlinkClusterError(f"cluster not ready in {timeout_s:g}s (last overview {overview}); see {self.log_dir}")
 
     def jobs(self) -> list[dict[str, Any]]:
-        return self.rest("/jobs/overview")["jobs"]
+        return self.api.jobs()
 
     def job_metric(self, job_id: str, name: str) -> float | None:
-        values = self.rest(f"/jobs/{job_id}/metrics?get={name}")
-        return float(values[0]["value"]) if values else None
+        return self.api.metric(job_id, name)
 
     def checkpoints(self, job_id: str) -> dict[str, Any]:
-        return self.rest(f"/jobs/{job_id}/checkpoints")
+        return self.api.checkpoints(job_id)
 
 
 def write_conf(home: Path, conf_dir: Path, settings: dict[str, Any]) -> None:
@@ -192,12 +269,19 @@ def write_conf(home: Path, conf_dir: Path, settings: dict[str, Any]) -> None:
 
 
 def start_cluster(taskmanagers: int = 2, slots_per_taskmanager: int = 2, workdir: str | Path | None = None,
-                  settings: dict[str, Any] | None = None, ready_timeout_s: float = 120.0) -> FlinkCluster:
-    """Starts a JobManager and `taskmanagers` TaskManagers and waits until all are registered."""
+                  settings: dict[str, Any] | None = None, ready_timeout_s: float = 120.0,
+                  worker_pools: bool = True) -> FlinkCluster:
+    """Starts a JobManager and `taskmanagers` TaskManagers, each with its worker pool (`worker_pools`),
+    and waits until all are registered."""
+    if worker_pools and not _can_unshare_mounts():
+        raise FlinkClusterError(
+            "a worker pool per TaskManager on one machine needs mount namespaces (`unshare --mount`, as root): "
+            "each TaskManager gets its own /etc/hosts entry for its pool. Start the cluster with "
+            "worker_pools=False and run the workers elsewhere (runner.environment = \"loopback\" or \"process\")")
     home = flink_home()
     workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="beam-rl-flink-"))
     cluster = FlinkCluster(home=home, workdir=workdir, rest_port=_free_port(),
-                           slots_per_taskmanager=slots_per_taskmanager)
+                           slots_per_taskmanager=slots_per_taskmanager, worker_pools=worker_pools)
     cluster.log_dir.mkdir(parents=True, exist_ok=True)
     write_conf(home, cluster.conf_dir, {
         **DEFAULT_SETTINGS,
@@ -223,10 +307,12 @@ def main() -> None:
     parser.add_argument("--taskmanagers", type=int, default=2)
     parser.add_argument("--slots", type=int, default=2, help="task slots per TaskManager")
     parser.add_argument("--workdir", help="conf/ and log/ go here (default: a new temporary directory)")
+    parser.add_argument("--no-worker-pools", action="store_true", help="no worker pool beside each TaskManager")
     args = parser.parse_args()
     started = time.monotonic()
-    cluster = start_cluster(args.taskmanagers, args.slots, args.workdir)
-    print(f"Flink cluster ready in {time.monotonic() - started:.1f}s: flink_master = \"{cluster.master}\" "
+    cluster = start_cluster(args.taskmanagers, args.slots, args.workdir, worker_pools=not args.no_worker_pools)
+    pools = f'; runner.worker_pool = "{cluster.worker_pool}"' if cluster.worker_pools else ""
+    print(f"Flink cluster ready in {time.monotonic() - started:.1f}s: flink_master = \"{cluster.master}\"{pools} "
           f"(web UI http://{cluster.master}, logs {cluster.log_dir}); Ctrl-C stops it", flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     try:

@@ -428,3 +428,15 @@ def test_guess_number_needs_chatml_markers() -> None:
     with pytest.raises(ValueError, match="needs a ChatML tokenizer"):
         GuessNumber(plain)
 
+
+
+def test_reward_cpu_ms_spends_that_much_cpu_per_reward(tok: Any) -> None:
+    import time
+
+    env = make_env("arithmetic", tok, reward_cpu_ms=50)
+    row = {"question": "2 + 2", "answer": "4"}
+    started = time.thread_time()
+    assert env.reward(row, answer(tok, "4")) == 1.0
+    assert 0.05 <= time.thread_time() - started < 0.5
+    with pytest.raises(ValueError, match="reward_cpu_ms"):
+        make_env("arithmetic", tok, reward_cpu_ms=-1)

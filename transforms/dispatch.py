@@ -16,6 +16,7 @@ import uuid
 from typing import List, Tuple
 
 import apache_beam as beam
+from apache_beam.coders.coders import BytesCoder, LengthPrefixCoder
 from apache_beam.io.iobase import RestrictionProgress, RestrictionTracker
 from apache_beam.transforms.core import RestrictionProvider
 from apache_beam.utils import shared
@@ -24,6 +25,7 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 from beam_rl.source import DispatchRange, EndOfInput, RolloutSource, Shard, SourceSpec
 from beam_rl.types import Rollout
 from transforms import coders  # noqa: F401  (registers the coder of Rollout)
+from transforms.flink_keys import operator_index
 from transforms.sdf import WatermarkFromStart
 
 END_OF_INPUT = "end_of_input"
@@ -182,7 +184,30 @@ class _DispatchFn(beam.DoFn):
 
 
 def _shard_elements(spec: SourceSpec) -> list[ShardElement]:
-    return [(spec.run_id, (i, Shard(i, spec.shards).size(spec.schedule_groups))) for i in range(spec.shards)]
+    """One element per shard. Flink keys the source's stage by the element, so on Flink each gets a
+    routing key that sends shard i to subtask i (mod the parallelism): without it two shards may share a
+    subtask, and so a worker, while another worker has none."""
+    elements = []
+    for i in range(spec.shards):
+        size = Shard(i, spec.shards).size(spec.schedule_groups)
+        elements.append((_routing_key(spec, i, size), (i, size)))
+    return elements
+
+
+def _routing_key(spec: SourceSpec, shard: int, size: int) -> str:
+    runner = spec.config.runner
+    if runner.name == "direct":
+        return spec.run_id
+    # The element's coder is Python's (pickled_python, deterministic for plain tuples), so the runner keys
+    # by its bytes length-prefixed, as it holds every coder it does not know.
+    coder = beam.coders.registry.get_coder(ShardElement)
+    runner_coder = LengthPrefixCoder(BytesCoder())
+    for salt in range(100_000):
+        key = f"{spec.run_id}/{salt}"
+        encoded = runner_coder.encode(coder.encode((key, (shard, size))))
+        if operator_index(encoded, runner.parallelism) == shard % runner.parallelism:
+            return key
+    raise AssertionError("no routing key found")  # each salt hits a subtask with probability 1/parallelism
 
 
 class DispatchRollouts(beam.PTransform):

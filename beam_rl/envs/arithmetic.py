@@ -7,6 +7,7 @@ random-init model sees reward variance inside a group from its first step.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,14 @@ class ArithmeticRow(BaseModel):
         return answer
 
 
+def spend_cpu(seconds: float) -> None:
+    """Busy this thread for `seconds` of its own CPU time (not wall time: a busy machine stretches it)."""
+    until, x = time.thread_time() + seconds, 0
+    while time.thread_time() < until:
+        for _ in range(1000):
+            x = (x * 1103515245 + 12345) & 0x7FFFFFFF
+
+
 @register_env
 class Arithmetic(DatasetEnvironment):
     """Single-turn arithmetic with an exact, verifiable reward.
@@ -49,7 +58,9 @@ class Arithmetic(DatasetEnvironment):
     reward = 1.0 if first_integer(completion) == answer
              partial_credit if the completion holds some other integer
              0.0 if it holds no integer at all.
-    `max_level` keeps only rows up to that difficulty level (None = all).
+    `max_level` keeps only rows up to that difficulty level (None = all). `reward_cpu_ms` makes each reward
+    also spend that much CPU time, as a judge model or a test suite would: a load to measure how the
+    scoring stage spreads over workers.
     """
 
     name = "arithmetic"
@@ -65,6 +76,7 @@ class Arithmetic(DatasetEnvironment):
         *,
         partial_credit: float = 0.0,
         max_level: int | None = None,
+        reward_cpu_ms: float = 0.0,
         dataset: str | Path | None = None,
         bad_rows: BadRows = "fail",
         max_context: int | None = None,
@@ -72,8 +84,11 @@ class Arithmetic(DatasetEnvironment):
         super().__init__(tokenizer, max_turns, dataset=dataset, bad_rows=bad_rows, max_context=max_context)
         if not 0.0 <= partial_credit < 1.0:
             raise ValueError(f"partial_credit must be in [0, 1), got {partial_credit}")
+        if reward_cpu_ms < 0:
+            raise ValueError(f"reward_cpu_ms must be >= 0, got {reward_cpu_ms}")
         self.partial_credit = partial_credit
         self.max_level = max_level
+        self.reward_cpu_ms = reward_cpu_ms
 
     def select_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if self.max_level is None:
@@ -85,6 +100,8 @@ class Arithmetic(DatasetEnvironment):
         return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": content}])
 
     def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float:
+        if self.reward_cpu_ms:
+            spend_cpu(self.reward_cpu_ms / 1000)
         predicted = first_integer(self.final_text(trajectory))
         if predicted is None:
             return 0.0
@@ -111,11 +128,12 @@ class ArithmeticEasy(Arithmetic):
         *,
         partial_credit: float = 0.1,
         max_level: int | None = 0,
+        reward_cpu_ms: float = 0.0,
         dataset: str | Path | None = None,
         bad_rows: BadRows = "fail",
         max_context: int | None = None,
     ) -> None:
         super().__init__(
-            tokenizer, max_turns, partial_credit=partial_credit, max_level=max_level, dataset=dataset,
-            bad_rows=bad_rows, max_context=max_context,
+            tokenizer, max_turns, partial_credit=partial_credit, max_level=max_level, reward_cpu_ms=reward_cpu_ms,
+            dataset=dataset, bad_rows=bad_rows, max_context=max_context,
         )
