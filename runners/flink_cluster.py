@@ -160,17 +160,34 @@ class FlinkCluster:
         """A new TaskManager, with a worker pool of its own if the cluster has them."""
         index = len(self.taskmanagers)
         name = f"taskmanager-{index}"
-        pool = address = hosts = None
+        pool = address = None
         if self.worker_pools:
             address = f"127.0.0.{11 + index}:{WORKER_POOL_PORT}"
             pool = self._start_pool(name, address)
             hosts = self.workdir / f"hosts-{name}"
             hosts.write_text(Path("/etc/hosts").read_text() + f"\n{address.split(':')[0]} {WORKER_POOL_HOST}\n")
-        # The resource id is what the REST API names a subtask's TaskManager by: kill the right one.
-        process = self._spawn("taskmanager.sh", name, f"-Dtaskmanager.resource-id={name}", hosts=hosts)
-        taskmanager = TaskManager(name, process, pool, address)
+        taskmanager = TaskManager(name, self._start_taskmanager(name, index), pool, address)
         self.taskmanagers.append(taskmanager)
         return taskmanager
+
+    def restart_taskmanager(self, index: int) -> TaskManager:
+        """A new TaskManager JVM in place of a dead one, beside the same worker pool (on Kubernetes, the
+        pod restarting its crashed container while the sidecar stays)."""
+        old = self.taskmanagers[index]
+        if old.process.poll() is None:
+            raise FlinkClusterError(f"{old.name} is still running")
+        name = f"{old.name.split('.')[0]}.{int(old.name.split('.')[1]) + 1 if '.' in old.name else 1}"
+        self.taskmanagers[index] = TaskManager(name, self._start_taskmanager(name, index), old.pool, old.pool_address)
+        return self.taskmanagers[index]
+
+    def _start_taskmanager(self, name: str, index: int) -> subprocess.Popen:
+        hosts = self.workdir / f"hosts-taskmanager-{index}" if self.worker_pools else None
+        # The resource id is what the REST API names a subtask's TaskManager by: kill the right one.
+        return self._spawn("taskmanager.sh", name, f"-Dtaskmanager.resource-id={name}", hosts=hosts)
+
+    def index_of(self, resource_id: str) -> int:
+        """The position in `taskmanagers` of the TaskManager the REST API names `resource_id`."""
+        return next(i for i, tm in enumerate(self.taskmanagers) if tm.name == resource_id)
 
     def _start_pool(self, name: str, address: str) -> subprocess.Popen:
         host, port = address.split(":")

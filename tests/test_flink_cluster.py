@@ -1,33 +1,38 @@
-"""A standalone Flink 1.19 cluster (JobManager + two TaskManagers, separate JVMs, loopback) from the
-PyPI apache-flink wheel, and the rollout pipeline submitted to it with runner "flink".
+"""A standalone Flink 1.19 cluster (a JobManager and two TaskManagers, separate JVMs, loopback), each
+TaskManager with a Beam worker pool beside it, and the rollout pipeline submitted to it with runner "flink"
+and EXTERNAL workers: the Python stages run on the cluster's workers, not in this process.
 
-The cluster itself (start-up, a killed TaskManager noticed, a new one joining) and the rollout
-pipeline at parallelism 2 with and without checkpointing work (with checkpointing only since
-runners/options.py passes --finish_bundle_before_checkpointing: Beam 2.62 otherwise parks the
-Impulse stage's only output in operator state and the dispatch SDF never starts). A TaskManager
-killed mid-run is recovered exactly once, whether Flink restores a checkpoint or restarts with none:
-this LOOPBACK process keeps its RolloutSource and packer mirror across the restart, and both rebuild
-from the restored state and the run directory (docs/flink-cluster.md).
+Covered: dispatch (two shards) and scoring (a CPU-heavy reward) ran in two worker processes, neither of
+them this one, every group trained once or counted; the job keeps checkpointing for the whole run and
+restores from a checkpoint taken more than a minute in when a TaskManager dies; a killed worker process;
+a killed submitter, after which steps keep committing and a new follower attaches to the job.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
 
 from beam_rl.config import config_from_dict
 from beam_rl.inference.server import EmbeddedServer, FaultConfig
+from beam_rl.lease import RunDirBusyError, read_job_record
 from beam_rl.rundir import RunDir
-from beam_rl.tinymodel import tiny_model_dir
 from runners.flink_cluster import start_cluster
-from runners.pipeline import start_rollouts
+from runners.pipeline import attach_rollouts, start_rollouts
 
-PROMPTS, GROUP_SIZE, ROLLOUTS_PER_STEP = 32, 8, 64
-FIRST_STEP_TIMEOUT_S = 60.0  # Prism commits step 1 of this run within seconds; Flink within ~20 s
-RUN_TIMEOUT_S = 240.0
+GROUP_SIZE, ROLLOUTS_PER_STEP = 8, 64
+FIRST_STEP_TIMEOUT_S = 90.0
+RUN_TIMEOUT_S = 300.0
 
 pytestmark = pytest.mark.skipif(shutil.which("java") is None, reason="needs a Java 11+ runtime for Flink")
 
@@ -36,43 +41,50 @@ pytestmark = pytest.mark.skipif(shutil.which("java") is None, reason="needs a Ja
 def cluster():
     started = time.monotonic()
     cluster = start_cluster(taskmanagers=2, slots_per_taskmanager=2)
-    print(f"Flink cluster ready in {time.monotonic() - started:.1f}s at {cluster.master}")
+    print(f"Flink cluster with worker pools ready in {time.monotonic() - started:.1f}s at {cluster.master}")
     yield cluster
     cluster.stop()
 
 
+def _servers(**faults):
+    started = [EmbeddedServer(mode="instant", served_model_name="tiny", max_num_seqs=256,
+                              faults=FaultConfig(**faults)) for _ in range(2)]
+    return started, [s.start() for s in started]
+
+
 @pytest.fixture(scope="module")
 def servers():
-    started = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", max_num_seqs=64)
-               for _ in range(2)]
-    yield [s.start() for s in started]
+    started, urls = _servers()
+    yield urls
     for s in started:
         s.stop()
 
 
 @pytest.fixture(scope="module")
 def slow_servers():
-    """Servers that answer each request after 1 s: with one group in flight at a time the 32 groups
-    take over 30 s, so a kill after step 1 lands mid-run (with the fast servers every step is often
-    committed before the kill, leaving nothing to recover)."""
-    started = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", max_num_seqs=64,
-                               faults=FaultConfig(latency_s=1.0))
-               for _ in range(2)]
-    yield [s.start() for s in started]
+    """Each request answered after 1 s: with a group per shard in flight at a time, a run of
+    `prompts` groups takes about prompts / 2 seconds, long enough to kill things in the middle."""
+    started, urls = _servers(latency_s=1.0)
+    yield urls
     for s in started:
         s.stop()
 
 
-def _config(run_dir, master: str, parallelism: int = 2, checkpointing_interval_ms: int | None = 1000,
-            max_inflight: int = 64):
-    return config_from_dict({
-        "run": {"dir": str(run_dir), "max_steps": 10},
-        "envs": [{"name": "reverse_text", "group_size": GROUP_SIZE, "limit": PROMPTS}],
+def _config(run_dir, cluster, prompts: int, checkpointing_interval_ms: int | None = 1000,
+            max_inflight: int = 64, reward_cpu_ms: float = 0.0) -> dict:
+    env = ({"name": "arithmetic", "args": {"reward_cpu_ms": reward_cpu_ms}} if reward_cpu_ms
+           else {"name": "reverse_text"})
+    return {
+        "run": {"dir": str(run_dir), "max_steps": 1000},
+        "envs": [{**env, "group_size": GROUP_SIZE, "limit": prompts}],
         "batch": {"rollouts_per_step": ROLLOUTS_PER_STEP},
+        # Every group trains or is counted; a zero-advantage group is then trained too, so steps are full.
+        "filters": {"zero_advantage": {"mode": "monitor"}},
         "inference": {"max_tokens": 8, "max_inflight": max_inflight},
-        "runner": {"name": "flink", "flink_master": master, "parallelism": parallelism,
-                   "checkpointing_interval_ms": checkpointing_interval_ms},
-    })
+        "dispatch": {"shards": 2},
+        "runner": {"name": "flink", "flink_master": cluster.master, "parallelism": 2, "environment": "external",
+                   "worker_pool": cluster.worker_pool, "checkpointing_interval_ms": checkpointing_interval_ms},
+    }
 
 
 def _wait(predicate, timeout_s: float, what: str) -> float:
@@ -84,121 +96,159 @@ def _wait(predicate, timeout_s: float, what: str) -> float:
     return time.monotonic() - started
 
 
-def _assert_exactly_once(run_dir: RunDir) -> None:
+def _assert_exactly_once(run_dir: RunDir, prompts: int) -> None:
     steps = run_dir.committed_steps()
     assert steps == list(range(1, len(steps) + 1))
     ids = [rid for s in steps for rid in run_dir.read_window(s).column("rollout_id").to_pylist()]
-    assert len(ids) == PROMPTS * GROUP_SIZE and len(set(ids)) == len(ids)  # none lost, none twice
+    assert len(ids) == prompts * GROUP_SIZE and len(set(ids)) == len(ids)  # none lost, none twice
     groups = collections.Counter(rid.rsplit("/", 1)[0] for rid in ids)
-    assert len(groups) == PROMPTS and set(groups.values()) == {GROUP_SIZE}
+    assert len(groups) == prompts and set(groups.values()) == {GROUP_SIZE}
 
 
-def test_the_cluster_is_a_jobmanager_and_two_taskmanager_processes(cluster):
+def _workers(run_dir: RunDir) -> dict[str, set[str]]:
+    """host:pid of every worker that dispatched or scored a rollout of the run (the commit records')."""
+    seen: dict[str, set[str]] = {"dispatch": set(), "score": set()}
+    for step in run_dir.committed_steps():
+        for role, workers in run_dir.read_commit(step).extra["workers"].items():
+            seen[role].update(workers)
+    return seen
+
+
+def test_the_cluster_is_a_jobmanager_and_two_taskmanagers_each_with_a_worker_pool(cluster):
     overview = cluster.overview()
     assert overview["flink-version"].startswith("1.19")
     assert overview["taskmanagers"] == 2 and overview["slots-total"] == 4
-    pids = {cluster.jobmanager.pid, *(p.pid for p in cluster.taskmanagers)}
-    assert len(pids) == 3 and all(p.poll() is None for p in [cluster.jobmanager, *cluster.taskmanagers])
-    names = {tm["id"] for tm in cluster.rest("/taskmanagers")["taskmanagers"]}
-    assert names == {"taskmanager-0", "taskmanager-1"}
+    processes = [cluster.jobmanager, *(tm.process for tm in cluster.taskmanagers), *(tm.pool for tm in cluster.taskmanagers)]
+    assert len({p.pid for p in processes}) == 5 and all(p.poll() is None for p in processes)
+    assert {tm["id"] for tm in cluster.rest("/taskmanagers")["taskmanagers"]} == {"taskmanager-0", "taskmanager-1"}
+    assert len({tm.pool_address for tm in cluster.taskmanagers}) == 2  # a pool of its own each
 
 
-def test_a_killed_taskmanager_is_noticed_and_a_new_one_joins(tmp_path):
-    # Its own cluster: the module's one stays whole for the pipeline tests.
-    cluster = start_cluster(taskmanagers=2, slots_per_taskmanager=1, workdir=tmp_path)
+def test_dispatch_and_scoring_run_on_two_cluster_workers_none_of_them_this_process(cluster, servers, tmp_path):
+    prompts = 32
+    config = config_from_dict(_config(tmp_path, cluster, prompts, reward_cpu_ms=5.0))
+    job = start_rollouts(config, servers, str(tmp_path), with_trainer=False)
+    pool_workers: set[int] = set()
+    sampling = threading.Event()
+
+    def sample() -> None:  # the pools' workers while the job runs (they go with it)
+        while not sampling.wait(0.2):
+            pool_workers.update(cluster.worker_pids())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     try:
-        cluster.kill_taskmanager(0)
-        noticed = _wait(lambda: cluster.overview()["taskmanagers"] == 1, 30, "the JobManager drops the dead TaskManager")
-        cluster.add_taskmanager()
-        joined = _wait(lambda: cluster.overview()["slots-total"] == 2, 60, "a new TaskManager registers")
-        print(f"dead TaskManager dropped after {noticed:.1f}s; replacement registered after {joined:.1f}s")
+        with pytest.raises(RunDirBusyError):  # one follower per run directory
+            start_rollouts(config, servers, str(tmp_path), with_trainer=False)
+        job.wait()
     finally:
-        cluster.stop()
-
-
-def _job_ids(cluster) -> set[str]:
-    return {j["jid"] for j in cluster.jobs()}
-
-
-def _new_job(cluster, before: set[str]) -> str:
-    """The id of the job submitted since `before` (the module's cluster also lists the earlier
-    tests' jobs, in no fixed order)."""
-    _wait(lambda: _job_ids(cluster) - before, 30, "the job is listed")
-    (job_id,) = _job_ids(cluster) - before
-    return job_id
-
-
-def _wait_for_the_end(cluster, job_id: str) -> str:
-    ended = ("FINISHED", "FAILED", "CANCELED")
-    _wait(lambda: cluster.rest(f"/jobs/{job_id}")["state"] in ended, RUN_TIMEOUT_S, "job ends")
-    return cluster.rest(f"/jobs/{job_id}")["state"]
-
-
-def _run_to_the_end(cluster, servers, run_dir: RunDir, config) -> None:
-    before = _job_ids(cluster)
-    job = start_rollouts(config, servers, str(run_dir.path), with_trainer=False)
-    try:
-        _wait(lambda: run_dir.committed_steps(), FIRST_STEP_TIMEOUT_S, "step 1 committed on the cluster")
-        assert _wait_for_the_end(cluster, _new_job(cluster, before)) == "FINISHED"
-    finally:
+        sampling.set()
+        sampler.join()
         job.cancel()
-
-
-def test_rollouts_stream_out_exactly_once_on_the_cluster_without_checkpoints(cluster, servers, tmp_path):
     run_dir = RunDir(tmp_path)
-    _run_to_the_end(cluster, servers, run_dir,
-                    _config(tmp_path, cluster.master, parallelism=2, checkpointing_interval_ms=None))
-    _assert_exactly_once(run_dir)
-    # Not asserted: that step 1 commits before the last rollout finishes (as on Prism). Measured
-    # here, it committed 0.3 s after: this run's 256 rollouts take a few seconds, and each of the
-    # four fused stages holds a bundle up to Beam's 1 s max bundle time on Flink.
+    _assert_exactly_once(run_dir, prompts)
+    workers = _workers(run_dir)
+    assert len(workers["dispatch"]) == 2 and len(workers["score"]) == 2, workers
+    pids = {int(w.rsplit(":", 1)[1]) for w in workers["dispatch"] | workers["score"]}
+    assert os.getpid() not in pids and pids <= pool_workers, (pids, pool_workers)  # the pools' children
 
 
-def test_rollouts_stream_out_exactly_once_at_parallelism_2_with_checkpoints(cluster, servers, tmp_path):
-    run_dir = RunDir(tmp_path)
-    _run_to_the_end(cluster, servers, run_dir, _config(tmp_path, cluster.master))
-    _assert_exactly_once(run_dir)
+def _start(cluster, servers, run_dir, prompts, **kw):
+    config = config_from_dict(_config(run_dir, cluster, prompts, max_inflight=2 * GROUP_SIZE, **kw))
+    job = start_rollouts(config, servers, str(run_dir), with_trainer=False)
+    return config, job, read_job_record(run_dir)["job_id"]
 
 
-# When the TaskManager dies: (checkpointing interval, wait after step 1 for a checkpoint, then seconds).
-KILLS = {
-    # Flink restarts with no checkpoint: the source and packer start over from the run directory.
-    "before-any-checkpoint": (60_000, False, 0.0),
-    # Step 1 commits right after a checkpoint, and the source has usually not run since: Flink
-    # restores the restriction this process last saved, and the source just continues.
-    "right-after-step-1": (1000, False, 0.0),
-    # The source ran on after the checkpoint: a replay, the source is rebuilt from the checkpoint.
-    "2s-after-a-checkpoint": (5000, True, 2.0),
-}
-
-
-@pytest.mark.parametrize("kill", list(KILLS))
-def test_a_taskmanager_killed_mid_run_loses_and_duplicates_no_step(cluster, slow_servers, tmp_path, kill):
-    interval_ms, after_a_checkpoint, delay_s = KILLS[kill]
-    before = _job_ids(cluster)
-    config = _config(tmp_path, cluster.master, checkpointing_interval_ms=interval_ms, max_inflight=GROUP_SIZE)
-    job = start_rollouts(config, slow_servers, str(tmp_path), with_trainer=False)
+def test_a_taskmanager_killed_over_a_minute_in_is_restored_from_a_checkpoint_taken_after_that_minute(
+        cluster, slow_servers, tmp_path):
+    prompts = 160  # ~80 s of dispatch on slow servers: the kill lands past the minute, with work left
+    _, job, job_id = _start(cluster, slow_servers, tmp_path, prompts, checkpointing_interval_ms=2000)
     run_dir = RunDir(tmp_path)
     try:
-        _wait(lambda: run_dir.committed_steps(), FIRST_STEP_TIMEOUT_S, "step 1 committed on the cluster")
-        job_id = _new_job(cluster, before)
-        if after_a_checkpoint:
-            done = cluster.checkpoints(job_id)["counts"]["completed"]
-            _wait(lambda: cluster.checkpoints(job_id)["counts"]["completed"] > done, 30, "a checkpoint completes")
-        time.sleep(delay_s)
-        victim = min(cluster.taskmanagers_of(job_id))
-        killed_at = time.monotonic()
-        cluster.kill_taskmanager(int(victim.rsplit("-", 1)[1]))
+        started_ms = cluster.rest(f"/jobs/{job_id}")["start-time"]
+        _wait(lambda: time.time() * 1000 - started_ms > 65_000, 120, "the job runs past a minute")
         steps_then = len(run_dir.committed_steps())
-        assert steps_then < PROMPTS * GROUP_SIZE // ROLLOUTS_PER_STEP, "the run ended before the kill"
+        assert steps_then < prompts * GROUP_SIZE // ROLLOUTS_PER_STEP, "the run ended before the kill"
+        # Checkpoints go on past the first minute (the source is kept up): the newest one is the restore's.
+        newest = cluster.checkpoints(job_id)["latest"]["completed"]
+        assert newest["trigger_timestamp"] - started_ms > 60_000, newest
+        victim = cluster.index_of(min(cluster.taskmanagers_of(job_id)))
+        killed_at = time.monotonic()
+        cluster.kill_taskmanager(victim)
         _wait(lambda: (cluster.job_metric(job_id, "numRestarts") or 0) >= 1, 60, "the job restarts")
         _wait(lambda: len(run_dir.committed_steps()) > steps_then, RUN_TIMEOUT_S, "a step committed after the kill")
-        restored = (cluster.checkpoints(job_id).get("latest") or {}).get("restored")
-        print(f"recovered: a new step committed {time.monotonic() - killed_at:.1f}s after the kill "
-              f"({steps_then} committed at the kill; restored from {restored and restored.get('id')})")
-        assert _wait_for_the_end(cluster, job_id) == "FINISHED"
-        _assert_exactly_once(run_dir)
+        recovery_s = time.monotonic() - killed_at
+        restored = cluster.checkpoints(job_id)["latest"]["restored"]
+        print(f"TaskManager killed {time.time() * 1000 - started_ms:.0f} ms into the job; restored checkpoint "
+              f"{restored['id']} (the newest before the kill: {newest['id']}, triggered "
+              f"{(newest['trigger_timestamp'] - started_ms) / 1000:.1f}s in); a new step committed "
+              f"{recovery_s:.1f}s after the kill")
+        assert restored["id"] >= newest["id"]
+        job.wait()
+        _assert_exactly_once(run_dir, prompts)
     finally:
         job.cancel()
-        cluster.add_taskmanager()  # the module's cluster gets its second TaskManager back
-        cluster.wait_ready(2)
+        if cluster.taskmanagers[victim].process.poll() is not None:  # the module's cluster: two live again
+            cluster.restart_taskmanager(victim)
+            cluster.wait_ready(2)
+
+
+def test_a_killed_worker_process_is_replaced_and_the_run_loses_nothing(cluster, slow_servers, tmp_path):
+    prompts = 48
+    _, job, job_id = _start(cluster, slow_servers, tmp_path, prompts, checkpointing_interval_ms=1000)
+    run_dir = RunDir(tmp_path)
+    try:
+        _wait(lambda: len(run_dir.committed_steps()) >= 1, FIRST_STEP_TIMEOUT_S, "step 1 committed")
+        steps_then = len(run_dir.committed_steps())
+        victim = cluster.worker_pids()[0]
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        _wait(lambda: (cluster.job_metric(job_id, "numRestarts") or 0) >= 1, 60, "the job restarts")
+        _wait(lambda: len(run_dir.committed_steps()) > steps_then, RUN_TIMEOUT_S, "a step committed after the kill")
+        print(f"worker {victim} killed; a new step committed {time.monotonic() - killed_at:.1f}s later")
+        job.wait()
+        _assert_exactly_once(run_dir, prompts)
+        assert victim not in cluster.worker_pids()
+    finally:
+        job.cancel()
+
+
+_SUBMITTER = """
+import sys
+from beam_rl.config import config_from_dict
+from runners.pipeline import start_rollouts
+import json
+config = config_from_dict(json.loads(sys.argv[1]))
+job = start_rollouts(config, json.loads(sys.argv[2]), config.run.dir, with_trainer=False)
+print("SUBMITTED", flush=True)
+job.wait()
+"""
+
+
+def test_the_job_outlives_its_submitter_and_a_new_follower_attaches_to_it(cluster, slow_servers, tmp_path):
+    prompts = 48
+    raw = _config(tmp_path, cluster, prompts, max_inflight=2 * GROUP_SIZE, checkpointing_interval_ms=1000)
+    submitter = subprocess.Popen([sys.executable, "-c", _SUBMITTER, json.dumps(raw), json.dumps(slow_servers)],
+                                 stdout=subprocess.PIPE, text=True)
+    run_dir = RunDir(tmp_path)
+    try:
+        _wait(lambda: len(run_dir.committed_steps()) >= 1, FIRST_STEP_TIMEOUT_S, "step 1 committed")
+        job_id = read_job_record(tmp_path)["job_id"]
+        submitter.send_signal(signal.SIGKILL)
+        submitter.wait()
+        killed_at, steps_then = time.monotonic(), len(run_dir.committed_steps())
+        _wait(lambda: len(run_dir.committed_steps()) > steps_then, RUN_TIMEOUT_S,
+              "a step committed after the submitter died")
+        print(f"submitter killed; a new step committed {time.monotonic() - killed_at:.1f}s later, on the cluster alone")
+        assert cluster.api.state(job_id) == "RUNNING"
+        follower = attach_rollouts(config_from_dict(raw), str(tmp_path), with_trainer=False)
+        assert follower is not None  # the job the record names, still running: followed, not resubmitted
+        follower.wait()
+        assert len([j for j in cluster.jobs() if j["name"] == read_job_record(tmp_path)["job_name"]]) == 1
+        _assert_exactly_once(run_dir, prompts)
+        assert cluster.api.state(job_id) in ("CANCELED", "FINISHED")
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+        with contextlib.suppress(Exception):
+            cluster.api.cancel(read_job_record(tmp_path)["job_id"])

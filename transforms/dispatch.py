@@ -16,9 +16,9 @@ import uuid
 from typing import List, Tuple
 
 import apache_beam as beam
-from apache_beam.coders.coders import BytesCoder, LengthPrefixCoder
 from apache_beam.io.iobase import RestrictionProgress, RestrictionTracker
 from apache_beam.transforms.core import RestrictionProvider
+from apache_beam.typehints.native_type_compatibility import convert_to_beam_type
 from apache_beam.utils import shared
 from apache_beam.utils.timestamp import Duration, Timestamp
 
@@ -198,14 +198,12 @@ def _routing_key(spec: SourceSpec, shard: int, size: int) -> str:
     runner = spec.config.runner
     if runner.name == "direct":
         return spec.run_id
-    # The element's coder is Python's (pickled_python, deterministic for plain tuples), so the runner keys
-    # by its bytes length-prefixed, as it holds every coder it does not know.
-    coder = beam.coders.registry.get_coder(ShardElement)
-    runner_coder = LengthPrefixCoder(BytesCoder())
+    # The element's coder as the runner knows it (KV of string and KV of varints): Flink keys by its nested
+    # encoding.
+    coder = beam.coders.registry.get_coder(convert_to_beam_type(ShardElement))
     for salt in range(100_000):
         key = f"{spec.run_id}/{salt}"
-        encoded = runner_coder.encode(coder.encode((key, (shard, size))))
-        if operator_index(encoded, runner.parallelism) == shard % runner.parallelism:
+        if operator_index(coder.encode_nested((key, (shard, size))), runner.parallelism) == shard % runner.parallelism:
             return key
     raise AssertionError("no routing key found")  # each salt hits a subtask with probability 1/parallelism
 
