@@ -142,6 +142,8 @@ class RunnerSection(_Section):
     # flink-local, external for flink (docs/flink-cluster.md).
     environment: Literal["loopback", "external", "process"] | None = None
     worker_pool: str = "localhost:50000"  # external: the worker pool's address as each TaskManager sees it
+    # process: the command each TaskManager starts a worker with (None: this machine's `runners.workers boot`)
+    worker_command: str | None = None
     parallelism: int = Field(1, ge=1)
     checkpointing_interval_ms: int | None = Field(None, gt=0)
     state_backend: Literal["rocksdb", "hashmap", "filesystem"] | None = None  # Beam's FlinkPipelineOptions values

@@ -73,7 +73,7 @@ def runner_settings(config: RunConfig, job_endpoint: str | None = None, job_name
         name=r.name, flink_master=r.flink_master, parallelism=r.parallelism,
         checkpointing_interval_ms=r.checkpointing_interval_ms, state_backend=r.state_backend,
         state_backend_storage_path=r.state_backend_storage_path, environment=config.worker_environment,
-        worker_pool=r.worker_pool, jvm_heap_mb=flink_local_heap_mb(config) if r.name == "flink-local" else None,
+        worker_pool=r.worker_pool, worker_command=r.worker_command, jvm_heap_mb=flink_local_heap_mb(config) if r.name == "flink-local" else None,
         job_endpoint=job_endpoint, job_name=job_name)
 
 

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import stat
@@ -31,7 +32,8 @@ LOG_DIR_ENV = "BEAM_RL_WORKER_LOG_DIR"
 def boot_command() -> Path:
     """An executable that runs `boot_main` with this interpreter (a runner starts workers with a path,
     not a Python module), written once per interpreter into the cache."""
-    script = cache_root() / "workers" / f"boot-{abs(hash(sys.executable)):x}.sh"
+    digest = hashlib.sha256(sys.executable.encode()).hexdigest()[:12]
+    script = cache_root() / "workers" / f"boot-{digest}.sh"
     body = f"#!/bin/sh\nexec {sys.executable} -m runners.workers boot \"$@\"\n"
     if not script.is_file() or script.read_text() != body:
         script.parent.mkdir(parents=True, exist_ok=True)
@@ -46,37 +48,40 @@ def _descriptor(url: str) -> str:
     return f'url: "{url}"'
 
 
-def _pipeline_options(provision_endpoint: str, worker_id: str) -> str:
+def _provision_info(provision_endpoint: str, worker_id: str):
     import grpc
-    from google.protobuf import json_format
 
     from apache_beam.portability.api import beam_provision_api_pb2, beam_provision_api_pb2_grpc
 
     with grpc.insecure_channel(provision_endpoint) as channel:
         stub = beam_provision_api_pb2_grpc.ProvisionServiceStub(channel)
-        info = stub.GetProvisionInfo(beam_provision_api_pb2.GetProvisionInfoRequest(),
+        return stub.GetProvisionInfo(beam_provision_api_pb2.GetProvisionInfoRequest(),
                                      metadata=[("worker_id", worker_id)], timeout=60).info
-    return json.dumps(json_format.MessageToDict(info.pipeline_options))
 
 
 def boot_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="runners.workers boot")
-    for flag in ("id", "logging_endpoint", "artifact_endpoint", "provision_endpoint", "control_endpoint"):
-        parser.add_argument(f"--{flag}", required=flag in ("id", "provision_endpoint", "control_endpoint"))
-    parser.add_argument("--semi_persist_dir", default=None)
+    parser.add_argument("--id", required=True)
+    parser.add_argument("--provision_endpoint", required=True)
+    # A worker pool passes these too; a TaskManager starting a `process` worker leaves them to the
+    # provision service, as Beam's boot binary does.
+    for flag in ("logging_endpoint", "artifact_endpoint", "control_endpoint", "semi_persist_dir"):
+        parser.add_argument(f"--{flag}")
     args, _ = parser.parse_known_args(argv)
     log_dir = Path(os.environ.get(LOG_DIR_ENV) or Path(tempfile.gettempdir()) / "beam-rl-workers")
     log_dir.mkdir(parents=True, exist_ok=True)
     log = open(log_dir / f"worker-{args.id}-{os.getpid()}.log", "ab", buffering=0)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
+    from google.protobuf import json_format
+
+    info = _provision_info(args.provision_endpoint, args.id)
     os.environ.update({
         "WORKER_ID": args.id,
-        "CONTROL_API_SERVICE_DESCRIPTOR": _descriptor(args.control_endpoint),
-        "PIPELINE_OPTIONS": _pipeline_options(args.provision_endpoint, args.id),
+        "CONTROL_API_SERVICE_DESCRIPTOR": _descriptor(args.control_endpoint or info.control_endpoint.url),
+        "LOGGING_API_SERVICE_DESCRIPTOR": _descriptor(args.logging_endpoint or info.logging_endpoint.url),
+        "PIPELINE_OPTIONS": json.dumps(json_format.MessageToDict(info.pipeline_options)),
     })
-    if args.logging_endpoint:
-        os.environ["LOGGING_API_SERVICE_DESCRIPTOR"] = _descriptor(args.logging_endpoint)
     if args.semi_persist_dir:
         os.environ["SEMI_PERSISTENT_DIRECTORY"] = args.semi_persist_dir
     from apache_beam.runners.worker import sdk_worker_main

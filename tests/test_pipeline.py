@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import os
 import shutil
 
 import pyarrow as pa
@@ -118,3 +119,23 @@ def test_max_steps_stops_the_run_early(servers, tmp_path):
     assert RunDir(tmp_path).committed_steps() == [1]
     # LOOPBACK: the worker is this process, and its long-lived heap left the collector's full passes.
     assert gc.get_freeze_count() > 100_000
+
+
+@pytest.mark.parametrize("runner", ["direct", "flink-local"])
+def test_two_dispatch_shards_share_the_work_and_keep_every_group_exactly_once(servers, tmp_path, runner):
+    if runner == "flink-local" and shutil.which("java") is None:
+        pytest.skip("needs a Java 11+ runtime for Flink")
+    # On flink-local the Python stages run in workers the embedded TaskManager starts (`process`).
+    options = ({"parallelism": 2, "checkpointing_interval_ms": 500, "environment": "process"}
+               if runner == "flink-local" else {})
+    config = config_from_dict({**_config(tmp_path, runner=runner, runner_options=options).model_dump(mode="json"),
+                               "dispatch": {"shards": 2}})
+    run_rollouts(config, servers, with_trainer=False)
+    run_dir = RunDir(tmp_path)
+    _assert_every_group_once(run_dir)
+    # Each shard dispatched to its own server (every other one): both shards did their share.
+    servers_seen = collections.Counter(r for t in _windows(run_dir).values() for r in t.column("server").to_pylist())
+    assert set(servers_seen) == set(servers) and min(servers_seen.values()) >= PROMPTS * GROUP_SIZE // 4, servers_seen
+    workers = {w for s in run_dir.committed_steps() for ws in run_dir.read_commit(s).extra["workers"].values() for w in ws}
+    in_this_process = {f"{os.uname().nodename}:{os.getpid()}"}
+    assert workers == in_this_process if runner == "direct" else (workers and not workers & in_this_process), workers
