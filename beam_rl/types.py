@@ -146,7 +146,7 @@ class RolloutRecord:
     """A rollout without its tokens: one row of the observation window (see schemas/).
 
     The window of a step can hold thousands of filtered rollouts; keeping only these fields keeps
-    the packer's state small (and Prism 2.62 silently drops single state values of tens of MB).
+    the packer's state small.
     """
 
     group_id: str
