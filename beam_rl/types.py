@@ -288,13 +288,6 @@ class RolloutRecord:
     def token_version_max(self) -> int | None:
         return self.tokens.version_range()[1] if self.tokens else None
 
-    def tokens(self) -> RolloutTokens:
-        """Its tokens as arrays (ValueError as RolloutTokens.from_rollout), converted once, so that its
-        sample and its record share them: ask once the trajectory is final (the scoring stage)."""
-        if self._tokens is None:
-            self._tokens = RolloutTokens.from_rollout(self)
-        return self._tokens
-
     def record(self) -> RolloutRecord:
         return self
 

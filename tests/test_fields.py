@@ -41,6 +41,8 @@ def test_the_domain_classes_hold_the_declared_fields():
     assert sample == {f.name for f in TOKEN_FIELDS + SAMPLE_FIELDS if not f.written}
     record = {f.name for f in dataclasses.fields(RolloutRecord)}
     assert record == {f.attr for f in ROLLOUT_FIELDS if f.source in ("rollout", "record")} | {"tokens"}
+    defaults = {f.name: f.default for f in dataclasses.fields(RolloutRecord)}
+    assert defaults["tokens"] is None and defaults["t_packed"] is None  # "record" columns: None until set
     # What a Rollout must carry for its record, and what both compute.
     rollout = {f.name for f in dataclasses.fields(Rollout)}
     assert {f.attr for f in ROLLOUT_FIELDS if f.source == "rollout"} <= rollout
