@@ -183,8 +183,9 @@ class RolloutTokens:
     tokens and completion tokens. Context tokens carry logprob 0 and policy version -1.
 
     A clean rollout's record and its Sample share the three arrays (one copy in memory). Stored next to
-    that sample (a scored group, the packer's state), a record drops them and takes them back from the
-    sample when read (beam_rl.samples.share_sample_tokens).
+    what holds them (its sample in a scored group, its pending group in the packer's state), a record
+    drops them and gets them back when read (beam_rl.samples.share_sample_tokens,
+    BatchBuilder.restore_pending).
     """
 
     input_ids: np.ndarray | None  # int32 [T]
@@ -242,7 +243,7 @@ class RolloutTokens:
     def version_range(self) -> tuple[int | None, int | None]:
         """The oldest and newest known policy version among its tokens."""
         if self.policy_versions is None:
-            raise ValueError("these tokens were stored without their arrays and not joined to their sample")
+            raise ValueError("these tokens were stored without their arrays and never given them back")
         known = self.policy_versions[self.policy_versions >= 0]
         return (int(known.min()), int(known.max())) if known.size else (None, None)
 
