@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from beam_rl.types import MicroBatch, Rollout, Sample
+from schemas.fields import SAMPLE_TOKEN_FIELDS
 
 
 def pack_micro_batches(samples: Sequence[Sample], seq_len: int) -> list[MicroBatch]:
@@ -84,18 +85,11 @@ def position_ids(mb: MicroBatch) -> np.ndarray:
 
 def flatten(mb: MicroBatch) -> dict[str, np.ndarray]:
     """The micro-batch as one row of concatenated arrays, plus `seq_lens` to recover the samples."""
-    columns = {
-        "input_ids": np.int32,
-        "loss_mask": np.bool_,
-        "advantages": np.float32,
-        "logprobs": np.float32,
-        "temperatures": np.float32,
-    }
     flat = {
-        name: np.concatenate([getattr(s, name) for s in mb.samples]).astype(dtype, copy=False)
+        f.name: np.concatenate([getattr(s, f.name) for s in mb.samples]).astype(f.dtype, copy=False)
         if mb.samples
-        else np.zeros(0, dtype=dtype)
-        for name, dtype in columns.items()
+        else np.zeros(0, dtype=f.dtype)
+        for f in SAMPLE_TOKEN_FIELDS
     }
     flat["position_ids"] = position_ids(mb)
     flat["seq_lens"] = np.array([len(s) for s in mb.samples], dtype=np.int32)

@@ -20,7 +20,8 @@ from beam_rl.rundir import (
     open_arrow_file,
     rank_file_name,
 )
-from schemas.train_batch import TOKEN_COLUMNS, TRAIN_BATCH_SCHEMA, SchemaError, check_schema
+from schemas.fields import SAMPLE_FIELDS, TOKEN_FIELDS, numpy_dtype
+from schemas.train_batch import TRAIN_BATCH_SCHEMA, SchemaError, check_schema
 
 MicroBatchArrays = dict[str, Any]
 
@@ -28,9 +29,11 @@ MicroBatchArrays = dict[str, Any]
 class StepReader:
     """Reads one data-parallel rank's share of each step from a run directory.
 
-    Each micro-batch is a dict: the per-token arrays of TOKEN_COLUMNS concatenated over its samples
-    (`loss_mask` as bool), `cu_seqlens` [n+1] (sample boundaries, flash-attention's varlen layout),
-    per-sample `seq_lens`, `policy_versions`, `rewards`, `rollout_ids`, `group_ids`, and `micro_batch`.
+    Each micro-batch is a dict, its keys declared in schemas/fields.py: every per-token column of
+    TOKEN_FIELDS by its name (`input_ids`, `loss_mask` as bool, ..., `policy_versions`), concatenated over
+    the micro-batch's samples; every per-sample column of SAMPLE_FIELDS by its `key` (`seq_lens`,
+    `rollout_ids`, `group_ids`, `sample_policy_versions`, `rewards`: one value per sample); `micro_batch`,
+    its index; and `cu_seqlens` [n+1] (sample boundaries, flash-attention's varlen layout).
 
     Arrays are zero-copy views of the memory-mapped Arrow file: read-only, valid as long as they are
     referenced. Move them to the device (`.to("cuda")` copies) or pass `copy=True` before writing in
@@ -103,31 +106,33 @@ class StepReader:
 
 
 def _micro_batch_arrays(record_batch: pa.RecordBatch, source: str) -> MicroBatchArrays:
-    index = _view(record_batch.column("micro_batch"), np.int32, source, "micro_batch")
+    arrays: MicroBatchArrays = {}
+    for f in SAMPLE_FIELDS:
+        column = record_batch.column(f.name)
+        if pa.types.is_string(f.arrow_type):
+            arrays[f.key] = column.to_pylist()
+        else:
+            arrays[f.key] = _view(column, numpy_dtype(f.arrow_type), source, f.name)
+    index = arrays["micro_batch"]
     if len(index) and not np.all(index == index[0]):
         mixed = sorted(set(index.tolist()))
         raise SchemaError(f"{source}: a record batch mixes micro-batches {mixed}; one per record batch expected")
-    seq_lens = _view(record_batch.column("seq_len"), np.int32, source, "seq_len")
-    arrays: MicroBatchArrays = {"micro_batch": int(index[0]) if len(index) else -1}
+    arrays["micro_batch"] = int(index[0]) if len(index) else -1
+    seq_lens = arrays["seq_lens"]
     cu_seqlens = None
-    for name, dtype in TOKEN_COLUMNS.items():
-        column: pa.ListArray = record_batch.column(name)
-        offsets = _view(column.offsets, np.int32, source, name)
+    for f in TOKEN_FIELDS:
+        column: pa.ListArray = record_batch.column(f.name)
+        offsets = _view(column.offsets, np.int32, source, f.name)
         # `.values` is the whole child array, even for a sliced list; the offsets say which part is ours.
-        values = _view(column.values, dtype, source, name)[offsets[0] : offsets[-1]]
+        values = _view(column.values, numpy_dtype(f.arrow_type), source, f.name)[offsets[0] : offsets[-1]]
         if cu_seqlens is None:
             cu_seqlens = offsets if offsets[0] == 0 else offsets - offsets[0]
             if not np.array_equal(np.diff(cu_seqlens), seq_lens):
-                raise SchemaError(f"{source}: seq_len disagrees with the length of {name!r}")
+                raise SchemaError(f"{source}: seq_len disagrees with the length of {f.name!r}")
         elif not np.array_equal(np.diff(offsets), seq_lens):
-            raise SchemaError(f"{source}: column {name!r} disagrees with seq_len on some sample's token count")
-        arrays[name] = values.view(np.bool_) if name == "loss_mask" else values
+            raise SchemaError(f"{source}: column {f.name!r} disagrees with seq_len on some sample's token count")
+        arrays[f.name] = values.view(f.dtype)  # the stored uint8 of a bool field, seen as bool
     arrays["cu_seqlens"] = cu_seqlens
-    arrays["seq_lens"] = seq_lens
-    arrays["policy_versions"] = _view(record_batch.column("policy_version"), np.int32, source, "policy_version")
-    arrays["rewards"] = _view(record_batch.column("reward"), np.float32, source, "reward")
-    arrays["rollout_ids"] = record_batch.column("rollout_id").to_pylist()
-    arrays["group_ids"] = record_batch.column("group_id").to_pylist()
     return arrays
 
 

@@ -6,49 +6,39 @@ Works from the ids the server returned, never from text, so what the trainer see
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from beam_rl.types import Rollout, Sample
+from beam_rl.types import Rollout, RolloutRecord, RolloutTokens, Sample
+from schemas.fields import SAMPLE_TOKEN_FIELDS, SHARED_TOKEN_ARRAYS
 
-_PER_TOKEN = ("input_ids", "loss_mask", "logprobs", "advantages", "temperatures")
+_PER_TOKEN = tuple(f.name for f in SAMPLE_TOKEN_FIELDS)
 _PER_SAMPLE = tuple(f.name for f in dataclasses.fields(Sample) if f.name not in _PER_TOKEN)
 
 
 def trace_to_samples(rollout: Rollout) -> list[Sample]:
     """One sample per trajectory: prompt, then each turn's environment tokens and completion tokens.
 
-    The loss mask is True only on completion tokens; logprobs and advantages live on those tokens
-    and are 0 on context; the temperature is stamped on every token (the trainer rescales logits
-    by it everywhere). A rollout with no turns has nothing to train on and yields no sample.
+    The loss mask is True only on completion tokens; logprobs, advantages and policy versions live on
+    those tokens and are 0 (versions -1) on context; the temperature is stamped on every token (the
+    trainer rescales logits by it everywhere). A rollout with no turns has nothing to train on and
+    yields no sample.
     """
     if not rollout.turns:
         return []
-    ids: list[np.ndarray] = [_as_ids(rollout.prompt_ids, rollout, "prompt_ids")]
-    mask: list[np.ndarray] = [np.zeros(len(rollout.prompt_ids), dtype=bool)]
-    logprobs: list[np.ndarray] = [np.zeros(len(rollout.prompt_ids), dtype=np.float32)]
-    for i, turn in enumerate(rollout.turns):
-        if len(turn.logprobs) != len(turn.completion_ids):
-            raise ValueError(
-                f"rollout {rollout.rollout_id} turn {i}: {len(turn.logprobs)} logprobs "
-                f"for {len(turn.completion_ids)} completion ids"
-            )
-        turn_logprobs = _as_logprobs(turn.logprobs, rollout, i)
-        ids += [_as_ids(turn.env_ids, rollout, f"turn {i} env_ids"),
-                _as_ids(turn.completion_ids, rollout, f"turn {i} completion_ids")]
-        mask += [np.zeros(len(turn.env_ids), dtype=bool), np.ones(len(turn.completion_ids), dtype=bool)]
-        logprobs += [np.zeros(len(turn.env_ids), dtype=np.float32), turn_logprobs]
-
-    loss_mask = np.concatenate(mask)
-    num_tokens = loss_mask.shape[0]
+    tokens = rollout.tokens()
+    _check_finite(tokens, rollout)
+    loss_mask = tokens.loss_mask()
     return [
         Sample(
-            input_ids=np.concatenate(ids),
+            input_ids=tokens.input_ids,
             loss_mask=loss_mask,
-            logprobs=np.concatenate(logprobs),
+            logprobs=tokens.logprobs,
             advantages=np.where(loss_mask, np.float32(rollout.advantage), np.float32(0.0)).astype(np.float32),
-            temperatures=np.full(num_tokens, rollout.temperature, dtype=np.float32),
+            temperatures=np.full(len(loss_mask), rollout.temperature, dtype=np.float32),
+            policy_versions=tokens.policy_versions,
             rollout_id=rollout.rollout_id,
             group_id=rollout.group_id,
             policy_version=rollout.policy_version_start,
@@ -57,34 +47,50 @@ def trace_to_samples(rollout: Rollout) -> list[Sample]:
     ]
 
 
-def _as_ids(ids: list[int], rollout: Rollout, what: str) -> np.ndarray:
-    # numpy raises OverflowError on ids outside int32; rename it so the bad rollout is findable.
-    try:
-        arr = np.asarray(ids, dtype=np.int32).reshape(-1)
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise ValueError(f"rollout {rollout.rollout_id}: {what} are not int32 token ids ({exc})") from exc
-    if arr.size and arr.min() < 0:
-        raise ValueError(f"rollout {rollout.rollout_id}: {what} holds a negative token id {int(arr.min())}")
-    return arr
-
-
-def _as_logprobs(logprobs: list[float], rollout: Rollout, turn: int) -> np.ndarray:
+def _check_finite(tokens: RolloutTokens, rollout: Rollout) -> None:
     # A None or NaN logprob means the server response was not what we asked for (logprobs=0 unset):
     # training on it would silently poison the importance ratio.
-    try:
-        arr = np.asarray(logprobs, dtype=np.float32).reshape(-1)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"rollout {rollout.rollout_id} turn {turn}: logprobs are not numbers ({exc})") from exc
-    if not np.isfinite(arr).all():
-        bad = int(np.flatnonzero(~np.isfinite(arr))[0])
-        raise ValueError(f"rollout {rollout.rollout_id} turn {turn}: logprob {bad} is {arr[bad]}")
-    return arr
+    bad = np.flatnonzero(~np.isfinite(tokens.logprobs))
+    if bad.size:
+        starts = np.cumsum(tokens.segments)[1::2]  # where each turn's completion starts
+        turn = int(np.searchsorted(starts, bad[0], side="right")) - 1
+        raise ValueError(f"rollout {rollout.rollout_id} turn {turn}: logprob {int(bad[0] - starts[turn])} "
+                         f"is {tokens.logprobs[bad[0]]}")
+
+
+def share_sample_tokens(records: Sequence[RolloutRecord], samples: Iterable[Sample]) -> None:
+    """Point each record's token arrays at its sample's (the same values), so a clean rollout's tokens
+    are held once; a record stored without them (`without_token_arrays`) gets them back."""
+    by_id = {s.rollout_id: s for s in samples}
+    for record in records:
+        if record.tokens is None:
+            continue
+        sample = by_id.get(record.rollout_id)
+        if sample is None:
+            continue
+        if len(sample) != record.tokens.num_tokens:
+            raise ValueError(f"rollout {record.rollout_id}: its sample has {len(sample)} tokens, "
+                             f"its record {record.tokens.num_tokens}")
+        record.tokens = dataclasses.replace(record.tokens, **{name: getattr(sample, name)
+                                                              for name in SHARED_TOKEN_ARRAYS})
+
+
+def without_token_arrays(records: Sequence[RolloutRecord], rollout_ids: set[str]) -> dict[int, RolloutRecord]:
+    """Copies of the records of `rollout_ids` without their token arrays (keeping where each turn
+    starts), keyed by the original's id(): what to store next to what holds those arrays (the samples,
+    a pending group)."""
+    stripped = {}
+    for record in records:
+        if id(record) not in stripped and record.tokens is not None and record.rollout_id in rollout_ids:
+            tokens = dataclasses.replace(record.tokens, **dict.fromkeys(SHARED_TOKEN_ARRAYS))
+            stripped[id(record)] = dataclasses.replace(record, tokens=tokens)
+    return stripped
 
 
 def samples_to_columns(samples: list[Sample]) -> tuple[Any, ...] | None:
     """Samples as columns, to pickle: one array per per-token field (the samples' arrays end to
-    end), their lengths, and their other fields as tuples. As 5 arrays rather than 40, a group of 8
-    samples pickles ~2x faster and unpickles ~1.5x faster (bench/README.md)."""
+    end), their lengths, and their other fields as tuples. As one array per field rather than one per
+    field and sample, a group of 8 samples pickled ~2x faster and unpickled ~1.5x faster (bench/README.md)."""
     if not samples:
         return None
     columns = tuple(np.concatenate([getattr(s, name) for s in samples]) for name in _PER_TOKEN)

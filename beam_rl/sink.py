@@ -6,10 +6,10 @@ The Beam transforms call these and keep a BatchBuilder in their state.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,13 @@ import numpy as np
 from beam_rl.advantages import AdvantageAlgorithm
 from beam_rl.filters import FilterCounts, RolloutFilter, apply_filters
 from beam_rl.packing import BatchCutter, pack_for_ranks
-from beam_rl.samples import samples_from_columns, samples_to_columns, trace_to_samples
+from beam_rl.samples import (
+    samples_from_columns,
+    samples_to_columns,
+    share_sample_tokens,
+    trace_to_samples,
+    without_token_arrays,
+)
 from beam_rl.types import (
     MicroBatch,
     Rollout,
@@ -40,8 +46,9 @@ class InputExhausted:
 @dataclass
 class ScoredGroup:
     """One complete group after scoring: every rollout (to measure), the clean ones and their samples
-    (to train). Rollouts are token-free records from here on: the samples hold the tokens, as numpy
-    arrays, so a scored group is cheap to send between stages and to keep in the packer's state."""
+    (to train). Rollouts are records from here on: their tokens as numpy arrays, those of a clean
+    rollout shared with its sample, so a scored group is cheap to send between stages and to keep in
+    the packer's state."""
 
     group_id: str
     algorithm: AdvantageAlgorithm
@@ -50,12 +57,20 @@ class ScoredGroup:
     samples: list[Sample]  # trace_to_samples of the clean rollouts
     counts: FilterCounts = field(default_factory=FilterCounts)
 
-    # Pickled between pipeline stages and into the packer's state: the samples go as columns.
+    def __post_init__(self) -> None:
+        share_sample_tokens([*self.rollouts, *self.clean], self.samples)
+
+    # Pickled between pipeline stages and into the packer's state: the samples go as columns, and the
+    # records without the token arrays their samples hold.
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "samples": samples_to_columns(self.samples)}
+        stripped = without_token_arrays([*self.rollouts, *self.clean], {s.rollout_id for s in self.samples})
+        return {**self.__dict__, "samples": samples_to_columns(self.samples),
+                "rollouts": [stripped.get(id(r), r) for r in self.rollouts],
+                "clean": [stripped.get(id(r), r) for r in self.clean]}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, samples=samples_from_columns(state["samples"]))
+        share_sample_tokens([*self.rollouts, *self.clean], self.samples)
 
 
 def score_group(
@@ -98,6 +113,7 @@ class BatchBuilder:
         ranks: int,
         post_filters: Sequence[RolloutFilter] = (),
         next_step: int = 1,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if seq_len < 1 or ranks < 1:
             raise ValueError(f"BatchBuilder needs seq_len >= 1 and ranks >= 1, got {seq_len}, {ranks}")
@@ -106,6 +122,7 @@ class BatchBuilder:
         self.ranks = ranks
         self.post_filters = list(post_filters)
         self.next_step = next_step
+        self._clock = clock
         self._pending: list[ScoredGroup] = []  # groups with clean rollouts, waiting for a batch
         self._window: list[RolloutRecord] = []
         self._window_groups: list[str] = []
@@ -117,22 +134,43 @@ class BatchBuilder:
 
     @property
     def pending(self) -> list[ScoredGroup]:
-        """Groups waiting for a batch, oldest first."""
+        """Groups held until the next batch is cut, oldest first: those with clean rollouts wait to be
+        trained, the others for their records to leave with the window."""
         return list(self._pending)
 
     def split_pending(self) -> tuple[BatchBuilder, list[ScoredGroup]]:
-        """This builder without its pending groups (small: token-free records and counts), and those
-        groups. A packer keeps the two apart in state so that each group is stored once, not
-        rewritten with every element."""
-        rest = copy.copy(self)
-        rest._pending = []
+        """This builder without its pending groups, and those groups. A packer keeps the two apart in
+        state so that each group is stored once, not rewritten with every element; the window keeps
+        the records of pending groups without their token arrays, so each token is stored once, with
+        its group."""
+        rest = BatchBuilder.__new__(BatchBuilder)
+        rest.__dict__.update(self.__dict__, _pending=[], _window=self._window_without_pending_tokens())
         return rest, list(self._pending)
 
     def restore_pending(self, groups: Sequence[ScoredGroup]) -> None:
-        """Undo `split_pending` after both halves were stored separately: pending clean records are
-        the window's own objects again, so a post-batch filter flag shows in the window."""
+        """Undo `split_pending` after both halves were stored separately: the pending groups' records
+        are the window's own objects again (so a post-batch filter flag shows in the window), holding
+        the token arrays their groups kept."""
         window = {r.rollout_id: r for r in self._window}
-        self._pending = [dataclasses.replace(g, clean=[window.get(r.rollout_id, r) for r in g.clean]) for g in groups]
+        for group in groups:
+            for held in group.rollouts:
+                record = window.get(held.rollout_id)
+                if record is not None and record.tokens is not None and record.tokens.input_ids is None:
+                    record.tokens = held.tokens
+        self._pending = [dataclasses.replace(g, rollouts=[window.get(r.rollout_id, r) for r in g.rollouts],
+                                             clean=[window.get(r.rollout_id, r) for r in g.clean]) for g in groups]
+
+    # Pickled whole, it is stored as split_pending's two halves are, and restored the same way.
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_window": self._window_without_pending_tokens()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.restore_pending(self._pending)
+
+    def _window_without_pending_tokens(self) -> list[RolloutRecord]:
+        stripped = without_token_arrays(self._window, {r.rollout_id for g in self._pending for r in g.rollouts})
+        return [stripped.get(id(r), r) for r in self._window]
 
     def drop_committed(self, consumed: set[tuple[str, int, int]], next_step: int) -> int:
         """Forget the groups a committed step already holds (their prompt offsets are `consumed`)
@@ -140,7 +178,7 @@ class BatchBuilder:
         returns how many groups were dropped. For a packer restored from a checkpoint older than the
         run directory, which is never rolled back."""
         dropped = {r.group_id for r in self._window if r.prompt_offset in consumed}
-        dropped |= {g.group_id for g in self._pending if any(r.prompt_offset in consumed for r in g.clean)}
+        dropped |= {g.group_id for g in self._pending if any(r.prompt_offset in consumed for r in g.rollouts)}
         self._pending = [g for g in self._pending if g.group_id not in dropped]
         self._window = [r for r in self._window if r.group_id not in dropped]
         self._window_groups = [g for g in self._window_groups if g not in dropped]
@@ -149,19 +187,20 @@ class BatchBuilder:
 
     def add(self, group: ScoredGroup) -> list[TrainBatch]:
         """Take one scored group; return the batches it completed (usually none or one)."""
-        # The clean records are shared with the pending group: a post-batch filter flag set on one
-        # shows in the window.
+        # The records are shared with the pending group: a post-batch filter flag set on one shows in
+        # the window. A group with nothing to train waits too, so that a packer keeps its records'
+        # tokens where it keeps every group's (split_pending), until the batch its window leaves with.
         self._window.extend(group.rollouts)
         self._window_groups.append(group.group_id)
         self._window_counts = self._window_counts + group.counts
-        if group.clean:
-            self._pending.append(dataclasses.replace(group, rollouts=[]))
+        self._pending.append(group)
         batches = []
         while taken := self.cutter.cut([g.clean for g in self._pending]):
             cohort, self._pending = self._pending[:taken], self._pending[taken:]
             batch = self._build(cohort)
             if batch is not None:
                 batches.append(batch)
+                self._pending = [g for g in self._pending if g.clean]  # the others' records left with it
         return batches
 
     def flush(self) -> TrainBatch | None:
@@ -194,7 +233,9 @@ class BatchBuilder:
         micro_batches = pack_for_ranks(samples, self.seq_len, self.ranks)
         window = self._window_stats(step, kept, samples, micro_batches)
         self.next_step += 1
-        observed = self._window
+        observed, packed_at = self._window, self._clock()
+        for r in observed:
+            r.t_packed = packed_at
         self._window, self._window_groups, self._window_counts = [], [], FilterCounts()
         return TrainBatch(step=step, micro_batches=micro_batches, group_ids=group_ids, window=window,
                           rollouts=observed)

@@ -6,11 +6,20 @@ Beam layer can carry these objects between stages unchanged.
 
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from schemas.fields import (
+    ROLLOUT_FIELDS,
+    SAMPLE_TOKEN_FIELDS,
+    declared,
+    record_attributes,
+    sample_attributes,
+)
 
 
 class RolloutStatus(str, enum.Enum):
@@ -51,13 +60,16 @@ class Turn:
 
     `env_ids` are the tokens the environment appended before this generation (empty for the first
     turn, whose context is the rollout's prompt); they are context, never trained on.
-    `completion_ids` are the exact ids the server returned, EOS/stop tokens included.
+    `completion_ids` are the exact ids the server returned, EOS/stop tokens included, `logprobs` and
+    `policy_versions` (the policy version that sampled each) parallel to them; empty `policy_versions`
+    means unknown.
     """
 
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None = None
     env_ids: list[int] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:
@@ -82,8 +94,12 @@ class Rollout:
     policy_version_start: int = 0
     policy_version_end: int = 0
     server: str | None = None
-    t_start: float = 0.0
-    t_end: float = 0.0
+    # Its timeline, Unix seconds (schemas/fields.py says what each stamp marks).
+    t_admitted: float | None = None
+    t_sent: float = 0.0
+    t_first_token: float | None = None
+    t_finished: float = 0.0
+    t_scored: float | None = None
     # Filled by the train sink:
     advantage: float = 0.0
     filtered: str | None = None  # name of the filter that flagged it; None = clean
@@ -94,6 +110,7 @@ class Rollout:
     eval_round: int = 0  # evaluation only: the committed step the round follows
     dispatch_worker: str = ""  # host:pid of the worker that dispatched it
     score_worker: str = ""  # host:pid of the worker that scored it
+    _tokens: RolloutTokens | None = field(default=None, init=False, repr=False, compare=False)  # see tokens()
 
     @property
     def rollout_id(self) -> str:
@@ -124,75 +141,170 @@ class Rollout:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + sum(len(t.env_ids) + len(t.completion_ids) for t in self.turns)
 
+    @property
+    def token_version_min(self) -> int | None:
+        return min(self._token_versions(), default=None)
+
+    @property
+    def token_version_max(self) -> int | None:
+        return max(self._token_versions(), default=None)
+
+    def _token_versions(self) -> set[int]:
+        return {v for t in self.turns for v in t.policy_versions if v >= 0}
+
     def capture_error(self, error: BaseException | str) -> None:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.errors.append(text)
         self.status = RolloutStatus.ERROR
 
+    def tokens(self) -> RolloutTokens:
+        """Its tokens as arrays (ValueError as RolloutTokens.from_rollout), converted once, so that its
+        sample and its record share them: ask once the trajectory is final (the scoring stage)."""
+        if self._tokens is None:
+            self._tokens = RolloutTokens.from_rollout(self)
+        return self._tokens
+
     def record(self) -> RolloutRecord:
-        """What the observation window keeps of a rollout once its tokens are no longer needed."""
-        return RolloutRecord(
-            group_id=self.group_id, env_name=self.env_name, attempt=self.attempt, epoch=self.epoch,
-            index=self.index, is_eval=self.is_eval, status=self.status, reward=self.reward,
-            advantage=self.advantage, filtered=self.filtered, num_turns=self.num_turns,
-            completion_tokens=self.completion_tokens, num_tokens=self.num_tokens, truncated=self.truncated,
-            policy_version_start=self.policy_version_start, policy_version_end=self.policy_version_end,
-            server=self.server, errors=list(self.errors), t_start=self.t_start, t_end=self.t_end,
-            dispatch_worker=self.dispatch_worker, score_worker=self.score_worker)
+        """What the observation window keeps of a rollout: its declared values and its tokens as arrays.
+        Tokens that cannot be read (ids outside int32, logprobs that do not match their ids) are left out,
+        saying why in `errors`, so a rollout that is not trained on never stops the pipeline."""
+        values = {f.attr: copy.copy(getattr(self, f.attr)) for f in ROLLOUT_FIELDS if f.source == "rollout"}
+        try:
+            tokens = self.tokens()
+        except ValueError as exc:
+            tokens = None
+            values["errors"].append(f"BadTokens: {exc}")
+        return RolloutRecord(**values, tokens=tokens)
 
 
-@dataclass
-class RolloutRecord:
-    """A rollout without its tokens: one row of the observation window (see schemas/).
+@dataclass(eq=False)
+class RolloutTokens:
+    """A rollout's tokens end to end, laid out as its sample: the prompt, then each turn's environment
+    tokens and completion tokens. Context tokens carry logprob 0 and policy version -1.
 
-    The window of a step can hold thousands of filtered rollouts; keeping only these fields keeps
-    the packer's state small.
+    A clean rollout's record and its Sample share the three arrays (one copy in memory). Stored next to
+    what holds them (its sample in a scored group, its pending group in the packer's state), a record
+    drops them and gets them back when read (beam_rl.samples.share_sample_tokens,
+    BatchBuilder.restore_pending).
     """
 
-    group_id: str
-    env_name: str
-    attempt: int
-    epoch: int
-    index: int
-    is_eval: bool
-    status: RolloutStatus
-    reward: float
-    advantage: float
-    filtered: str | None
-    num_turns: int
-    completion_tokens: int
-    num_tokens: int  # prompt, environment and completion tokens: what the batch cutter counts
-    truncated: bool
-    policy_version_start: int
-    policy_version_end: int
-    server: str | None
-    errors: list[str]
-    t_start: float
-    t_end: float
-    dispatch_worker: str = ""
-    score_worker: str = ""
+    input_ids: np.ndarray | None  # int32 [T]
+    logprobs: np.ndarray | None  # float32 [T]; NaN where the server sent none
+    policy_versions: np.ndarray | None  # int32 [T]; -1 on context and where unknown
+    segments: tuple[int, ...]  # prompt length, then each turn's env and completion lengths: 1 + 2 * turns
+    finish_reasons: list[str | None]  # per turn
+
+    @classmethod
+    def from_rollout(cls, rollout: Rollout) -> RolloutTokens:
+        """ValueError naming the rollout (and turn) for ids that are not int32 token ids, or logprobs or
+        policy versions that are not one per completion id."""
+        prompt = _as_ids(rollout.prompt_ids, rollout, "prompt_ids")
+        ids, segments = [prompt], [len(prompt)]
+        logprobs, versions = [np.zeros(len(prompt), np.float32)], [np.full(len(prompt), -1, np.int32)]
+        for i, turn in enumerate(rollout.turns):
+            env = _as_ids(turn.env_ids, rollout, f"turn {i} env_ids")
+            completion = _as_ids(turn.completion_ids, rollout, f"turn {i} completion_ids")
+            ids += [env, completion]
+            logprobs += [np.zeros(len(env), np.float32), _as_logprobs(turn, rollout, i)]
+            versions += [np.full(len(env), -1, np.int32), _as_versions(turn, rollout, i)]
+            segments += [len(env), len(completion)]
+        return cls(np.concatenate(ids), np.concatenate(logprobs), np.concatenate(versions), tuple(segments),
+                   [t.finish_reason for t in rollout.turns])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RolloutTokens):
+            return NotImplemented
+        arrays = ("input_ids", "logprobs", "policy_versions")
+        return (self.segments, self.finish_reasons) == (other.segments, other.finish_reasons) and all(
+            _same(getattr(self, name), getattr(other, name)) for name in arrays)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.finish_reasons)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.segments)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.segments[2::2])
+
+    @property
+    def truncated(self) -> bool:
+        return bool(self.finish_reasons) and self.finish_reasons[-1] == "length"
+
+    def loss_mask(self) -> np.ndarray:
+        """True on completion tokens."""
+        generated = np.zeros(len(self.segments), dtype=bool)
+        generated[2::2] = True
+        return np.repeat(generated, self.segments)
+
+    def version_range(self) -> tuple[int | None, int | None]:
+        """The oldest and newest known policy version among its tokens."""
+        if self.policy_versions is None:
+            raise ValueError("these tokens were stored without their arrays and never given them back")
+        known = self.policy_versions[self.policy_versions >= 0]
+        return (int(known.min()), int(known.max())) if known.size else (None, None)
+
+
+@declared(record_attributes())
+class RolloutRecord:
+    """A rollout as the observation window keeps it: one row of window.arrow.
+
+    Its attributes are the columns of schemas/fields.py ROLLOUT_FIELDS whose source is "rollout" (copied
+    from the Rollout) or "record" (set later: t_packed by the packer; t_committed is stamped on the file
+    by the writer); the "computed" columns are the properties below, the token columns come from
+    `tokens` (None when the rollout's tokens could not be read; `errors` says why).
+    """
+
+    tokens: RolloutTokens | None = None
 
     rollout_id = Rollout.rollout_id
     ok = Rollout.ok
     prompt_offset = Rollout.prompt_offset
 
+    @property
+    def num_turns(self) -> int:
+        return self.tokens.num_turns if self.tokens else 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.tokens.completion_tokens if self.tokens else 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt, environment and completion tokens: what the batch cutter counts."""
+        return self.tokens.num_tokens if self.tokens else 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.tokens.truncated if self.tokens else False
+
+    @property
+    def token_version_min(self) -> int | None:
+        return self.tokens.version_range()[0] if self.tokens else None
+
+    @property
+    def token_version_max(self) -> int | None:
+        return self.tokens.version_range()[1] if self.tokens else None
+
     def record(self) -> RolloutRecord:
         return self
 
 
-@dataclass
+@declared(sample_attributes())
 class Sample:
-    """One flat training sequence: a whole trajectory's tokens with per-token training data."""
+    """One flat training sequence: a whole trajectory's tokens with per-token training data; one row of a
+    rank file. Its attributes are declared in schemas/fields.py: the per-token arrays of TOKEN_FIELDS
+    (input_ids, loss_mask, ..., each [T]) and the per-sample values of SAMPLE_FIELDS (rollout_id, ...),
+    minus what the writer computes. A per-token array with a fill value may be left out: every token
+    gets the fill (policy_versions: -1, unknown)."""
 
-    input_ids: np.ndarray  # int32 [T]
-    loss_mask: np.ndarray  # bool [T], True where the model generated the token
-    logprobs: np.ndarray  # float32 [T], inference logprobs (0 on context tokens)
-    advantages: np.ndarray  # float32 [T], 0 on context tokens
-    temperatures: np.ndarray  # float32 [T]
-    rollout_id: str
-    group_id: str
-    policy_version: int  # version the rollout started on
-    reward: float = 0.0
+    def __post_init__(self) -> None:
+        for f in SAMPLE_TOKEN_FIELDS:
+            if getattr(self, f.name) is None:
+                setattr(self, f.name, np.full(len(self), f.fill, f.dtype))
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -218,3 +330,42 @@ class TrainBatch:
     group_ids: list[str]  # groups whose samples this batch trains on
     window: dict[str, Any]  # observation-window statistics of all rollouts since the last batch
     rollouts: list[RolloutRecord] = field(default_factory=list)  # the window itself, errored and filtered too
+
+
+def _as_ids(ids: list[int], rollout: Rollout, what: str) -> np.ndarray:
+    # numpy raises OverflowError on ids outside int32; rename it so the bad rollout is findable.
+    try:
+        arr = np.asarray(ids, dtype=np.int32).reshape(-1)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ValueError(f"rollout {rollout.rollout_id}: {what} are not int32 token ids ({exc})") from exc
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"rollout {rollout.rollout_id}: {what} holds a negative token id {int(arr.min())}")
+    return arr
+
+
+def _as_logprobs(turn: Turn, rollout: Rollout, i: int) -> np.ndarray:
+    if len(turn.logprobs) != len(turn.completion_ids):
+        raise ValueError(f"rollout {rollout.rollout_id} turn {i}: {len(turn.logprobs)} logprobs "
+                         f"for {len(turn.completion_ids)} completion ids")
+    try:
+        return np.asarray(turn.logprobs, dtype=np.float32).reshape(-1)
+    except (TypeError, ValueError):
+        pass
+    try:  # a None is kept as NaN here (the window shows what came); a training sample refuses it
+        return np.array([np.nan if x is None else x for x in turn.logprobs], dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"rollout {rollout.rollout_id} turn {i}: logprobs are not numbers ({exc})") from exc
+
+
+def _as_versions(turn: Turn, rollout: Rollout, i: int) -> np.ndarray:
+    n = len(turn.completion_ids)
+    if not turn.policy_versions:
+        return np.full(n, -1, np.int32)  # unknown
+    if len(turn.policy_versions) != n:
+        raise ValueError(f"rollout {rollout.rollout_id} turn {i}: {len(turn.policy_versions)} policy versions "
+                         f"for {n} completion ids")
+    return np.asarray(turn.policy_versions, dtype=np.int32)
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return (a is None) == (b is None) and (a is None or np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))

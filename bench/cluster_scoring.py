@@ -45,7 +45,7 @@ def _run(cluster, urls: list[str], parallelism: int, prompts: int, reward_cpu_ms
     directory = RunDir(run_dir)
     steps = directory.committed_steps()
     commits = [directory.read_commit(step) for step in steps]
-    first_start = min(min(directory.read_window(step).column("t_start").to_pylist()) for step in steps)
+    first_start = min(min(directory.read_window(step).column("t_sent").to_pylist()) for step in steps)
     span_s = commits[-1].committed_at - first_start
     rollouts = sum(c.window.rollouts for c in commits)
     workers = {role: sorted({w for c in commits for w in c.extra["workers"][role]}) for role in ("dispatch", "score")}

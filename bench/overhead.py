@@ -112,7 +112,7 @@ def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
         latency = np.array([c.committed_at - c.extra["last_rollout_finished_at"] for c in commits])
         # Sustained: from the first rollout's start to the last commit, so runner start-up is not in
         # the rate (first-to-last commit would overstate it when several steps commit at once).
-        first_start = min(min(rundir.read_window(s).column("t_start").to_pylist()) for s in steps)
+        first_start = min(min(rundir.read_window(s).column("t_sent").to_pylist()) for s in steps)
         sustained = rollouts / (committed_at[-1] - first_start)
         warm, last = watcher.rss.get(marks[0]), watcher.rss.get(marks[1])
         steady_cpu = watcher.steady_cpu_ms_per_rollout()
@@ -150,7 +150,7 @@ def instant_rollouts(config: RunConfig, env: Any, generator: InstantGenerator, p
         turns = [Turn(c.token_ids, c.logprobs, c.finish_reason)]
         rollouts.append(Rollout(
             group_id=request.group_id, env_name=request.env_name, attempt=i, group_size=n, prompt_ids=list(prompt),
-            turns=turns, reward=env.reward(request.row, Trajectory(turns)), t_start=now, t_end=now,
+            turns=turns, reward=env.reward(request.row, Trajectory(turns)), t_sent=now, t_finished=now,
             epoch=request.epoch, index=request.index))
     return rollouts
 

@@ -51,8 +51,8 @@ def measure(mode: str, prompts: int, group_size: int, rollouts_per_step: int) ->
     windows = [committed.read_window(s) for s in committed.committed_steps()]
     rollouts = sum(w.num_rows for w in windows)
     # The dispatch span: first rollout started to last one finished (start-up and drain excluded).
-    span = (max(max(w.column("t_end").to_pylist()) for w in windows)
-            - min(min(w.column("t_start").to_pylist()) for w in windows))
+    span = (max(max(w.column("t_finished").to_pylist()) for w in windows)
+            - min(min(w.column("t_sent").to_pylist()) for w in windows))
     return {"mode": mode, "rollouts": rollouts, "wall_s": round(wall, 2), "dispatch_span_s": round(span, 2),
             "rollouts_per_s_wall": round(rollouts / wall, 1), "rollouts_per_s_dispatch": round(rollouts / span, 1),
             "server_busy_share_of_wall": [round(b / wall, 3) for b in busy],

@@ -93,7 +93,7 @@ def _drive(host: DispatcherThread, groups: list[GroupRequest], batch_groups: int
             for rollout in host.poll(1.0):
                 if not rollout.ok:
                     raise RuntimeError(f"rollout {rollout.rollout_id} failed: {rollout.errors}")
-                ends.append(rollout.t_end)
+                ends.append(rollout.t_finished)
     return sorted(ends)
 
 

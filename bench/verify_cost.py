@@ -26,10 +26,11 @@ import xxhash
 from beam_rl.reader import StepReader
 from beam_rl.rundir import RunDir
 from beam_rl.types import MicroBatch, Sample, TrainBatch
+from schemas.fields import TOKEN_FIELDS
 
 SAMPLE_TOKENS = 2048
 SAMPLES_PER_MICRO_BATCH = 8
-BYTES_PER_TOKEN = 21  # int32 ids + int32 positions + uint8 mask + 3 x float32
+BYTES_PER_TOKEN = sum(f.dtype.itemsize for f in TOKEN_FIELDS)  # a token's values in a rank file
 
 
 def _median_ms(fn: Callable[[], object], rounds: int) -> float:

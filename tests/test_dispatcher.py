@@ -423,6 +423,41 @@ def test_rollouts_are_stamped_with_start_and_end_policy_versions():
         tracker.calls[0].release.set()
         (rollout,) = await collect(dispatcher, 1)
         assert (rollout.policy_version_start, rollout.policy_version_end) == (3, 5)
+        # The client reports no version per token yet: each generated token gets the start version.
+        assert [t.policy_versions for t in rollout.turns] == [[3, 3, 3]]
+
+    asyncio.run(main())
+
+
+def test_token_versions_a_trajectory_reports_are_kept():
+    class Reporting(FakeEnv):
+        async def run(self, client, row, prompt_ids, sampling):
+            trajectory = await super().run(client, row, prompt_ids, sampling)
+            trajectory.turns[0].policy_versions = [1, 2, 2]
+            return trajectory
+
+    async def main() -> None:
+        dispatcher, _ = make(1, 1, groups(1, 1), version=[2])
+        dispatcher.envs["math"] = Reporting()
+        (rollout,) = await collect(dispatcher, 1)
+        assert rollout.turns[0].policy_versions == [1, 2, 2] and rollout.token_version_min == 1
+
+    asyncio.run(main())
+
+
+def test_the_timeline_admitted_sent_finished():
+    async def main() -> None:
+        # One permit: the second group is admitted only once the first one's rollout finished.
+        dispatcher, _ = make(1, 1, groups(2, 1))
+        first, second = sorted(await collect(dispatcher, 2), key=lambda r: r.index)
+        for r in (first, second):
+            assert 0 < r.t_admitted <= r.t_sent <= r.t_finished
+            assert r.t_first_token is None and r.t_scored is None  # not reported yet; stamped by scoring
+        assert second.t_admitted >= first.t_finished
+        dispatcher.add(groups(1, 2, start=5))
+        assert dispatcher.cancel_waiting({make_group_id(0, 5)}) == [make_group_id(0, 5)]
+        never = await collect(dispatcher, 2)
+        assert [r.t_admitted for r in never] == [None, None]  # cancelled before the dispatcher opened the group
 
     asyncio.run(main())
 
@@ -463,7 +498,7 @@ def test_rollout_carries_group_prompt_trajectory_and_provenance():
         # Generation only: the row travels with the rollout, and the scoring stage rewards it.
         assert r.row == {"q": 5} and r.reward == 0.0 and r.ok and r.errors == []
         assert r.server == "http://s0" and r.temperature == 0.7
-        assert 0 < r.t_start <= r.t_end
+        assert 0 < r.t_admitted <= r.t_sent <= r.t_finished
 
     asyncio.run(main())
 
@@ -540,6 +575,8 @@ def test_a_group_that_cannot_start_leaves_as_errors_and_the_run_continues():
             "PromptRenderError: env 'math' row 1 ("
         ] * 2
         assert got[unknown.group_id, 0].errors[0].startswith("UnknownEnvironment: 'nope'")
+        rejected = got[unknown.group_id, 0]  # admitted and given up at once, never sent
+        assert rejected.t_admitted == rejected.t_sent == rejected.t_finished and rejected.t_admitted > 0
         assert [got[make_group_id(0, 3), a].ok for a in (0, 1)] == [True, True]
 
     asyncio.run(main())

@@ -216,10 +216,10 @@ def test_a_server_that_comes_back_gets_new_groups_again(start_server, tmp_path, 
     lost = errored(records)
     assert len(lost) == switched["errored_requests"] * GROUP_SIZE >= 3 * GROUP_SIZE
     assert {r["server"] for r in lost} == {faulty.url}
-    assert all(r["t_start"] < switched["at"] for r in lost)
+    assert all(r["t_sent"] < switched["at"] for r in lost)
     # Back in service after the re-probe: new groups went to it and came back ok.
     recovered = [r for r in records if r["server"] == faulty.url and r["status"] == "ok"]
-    assert recovered and all(r["t_start"] > switched["at"] for r in recovered)
+    assert recovered and all(r["t_sent"] > switched["at"] for r in recovered)
     assert len(recovered) == (requests_received(faulty) - switched["errored_requests"]) * GROUP_SIZE
 
 

@@ -1,13 +1,14 @@
 """The packer's Beam state, its only copy: read back for every element, it cuts the batches an
-uninterrupted packer cuts whatever the elements' sizes; each pending group is stored once rather than
-rewritten with every element; a copy restored from an older checkpoint skips what was committed since;
-and the end of input waits for every shard."""
+uninterrupted packer cuts whatever the elements' sizes; each pending group is stored once, with its
+tokens, rather than rewritten with every element; a copy restored from an older checkpoint skips what
+was committed since; and the end of input waits for every shard."""
 
 from __future__ import annotations
 
 import pickle
 
 from beam_rl.advantages import get_algorithm
+from beam_rl.filters import ZeroAdvantageFilter
 from beam_rl.config import config_from_dict
 from beam_rl.sink import InputExhausted, score_group
 from beam_rl.source import EndOfInput
@@ -102,12 +103,28 @@ def test_a_packer_read_back_from_beam_state_cuts_the_same_batches_whatever_the_e
     assert stale == {f"g6/{a}" for a in range(GROUP_SIZE)}  # the flag reached the window records
 
 
-def test_each_pending_group_is_stored_once_and_the_value_holds_no_tokens(tmp_path):
+def test_each_pending_group_is_stored_once_and_the_value_holds_none_of_its_tokens(tmp_path):
     _, state, pending = _pack(tmp_path)
     # Two groups make a batch: every other group waits for its partner, stored once meanwhile.
     assert pending.added == 5 and not pending.items  # g0, g2, g4, g6, g8 waited; all cut by the end
-    sample_bytes = len(pickle.dumps(_scored(0, 0)))
-    assert max(state.writes) < 4 * sample_bytes  # window records and counts, not the pending groups
+    group_bytes = len(pickle.dumps(_scored(0, 0)))
+    # The window's records of a pending group are in the value without the token arrays its samples hold.
+    assert max(state.writes) < group_bytes
+
+
+def test_a_group_with_nothing_to_train_is_stored_once_and_its_tokens_reach_the_window(tmp_path):
+    fn, state, pending = _packer(tmp_path), _Value(), _Bag()
+    same = [Rollout("flat", "reverse_text", a, GROUP_SIZE, prompt_ids=[1, 2], reward=1.0,
+                    turns=[Turn([7] * 200, [-0.5] * 200, "stop")]) for a in range(GROUP_SIZE)]
+    flat = score_group(same, get_algorithm("grpo"), [ZeroAdvantageFilter(mode="enforce")], temperature=1.0)
+    assert list(fn.process(("packer", [_scored(0, 0), flat]), state=state, pending=pending)) == []
+    # Its 4 x 202 tokens went to the bag with it (12 bytes each in a record), not to the value.
+    assert pending.added == 2 and max(state.writes) < 4 * 202 * 12
+    (batch,) = fn.process(("packer", [_scored(1, 0)]), state=state, pending=pending)
+    window = {r.rollout_id: r for r in batch.rollouts}
+    assert window["flat/0"].filtered == "zero_advantage"
+    assert window["flat/0"].tokens.input_ids.tolist() == [1, 2] + [7] * 200
+    assert pending.items == []  # cut, and the flat group left with the window
 
 
 def test_a_packer_restored_from_an_older_checkpoint_skips_what_was_committed_since(tmp_path):

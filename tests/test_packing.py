@@ -103,10 +103,11 @@ def test_flatten_concatenates_every_column():
     np.testing.assert_allclose(flat["advantages"], [0, 1.5, 1.5, 0, 1.5])
     np.testing.assert_allclose(flat["logprobs"], [0, -0.5, -0.5, 0, -0.5])
     np.testing.assert_allclose(flat["temperatures"], [0.8] * 5, rtol=1e-6)
+    np.testing.assert_array_equal(flat["policy_versions"], [-1] * 5)  # left out of the samples: unknown
     np.testing.assert_array_equal(flat["seq_lens"], [3, 2])
     assert {k: v.dtype.name for k, v in flat.items()} == {
         "input_ids": "int32", "position_ids": "int32", "loss_mask": "bool", "advantages": "float32",
-        "logprobs": "float32", "temperatures": "float32", "seq_lens": "int32",
+        "logprobs": "float32", "temperatures": "float32", "policy_versions": "int32", "seq_lens": "int32",
     }
     empty = flatten(MicroBatch([]))
     assert all(v.shape == (0,) for v in empty.values())

@@ -96,9 +96,26 @@ def test_every_ok_rollout_is_trained_once_or_counted_as_filtered(finished_run):
     assert set(trained) == ok_unfiltered
 
 
+def test_the_window_holds_each_rollouts_tokens_versions_and_timeline(finished_run):
+    for step, window in _windows(finished_run).items():
+        trained = pa.ipc.open_file(pa.memory_map(str(finished_run.rank_path(step, 0)))).read_all()
+        samples = dict(zip(trained.column("rollout_id").to_pylist(), trained.column("input_ids").to_pylist()))
+        for row in window.to_pylist():
+            stamps = [row[t] for t in ("t_admitted", "t_sent", "t_finished", "t_scored", "t_packed", "t_committed")]
+            assert stamps == sorted(stamps) and row["t_first_token"] is None, row["rollout_id"]
+            if row["status"] != "ok":
+                continue
+            # Until the client reports them, every generated token has the version its rollout started on.
+            versions = {v for turn in row["turns"] for v in turn["policy_versions"]}
+            assert versions == {row["policy_version_start"]} == {row["token_version_min"], row["token_version_max"]}
+            tokens = row["prompt_ids"] + [t for turn in row["turns"] for t in turn["env_ids"] + turn["completion_ids"]]
+            if row["rollout_id"] in samples:  # what the trainer reads is what the window shows
+                assert samples[row["rollout_id"]] == tokens
+
+
 def test_first_step_is_committed_while_dispatch_is_still_running(finished_run):
     first_commit = finished_run.read_commit(1).committed_at
-    last_finished = max(max(w.column("t_end").to_pylist()) for w in _windows(finished_run).values())
+    last_finished = max(max(w.column("t_finished").to_pylist()) for w in _windows(finished_run).values())
     assert first_commit < last_finished
 
 

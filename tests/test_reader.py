@@ -15,7 +15,7 @@ import pytest
 from beam_rl.reader import StepReader
 from beam_rl.rundir import CommitRecordError, RunDir, StepCorruptError, StepNotCommittedError
 from beam_rl.types import MicroBatch, Sample, TrainBatch
-from schemas import TRAIN_BATCH_SCHEMA, SchemaError, samples_to_table
+from schemas import TOKEN_FIELDS, TRAIN_BATCH_SCHEMA, SchemaError, samples_to_table
 from schemas.commit_record import FileEntry, checksum
 from step_damage import FILE_DAMAGE, RECORD_DAMAGE, truncate
 
@@ -29,6 +29,7 @@ def sample(ids, mask, adv, rollout_id, version=1, reward=1.0) -> Sample:
         logprobs=np.where(mask, -0.5, 0.0).astype(np.float32),
         advantages=np.where(mask, adv, 0.0).astype(np.float32),
         temperatures=np.full(len(ids), 0.8, np.float32),
+        policy_versions=np.where(mask, version, -1).astype(np.int32),
         rollout_id=rollout_id,
         group_id=rollout_id.split("/")[0],
         policy_version=version,
@@ -56,7 +57,8 @@ def test_read_step_gives_exactly_the_written_arrays_per_micro_batch(tmp_path):
     np.testing.assert_array_equal(mb0["temperatures"], np.full(5, 0.8, np.float32))
     np.testing.assert_array_equal(mb0["cu_seqlens"], [0, 3, 5])
     np.testing.assert_array_equal(mb0["seq_lens"], [3, 2])
-    np.testing.assert_array_equal(mb0["policy_versions"], [1, 1])
+    np.testing.assert_array_equal(mb0["sample_policy_versions"], [1, 1])
+    np.testing.assert_array_equal(mb0["policy_versions"], [-1, 1, 1, -1, 1])
     np.testing.assert_array_equal(mb0["rewards"], [1.0, 0.0])
     assert mb0["rollout_ids"] == ["g0/0", "g0/1"] and mb0["group_ids"] == ["g0", "g0"] and mb0["micro_batch"] == 0
     assert (mb0["input_ids"].dtype, mb0["loss_mask"].dtype, mb0["advantages"].dtype) == (np.int32, np.bool_, np.float32)
@@ -85,7 +87,7 @@ def test_token_arrays_are_read_only_views_into_the_mapped_file(tmp_path):
     gc.collect()  # the reader and its file object are gone; the views must keep the mapping alive
     ranges = _mapped_ranges(run.rank_path(1, 0).resolve())
     assert ranges, "rank file is not memory-mapped"
-    for name in ("input_ids", "position_ids", "loss_mask", "advantages", "logprobs", "temperatures"):
+    for name in (f.name for f in TOKEN_FIELDS):
         array = micro_batches[1][name]
         address = array.__array_interface__["data"][0]
         assert any(start <= address < end for start, end in ranges), name
@@ -109,6 +111,8 @@ def test_as_torch_gives_tensors_of_the_same_values_and_dtypes(tmp_path):
     assert mb0["input_ids"].tolist() == [11, 12, 13, 21, 22]
     assert mb0["advantages"][mb0["loss_mask"]].tolist() == [1.5, 1.5, -1.5]
     assert mb0["cu_seqlens"].tolist() == [0, 3, 5] and mb0["rollout_ids"] == ["g0/0", "g0/1"]
+    assert mb0["policy_versions"].dtype == torch.int32 and mb0["policy_versions"].tolist() == [-1, 1, 1, -1, 1]
+    assert mb0["sample_policy_versions"].tolist() == [1, 1]
 
 
 def test_uncommitted_step_and_missing_rank_are_refused(tmp_path):
@@ -121,7 +125,7 @@ def test_uncommitted_step_and_missing_rank_are_refused(tmp_path):
 
 
 def _overwrite_rank_file(run: RunDir, path: Path, schema: pa.Schema, table: pa.Table) -> None:
-    """Replace step 1's rank file, and its entry in the commit record, as a writer of that file would."""
+    """Replace a file of step 1, and its entry in the commit record, as a writer of that file would."""
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         writer.write_table(table.replace_schema_metadata(schema.metadata))
     record, data = run.read_commit(1), path.read_bytes()
@@ -140,6 +144,24 @@ def test_unknown_schema_version_is_refused_naming_the_file(tmp_path):
     _overwrite_rank_file(run, path, TRAIN_BATCH_SCHEMA.remove_metadata(), table)
     with pytest.raises(SchemaError, match=rf"{path}: no beam_rl.schema_version"):
         StepReader(run).read_step(1)
+
+
+def test_a_version_1_step_is_refused_naming_the_file(tmp_path):
+    """Files written before the per-token policy versions and the window's tokens: a clear error, not a
+    missing column deep in the reader."""
+    run = RunDir(tmp_path)
+    run.write_step(batch())
+    path = run.rank_path(1, 0)
+    v1 = samples_to_table(batch().micro_batches[0]).drop_columns(["policy_versions"])
+    _overwrite_rank_file(run, path, v1.schema.with_metadata({"beam_rl.schema_version": "1"}), v1)
+    with pytest.raises(SchemaError, match=rf"^{re.escape(str(path))}: schema version 1 is not supported "
+                                          r"\(this beam-rl reads \[2\]\); written by an older beam-rl"):
+        StepReader(run).read_step(1)
+    window = run.window_path(1)
+    old = run.read_window(1).select(["rollout_id", "status"])
+    _overwrite_rank_file(run, window, old.schema.with_metadata({"beam_rl.schema_version": "1"}), old)
+    with pytest.raises(SchemaError, match=rf"^{re.escape(str(window))}: schema version 1 is not supported"):
+        run.read_window(1)
 
 
 def test_a_record_batch_mixing_micro_batches_is_refused(tmp_path):

@@ -65,7 +65,7 @@ def test_write_step_commits_rank_files_window_and_record(tmp_path):
     assert step_dir == tmp_path / "rollouts" / "step_1"
     assert sorted(os.listdir(step_dir)) == ["COMMIT.json", "rank_0.arrow", "rank_1.arrow", "window.arrow"]
     commit = run.read_commit(1)
-    assert commit.step == 1 and commit.schema_version == 1 and commit.record_version == RECORD_VERSION
+    assert commit.step == 1 and commit.schema_version == 2 and commit.record_version == RECORD_VERSION
     assert commit.group_ids == ["g0", "g1"]
     assert commit.offsets == [("arithmetic", 0, 4), ("arithmetic", 0, 7)]
     assert commit.counts == StepCounts(
@@ -77,6 +77,9 @@ def test_write_step_commits_rank_files_window_and_record(tmp_path):
         data = (step_dir / name).read_bytes()
         assert entry.bytes == len(data) and entry.xxh3_128 == checksum(data)
     assert run.read_window(1).column("rollout_id").to_pylist() == ["g0/0", "g0/1"]
+    # Each window row learns when its step was committed: as its window was written, before COMMIT.json.
+    stamps = set(run.read_window(1).column("t_committed").to_pylist())
+    assert len(stamps) == 1 and 0 < stamps.pop() <= commit.committed_at
     # Arrow IPC *file* format (footer, random access), not the stream format.
     with pa.memory_map(str(run.rank_path(1, 0))) as f:
         assert pa.ipc.open_file(f).num_record_batches == 2
@@ -92,6 +95,10 @@ def test_the_window_defaults_to_the_batch_rollouts(tmp_path):
     assert got == ("g1/1", "reverse_text", 0.25, "zero_advantage")
     run.write_step(batch(2))
     assert run.read_window(2).num_rows == 0 and run.read_commit(2).counts.window_rollouts == 0
+    # A window given as a table (a rewrite, a tool) is stamped as it is committed too.
+    run.write_step(batch(3), window=run.read_window(1))
+    (again,) = run.read_window(3).to_pylist()
+    assert again["t_committed"] > row["t_committed"] and {**again, "t_committed": 0} == {**row, "t_committed": 0}
 
 
 def test_steps_are_listed_in_numeric_order_and_next_step_follows_the_last(tmp_path):

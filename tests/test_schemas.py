@@ -1,4 +1,4 @@
-"""The versioned Arrow schemas: sample rows per micro-batch, rollout records, and version checks."""
+"""The rank files' versioned Arrow schema: sample rows per micro-batch, and version checks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from beam_rl.types import MicroBatch, Rollout, RolloutStatus, Sample, Turn
+from beam_rl.types import MicroBatch, Sample
 from schemas import (
     ROLLOUT_RECORD_SCHEMA,
     SCHEMA_VERSION,
@@ -14,15 +14,17 @@ from schemas import (
     SchemaError,
     check_schema,
     check_schema_version,
-    rollouts_to_table,
     samples_to_table,
     table_to_micro_batches,
 )
+from schemas.fields import SAMPLE_TOKEN_FIELDS
 
 
-def sample(ids, mask, rollout_id, *, adv=0.5, logprob=-0.25, temp=0.7, group="e0-i0", version=3, reward=1.0):
+def sample(ids, mask, rollout_id, *, adv=0.5, logprob=-0.25, temp=0.7, group="e0-i0", version=3, reward=1.0,
+           token_versions=None):
     n = len(ids)
     return Sample(
+        policy_versions=token_versions,
         input_ids=np.asarray(ids, dtype=np.int64),  # int64 on purpose: the writer narrows to int32
         loss_mask=np.asarray(mask, dtype=bool),
         logprobs=np.where(mask, logprob, 0.0).astype(np.float32),
@@ -38,15 +40,17 @@ def sample(ids, mask, rollout_id, *, adv=0.5, logprob=-0.25, temp=0.7, group="e0
 def two_micro_batches() -> list[MicroBatch]:
     return [
         MicroBatch([sample([5, 6, 7], [0, 1, 1], "e0-i0/0"), sample([8, 9], [0, 1], "e0-i0/1", adv=-0.5, reward=0.0)]),
-        MicroBatch([sample([1, 2, 3, 4], [0, 0, 1, 1], "e0-i1/0", group="e0-i1", version=2, reward=0.25)]),
+        MicroBatch([sample([1, 2, 3, 4], [0, 0, 1, 1], "e0-i1/0", group="e0-i1", version=2, reward=0.25,
+                           token_versions=np.array([-1, -1, 2, 3]))]),
     ]
 
 
 def test_schema_carries_its_version():
-    assert SCHEMA_VERSION == 1
-    assert TRAIN_BATCH_SCHEMA.metadata == {b"beam_rl.schema_version": b"1"}
-    assert ROLLOUT_RECORD_SCHEMA.metadata == {b"beam_rl.schema_version": b"1"}
+    assert SCHEMA_VERSION == 2
+    assert TRAIN_BATCH_SCHEMA.metadata == {b"beam_rl.schema_version": b"2"}
+    assert ROLLOUT_RECORD_SCHEMA.metadata == {b"beam_rl.schema_version": b"2"}
     assert TRAIN_BATCH_SCHEMA.field("loss_mask").type == pa.list_(pa.uint8())
+    assert TRAIN_BATCH_SCHEMA.field("policy_versions").type == pa.list_(pa.int32())
 
 
 def test_one_row_per_sample_with_positions_restarting_per_sample():
@@ -63,6 +67,7 @@ def test_one_row_per_sample_with_positions_restarting_per_sample():
     assert rows["rollout_id"] == ["e0-i0/0", "e0-i0/1", "e0-i1/0"]
     assert rows["group_id"] == ["e0-i0", "e0-i0", "e0-i1"]
     assert rows["policy_version"] == [3, 3, 2]
+    assert rows["policy_versions"] == [[-1, -1, -1], [-1, -1], [-1, -1, 2, 3]]  # not given: -1, unknown
     assert rows["reward"] == [1.0, 0.0, 0.25]
     # The file contract: one record batch per micro-batch.
     assert [b.num_rows for b in table.to_batches()] == [2, 1]
@@ -81,9 +86,9 @@ def test_round_trip_gives_back_the_samples():
     for mb_w, mb_r in zip(written, read):
         assert len(mb_w.samples) == len(mb_r.samples)
         for w, r in zip(mb_w.samples, mb_r.samples):
-            for name in ("input_ids", "loss_mask", "logprobs", "advantages", "temperatures"):
-                np.testing.assert_array_equal(getattr(r, name), getattr(w, name))
-            assert r.input_ids.dtype == np.int32 and r.loss_mask.dtype == np.bool_
+            for f in SAMPLE_TOKEN_FIELDS:
+                np.testing.assert_array_equal(getattr(r, f.name), getattr(w, f.name))
+                assert getattr(r, f.name).dtype == f.dtype
             assert (r.rollout_id, r.group_id, r.policy_version, r.reward) == (
                 w.rollout_id, w.group_id, w.policy_version, w.reward
             )
@@ -118,11 +123,14 @@ def test_seq_len_that_disagrees_with_the_tokens_is_refused():
 
 
 def test_missing_or_unknown_schema_version_is_refused():
-    assert check_schema_version(TRAIN_BATCH_SCHEMA) == 1
+    assert check_schema_version(TRAIN_BATCH_SCHEMA) == 2
     with pytest.raises(SchemaError, match=r"f\.arrow: no beam_rl.schema_version"):
         check_schema_version(TRAIN_BATCH_SCHEMA.remove_metadata(), "f.arrow")
-    with pytest.raises(SchemaError, match=r"f\.arrow: schema version 2 is not supported"):
-        check_schema_version(TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "2"}), "f.arrow")
+    with pytest.raises(SchemaError, match=r"f\.arrow: schema version 1 is not supported \(this beam-rl reads \[2\]\); "
+                                          "written by an older beam-rl: read it with the beam-rl that wrote it"):
+        check_schema_version(TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "1"}), "f.arrow")
+    with pytest.raises(SchemaError, match=r"f\.arrow: schema version 3 is not supported .*newer beam-rl: upgrade"):
+        check_schema_version(TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "3"}), "f.arrow")
     with pytest.raises(SchemaError, match="'one' is not an integer"):
         check_schema_version(TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "one"}))
 
@@ -130,20 +138,3 @@ def test_missing_or_unknown_schema_version_is_refused():
 def test_a_file_of_the_wrong_kind_names_the_missing_column():
     with pytest.raises(SchemaError, match="missing column 'micro_batch'"):
         check_schema(ROLLOUT_RECORD_SCHEMA, TRAIN_BATCH_SCHEMA, "window.arrow")
-
-
-def test_rollout_records_keep_errored_and_filtered_rollouts():
-    ok = Rollout("e0-i3", "arithmetic", 0, 2, prompt_ids=[1, 2], reward=1.0, advantage=0.7071, epoch=0, index=3,
-                 turns=[Turn([4, 5, 6], [-0.1, -0.2, -0.3], "length"), Turn([7], [-0.5], "length", env_ids=[9])],
-                 policy_version_start=4, policy_version_end=5, server="http://s0", t_start=10.0, t_end=12.5,
-                 filtered="overlong")
-    failed = Rollout("e0-i3", "arithmetic", 1, 2, epoch=0, index=3)
-    failed.capture_error(TimeoutError("no answer in 60 s"))
-    rows = rollouts_to_table([ok, failed]).to_pylist()
-    assert rows[0]["rollout_id"] == "e0-i3/0" and rows[0]["status"] == "ok"
-    assert (rows[0]["num_turns"], rows[0]["completion_tokens"], rows[0]["truncated"]) == (2, 4, True)
-    assert (rows[0]["filtered"], rows[0]["server"], rows[0]["index"]) == ("overlong", "http://s0", 3)
-    assert (rows[0]["policy_version_start"], rows[0]["policy_version_end"]) == (4, 5)
-    assert rows[1]["status"] == RolloutStatus.ERROR.value and rows[1]["filtered"] is None
-    assert rows[1]["errors"] == ["TimeoutError: no answer in 60 s"] and rows[1]["server"] is None
-    assert rollouts_to_table([]).schema == ROLLOUT_RECORD_SCHEMA

@@ -35,8 +35,8 @@ def test_score_group_drops_errored_and_cancelled_then_scores_survivors():
     # survivors [1, 0]: mean 0.5 -> advantages [0.5, -0.5]; the errored rewards play no part
     assert [r.advantage for r in rollouts] == [0.5, -0.5, 0.0, 0.0]
     assert [r.temperature for r in rollouts[:2]] == [0.7, 0.7]
-    # Past scoring the group is token-free records (the samples hold the tokens), shared between
-    # `rollouts` and `clean` so a later filter flag shows in both.
+    # Past scoring the group is records, shared between `rollouts` and `clean` so a later filter flag
+    # shows in both.
     assert scored.group_id == "e0-i0" and scored.rollouts == [r.record() for r in rollouts]
     assert scored.clean == [r.record() for r in rollouts[:2]] and scored.clean[1] is scored.rollouts[1]
     assert [s.rollout_id for s in scored.samples] == ["e0-i0/0", "e0-i0/1"]
@@ -170,3 +170,81 @@ def test_flush_commits_a_tail_of_untrainable_groups_as_a_step_without_samples():
     assert [r.rollout_id for r in batch.rollouts] == [r.rollout_id for r in rollouts]
     assert batch.window["errored"] == 4 and batch.window["group_ids"] == ["e0-i7"]
     assert builder.next_step == 4 and builder.flush() is None
+
+
+def test_a_clean_rollouts_record_holds_its_samples_token_arrays_and_a_scored_group_pickles_them_once():
+    rollouts = _group("e0-i0", [1.0, 0.0, 0.5, 0.5], completion=40)
+    rollouts[3].capture_error("HTTPError: 500")
+    scored = score_group(rollouts, DR_GRPO, [], temperature=1.0)
+    for record, sample in zip(scored.clean, scored.samples, strict=True):
+        assert record.tokens.input_ids is sample.input_ids and record.tokens.logprobs is sample.logprobs
+        assert record.tokens.policy_versions is sample.policy_versions
+    back = pickle.loads(pickle.dumps(scored))
+    assert back.rollouts == scored.rollouts and back.clean[1] is back.rollouts[1]
+    for record, sample in zip(back.clean, back.samples, strict=True):
+        assert record.tokens.input_ids is sample.input_ids
+    # Each clean rollout's 42 tokens once: int32 id, uint8 mask, 4 x float32/int32 = 21 bytes a token.
+    token_bytes = 3 * 42 * 21
+    assert len(pickle.dumps(scored)) < token_bytes + 4 * 1200
+
+
+def test_the_window_records_when_its_batch_was_cut():
+    clock = iter([100.0, 200.0])
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=2), clock=lambda: next(clock))
+    errored = _group("g-err", [0.0])
+    errored[0].capture_error("HTTPError: 500")
+    builder.add(score_group(errored, DR_GRPO, [], 1.0))
+    (first,) = builder.add(_scored("g0", [1.0, 0.0]))
+    (second,) = builder.add(_scored("g1", [1.0, 0.0]))
+    assert [r.t_packed for r in first.rollouts] == [100.0] * 3 and [r.t_packed for r in second.rollouts] == [200.0] * 2
+
+
+def test_a_batchs_window_and_its_samples_hold_one_copy_of_each_token_array():
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=4), seq_len=256)
+    builder.add(_scored("g0", [1.0, 0.0], completion=50))
+    flat = _scored("g-flat", [1.0, 1.0], pre_filters=[ZeroAdvantageFilter(mode="enforce")], completion=50)
+    builder.add(pickle.loads(pickle.dumps(flat)))  # as it arrives from the scoring stage
+    (batch,) = builder.add(pickle.loads(pickle.dumps(_scored("g1", [1.0, 0.0], completion=50))))
+    samples = {s.rollout_id: s for rank in batch.micro_batches for mb in rank for s in mb.samples}
+    for record in batch.rollouts:
+        if record.rollout_id in samples:
+            assert record.tokens.input_ids is samples[record.rollout_id].input_ids
+        else:  # filtered: no sample, the record holds its own
+            assert record.filtered == "zero_advantage" and record.tokens.num_tokens == 52
+    # Pickled (to the writer), each array once: 4 samples and 2 filtered records' ids, logprobs, versions.
+    sample_bytes = 4 * 52 * 21
+    filtered_bytes = 2 * 52 * 12
+    assert len(pickle.dumps(batch)) < sample_bytes + filtered_bytes + 6 * 1500
+
+
+def test_split_pending_stores_each_token_once_with_its_group_and_restore_gives_them_back():
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=4), seq_len=256, next_step=3,
+                       post_filters=[StaleFilter(max_off_policy_steps=0)])
+    builder.add(_scored("g0", [1.0, 0.0], completion=100))
+    builder.add(_scored("g-flat", [1.0, 1.0], pre_filters=[ZeroAdvantageFilter(mode="enforce")], completion=100))
+    rest, pending = builder.split_pending()
+    # Nothing to train in g-flat, but it is held like g0 so that its tokens are stored once, with it:
+    # the value (rewritten with every element) holds the four window records without any token array.
+    assert [g.group_id for g in pending] == ["g0", "g-flat"]
+    value, bag = pickle.dumps(rest), [pickle.dumps(g) for g in pending]
+    assert len(value) < 4 * 102 * 4 and all(len(b) > 2 * 102 * 12 for b in bag)
+    assert all(r.tokens.input_ids is not None for r in builder._window)  # the builder itself keeps them
+    restored = pickle.loads(value)
+    restored.restore_pending([pickle.loads(b) for b in bag])
+    g0, flat = restored.pending
+    window = {r.rollout_id: r for r in restored._window}
+    for record, sample in zip(g0.clean, g0.samples, strict=True):
+        assert window[record.rollout_id] is record and record.tokens.input_ids is sample.input_ids
+    assert all(window[r.rollout_id] is r and r.tokens.input_ids.shape == (102,) for r in flat.rollouts)
+    (batch,) = restored.add(_scored("g1", [1.0, 0.0], version=2, completion=100))  # g0 is stale at step 3
+    assert batch.group_ids == ["g1"] and {r.rollout_id: r.filtered for r in batch.rollouts}["g0/0"] == "stale"
+    assert [r.tokens.num_tokens for r in batch.rollouts] == [102] * 6
+    assert restored.pending == []  # all three were the cohort: g1 trained, g0 flagged, g-flat only observed
+
+
+def test_a_builder_pickled_whole_restores_its_window_and_pending_groups_as_one():
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=8))
+    builder.add(_scored("g0", [1.0, 0.0]))
+    restored = pickle.loads(pickle.dumps(builder))
+    (group,) = restored.pending
+    assert group.clean[0] is restored._window[0] and group.clean[0].tokens.input_ids is group.samples[0].input_ids

@@ -21,9 +21,11 @@ import apache_beam as beam
 from beam_rl.sink import InputExhausted, ScoredGroup
 from beam_rl.source import EndOfInput
 from beam_rl.types import Rollout, RolloutRecord, Sample, TrainBatch
+from schemas.fields import SAMPLE_TOKEN_FIELDS, SHARED_TOKEN_ARRAYS
 
-_RECORD_BYTES = 200  # a pickled rollout's fields other than its tokens, roughly
-_PICKLED_TOKEN_BYTES = 14  # an int id and a float logprob in pickled Python lists, roughly
+_ROLLOUT_BYTES = 600  # a pickled Rollout's fields other than its tokens, roughly
+_PICKLED_TOKEN_BYTES = 16  # a token of a pickled Rollout: its id, logprob and policy version in Python lists
+_RECORD_BYTES = 850  # a pickled RolloutRecord's fields other than its token arrays (their segments included)
 
 
 class PackerItem:
@@ -35,20 +37,31 @@ class PackerOutput:
 
 
 def _sample_bytes(sample: Sample) -> int:
-    return (sample.input_ids.nbytes + sample.loss_mask.nbytes + sample.logprobs.nbytes
-            + sample.advantages.nbytes + sample.temperatures.nbytes)
+    return sum(getattr(sample, f.name).nbytes for f in SAMPLE_TOKEN_FIELDS)
+
+
+def _record_bytes(record: RolloutRecord) -> int:
+    """A record's fields plus the token arrays it holds itself (a clean one's are its sample's)."""
+    arrays = [getattr(record.tokens, name, None) for name in SHARED_TOKEN_ARRAYS] if record.tokens else []
+    return _RECORD_BYTES + sum(a.nbytes for a in arrays if a is not None)
+
+
+def _unshared_bytes(records: list[RolloutRecord], samples: list[Sample]) -> int:
+    trained = {s.rollout_id for s in samples}
+    return sum(_RECORD_BYTES if r.rollout_id in trained else _record_bytes(r) for r in records)
 
 
 def estimated_bytes(value: Any) -> int:
     """About the pickled size of a domain value, without pickling it."""
     if isinstance(value, ScoredGroup):
-        return sum(map(_sample_bytes, value.samples)) + _RECORD_BYTES * len(value.rollouts)
+        return sum(map(_sample_bytes, value.samples)) + _unshared_bytes(value.rollouts, value.samples)
     if isinstance(value, Rollout):
-        tokens = len(value.prompt_ids) + sum(len(t.completion_ids) + len(t.env_ids) for t in value.turns)
-        return _RECORD_BYTES + _PICKLED_TOKEN_BYTES * tokens
+        return _ROLLOUT_BYTES + _PICKLED_TOKEN_BYTES * value.num_tokens
+    if isinstance(value, RolloutRecord):
+        return _record_bytes(value)
     if isinstance(value, TrainBatch):
-        samples = (s for rank in value.micro_batches for micro in rank for s in micro.samples)
-        return sum(map(_sample_bytes, samples)) + _RECORD_BYTES * len(value.rollouts)
+        samples = [s for rank in value.micro_batches for micro in rank for s in micro.samples]
+        return sum(map(_sample_bytes, samples)) + _unshared_bytes(value.rollouts, samples)
     return _RECORD_BYTES
 
 

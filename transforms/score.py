@@ -4,6 +4,7 @@ output for EvaluateRounds."""
 
 from __future__ import annotations
 
+import time
 from typing import List
 
 import apache_beam as beam
@@ -33,8 +34,9 @@ class _ScoreFn(beam.DoFn):
     def process(self, keyed_group):
         _, rollouts = keyed_group
         assign_rewards(rollouts, self._envs[rollouts[0].env_name])
+        scored_at = time.time()
         for rollout in rollouts:
-            rollout.score_worker = self._worker
+            rollout.score_worker, rollout.t_scored = self._worker, scored_at
         if rollouts[0].is_eval:
             yield beam.pvalue.TaggedOutput(EVALUATION, (rollouts[0].eval_round, [r.record() for r in rollouts]))
             return

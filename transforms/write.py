@@ -34,7 +34,7 @@ class _WriteStepFn(beam.DoFn):
             beam.metrics.Metrics.counter("beam_rl", "steps_replayed").inc()
             return
         offsets = sorted({r.prompt_offset for r in batch.rollouts})
-        last_finished = max((r.t_end for r in batch.rollouts), default=0.0)
+        last_finished = max((r.t_finished for r in batch.rollouts), default=0.0)
         workers = {"dispatch": sorted({r.dispatch_worker for r in batch.rollouts if r.dispatch_worker}),
                    "score": sorted({r.score_worker for r in batch.rollouts if r.score_worker})}
         self._dir.write_step(batch, offsets=offsets, window=batch.rollouts,

@@ -150,7 +150,7 @@ class Dispatcher:
                 f"{type(exc).__name__}: {exc}",
             )
         group = OpenGroup(request, env, mode, self.sampling[request.env_name], prompt_ids,
-                          collections.deque(request.attempts_to_run))
+                          collections.deque(request.attempts_to_run), t_admitted=self._clock())
         self._groups[request.group_id] = group
         return group
 
@@ -158,7 +158,7 @@ class Dispatcher:
         log.error("group %s cannot run: %s", request.group_id, error)
         version, now = self._policy_version(), self._clock()
         for attempt in request.attempts_to_run:
-            rollout = self._placeholder(request, attempt, [], version, version, None, now, now)
+            rollout = self._placeholder(request, attempt, [], version, version, None, now, now, t_admitted=now)
             rollout.capture_error(error)
             self._emit(rollout)
 
@@ -210,7 +210,7 @@ class Dispatcher:
         self._permits.give_back(launch.permits)
         self.pool.finished(launch.server, launch.permits)
         # Rule: version stamps (end).
-        version_end, t_end = self._policy_version(), self._clock()
+        version_end, t_finished = self._policy_version(), self._clock()
         rollouts = [
             self._placeholder(
                 request,
@@ -220,7 +220,8 @@ class Dispatcher:
                 version_end,
                 launch.server.url,
                 launch.t_start,
-                t_end,
+                t_finished,
+                group.t_admitted,
             )
             for a in launch.attempts
         ]
@@ -237,6 +238,8 @@ class Dispatcher:
             try:
                 for rollout, trajectory in zip(rollouts, task.result(), strict=True):
                     rollout.turns, rollout.info = list(trajectory.turns), dict(trajectory.info)
+                    for turn in rollout.turns:  # until the client reports them: every token, the start version
+                        turn.policy_versions = turn.policy_versions or [launch.version_start] * len(turn.completion_ids)
             except Exception as exc:  # a malformed trajectory must not lose the rollout
                 for rollout in rollouts:
                     rollout.turns, rollout.info = [], {}
@@ -258,8 +261,9 @@ class Dispatcher:
         version_start: int,
         version_end: int,
         server: str | None,
-        t_start: float,
-        t_end: float,
+        t_sent: float,
+        t_finished: float,
+        t_admitted: float | None = None,
     ) -> Rollout:
         sampling = self.sampling.get(request.env_name, SamplingParams())
         return Rollout(
@@ -271,8 +275,9 @@ class Dispatcher:
             policy_version_start=version_start,
             policy_version_end=version_end,
             server=server,
-            t_start=t_start,
-            t_end=t_end,
+            t_admitted=t_admitted,
+            t_sent=t_sent,
+            t_finished=t_finished,
             temperature=sampling.temperature,
             row=request.row,
             epoch=request.epoch,
@@ -358,7 +363,8 @@ class Dispatcher:
         server = group.server.url if group.server else None
         while group.attempts:
             rollout = self._placeholder(
-                group.request, group.attempts.popleft(), group.prompt_ids, version, version, server, now, now
+                group.request, group.attempts.popleft(), group.prompt_ids, version, version, server, now, now,
+                group.t_admitted,
             )
             rollout.status = RolloutStatus.CANCELLED
             self._emit(rollout)

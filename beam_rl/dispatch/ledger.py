@@ -46,6 +46,7 @@ class OpenGroup:
     attempts: collections.deque[int]  # not started yet, in order
     server: Server | None = None  # the pinned server
     version_start: int | None = None  # policy version its first rollout started on
+    t_admitted: float | None = None  # when it was opened
     tasks: set[asyncio.Task] = field(default_factory=set)
 
     @property

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 from beam_rl.rundir.atomic import atomic_write, fsync_directory, is_temp, json_bytes, json_default, remove
 from beam_rl.rundir.errors import RunDirError, StepAlreadyCommittedError, StepCorruptError, StepNotCommittedError
 from beam_rl.rundir.layout import COMMIT_FILE, WINDOW_FILE, RunLayout, step_dirs
-from beam_rl.types import Rollout, TrainBatch
+from beam_rl.types import Rollout, RolloutRecord, TrainBatch
 from schemas.commit_record import (
     CommitRecord,
     CommitRecordError,
@@ -27,7 +27,8 @@ from schemas.commit_record import (
     first_error,
     new_checksum,
 )
-from schemas.train_batch import ROLLOUT_RECORD_SCHEMA, SCHEMA_VERSION, check_schema, rollouts_to_table, samples_to_table
+from schemas.train_batch import SCHEMA_VERSION, check_schema, samples_to_table
+from schemas.window import ROLLOUT_RECORD_SCHEMA, rollouts_to_table
 
 _TIMINGS = TypeAdapter(dict[str, float])
 
@@ -49,7 +50,7 @@ class StepStore(RunLayout):
         extra: dict[str, Any] | None = None,
         *,
         offsets: Iterable[Offset] = (),
-        window: Sequence[Rollout] | pa.Table | None = None,
+        window: Sequence[Rollout | RolloutRecord] | pa.Table | None = None,
     ) -> Path:
         """Write and commit one step; returns its directory.
 
@@ -95,7 +96,8 @@ class StepStore(RunLayout):
                 trained_tokens += sum(
                     int(np.count_nonzero(s.loss_mask)) for mb in rank_micro_batches for s in mb.samples)
 
-            window_table = _window_table(batch.rollouts if window is None else window)
+            # The window's rows learn when their step was committed: now, with the rank files written.
+            window_table = _window_table(batch.rollouts if window is None else window, committed_at=time.time())
             files[WINDOW_FILE] = _write_checksummed(self.window_path(step), window_table)
             # One directory fsync makes every rename above durable before the commit record can exist.
             fsync_directory(step_dir)
@@ -248,10 +250,14 @@ def _remove_temps(directory: Path) -> list[Path]:
     return removed
 
 
-def _window_table(window: Sequence[Rollout] | pa.Table) -> pa.Table:
+def _window_table(window: Sequence[Rollout | RolloutRecord] | pa.Table, committed_at: float) -> pa.Table:
     if isinstance(window, pa.Table):
-        return window.select(ROLLOUT_RECORD_SCHEMA.names).cast(ROLLOUT_RECORD_SCHEMA)
-    return rollouts_to_table(window)
+        table = window.select(ROLLOUT_RECORD_SCHEMA.names).cast(ROLLOUT_RECORD_SCHEMA)
+    else:
+        table = rollouts_to_table(window)
+    column = ROLLOUT_RECORD_SCHEMA.get_field_index("t_committed")
+    stamp = pa.array(np.full(table.num_rows, committed_at), pa.float64())
+    return table.set_column(column, ROLLOUT_RECORD_SCHEMA.field(column), stamp)
 
 
 def _write_checksummed(path: Path, table: pa.Table) -> FileEntry:

@@ -126,7 +126,9 @@ class ReferenceTrainer:
         t3 = time.monotonic()
         self.step = step + 1
 
-        versions = np.concatenate([mb["policy_versions"] for mb in micro_batches]) if micro_batches else np.zeros(0)
+        # Per sample: the version its rollout started on (the per-token `policy_versions` are not used here).
+        versions = (np.concatenate([mb["sample_policy_versions"] for mb in micro_batches]) if micro_batches
+                    else np.zeros(0))
         rewards = np.concatenate([mb["rewards"] for mb in micro_batches]) if micro_batches else np.zeros(0)
         staleness = (step - 1) - versions  # DESIGN.md section 3: step s trains policy s-1
         metrics: StepMetrics = {
