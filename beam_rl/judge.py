@@ -152,6 +152,8 @@ def _answer_text(body: Any) -> str:
 
 
 def _error_text(body: Any) -> str:
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message", body["error"]))
-    return str(body)
+    """The message of an error body: OpenAI's {"error": {"message": ...}}, vLLM's {"error": "..."}, or the text."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and "message" in error:
+        return str(error["message"])
+    return str(error if isinstance(error, str) else body)
