@@ -108,7 +108,7 @@ class Judge:
                 failure = f"{type(err).__name__}: {err}"
                 continue
             if status == 200:
-                return self.verdict(_answer_text(body))
+                return self.verdict(answer_text(body))
             failure = f"HTTP {status}: {excerpt(_error_text(body))}"
             if status in _FATAL_STATUSES:
                 raise JudgeError(f"env {self.env_name!r}: judge {self.endpoint} refused the request ({failure}); "
@@ -141,7 +141,8 @@ class Judge:
             await session.close()
 
 
-def _answer_text(body: Any) -> str:
+def answer_text(body: Any) -> str:
+    """The text of a chat completion body's first choice; RewardUnavailable when it has none."""
     try:
         content = body["choices"][0]["message"]["content"]
     except (KeyError, IndexError, TypeError):

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import math
 import numbers
 import threading
 import weakref
-from collections.abc import Awaitable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from beam_rl.config import RewardSection, RunConfig
@@ -40,14 +41,16 @@ def mark_reward_error(rollout: Rollout, reason: str) -> None:
 
 class RewardLoop:
     """An asyncio event loop on a daemon thread, where a worker process's async rewards run, with the
-    permits that bound each environment's concurrency. Stopped by `close`, or once nothing holds it."""
+    permits that bound each environment's concurrency. Stopped by `close`, once nothing holds it, or at
+    interpreter exit (a cancelled job's workers may never tear their DoFns down), after its closers ran."""
 
     def __init__(self) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="beam-rl-rewards", daemon=True)
         self._thread.start()
         self._permits: dict[str, asyncio.Semaphore] = {}  # touched only on the loop's thread
-        self._finalizer = weakref.finalize(self, _stop_loop, self._loop, self._thread)
+        self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._finalizer = weakref.finalize(self, _stop_loop, self._loop, self._thread, self._closers)
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -57,6 +60,10 @@ class RewardLoop:
         if name not in self._permits:
             self._permits[name] = asyncio.Semaphore(size)
         return self._permits[name]
+
+    def at_close(self, closer: Callable[[], Awaitable[None]]) -> None:
+        """Await `closer()` on the loop before it stops (what holds connections: a judge's HTTP session)."""
+        self._closers.append(closer)
 
     @property
     def closed(self) -> bool:
@@ -72,14 +79,25 @@ class RewardLoop:
         self.close()
 
 
-def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread,
+               closers: list[Callable[[], Awaitable[None]]]) -> None:
     if loop.is_closed():
         return
+    on_loop_thread = thread is threading.current_thread()
+    for closer in closers:
+        done = asyncio.run_coroutine_threadsafe(_awaited(closer()), loop)
+        if not on_loop_thread:
+            with contextlib.suppress(Exception):
+                done.result(timeout=_CLOSE_TIMEOUT_S)
     loop.call_soon_threadsafe(loop.stop)
-    if thread is not threading.current_thread():
+    if not on_loop_thread:
         thread.join(timeout=_CLOSE_TIMEOUT_S)
     if not thread.is_alive():
         loop.close()
+
+
+async def _awaited(pending: Awaitable[None]) -> None:
+    await pending
 
 
 class EnvReward:
@@ -117,6 +135,13 @@ class GroupRewards:
         return self.rollouts
 
 
+def wait_for_any(groups: Sequence[GroupRewards]) -> None:
+    """Block until at least one of `groups` is done."""
+    futures = [g._future for g in groups if g._future is not None]
+    if futures and len(futures) == len(groups):
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+
+
 class Rewarder:
     """Rewards complete groups, each environment's with its own reward settings, on one RewardLoop."""
 
@@ -129,6 +154,8 @@ class Rewarder:
         rewards = {}
         for entry in config.envs:
             judge = Judge(entry.reward.judge, entry.name) if entry.reward.judge is not None else None
+            if judge is not None:
+                loop.at_close(judge.aclose)
             rewards[entry.name] = EnvReward(envs[entry.name], entry.reward, judge, name=entry.name)
         return cls(rewards, loop)
 

@@ -18,7 +18,7 @@ from beam_rl.envs import make_env
 from beam_rl.envs.base import RewardUnavailable
 from beam_rl.inference.faults import FaultInjector
 from beam_rl.inference.server import EmbeddedServer, FaultConfig
-from beam_rl.judge import Judge, JudgeError
+from beam_rl.judge import Judge, JudgeError, answer_text
 from beam_rl.rewards import EnvReward, Rewarder, RewardLoop
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus, Turn
@@ -47,8 +47,8 @@ def server():
     started: list[EmbeddedServer] = []
 
     def start(**faults: Any) -> EmbeddedServer:
-        api_key = faults.pop("api_key", None)
-        s = EmbeddedServer(mode="instant", faults=FaultConfig(**faults), api_key=api_key)
+        api_key, name = faults.pop("api_key", None), faults.pop("served_model_name", None)
+        s = EmbeddedServer(mode="instant", faults=FaultConfig(**faults), api_key=api_key, served_model_name=name)
         s.start()
         started.append(s)
         return s
@@ -161,6 +161,22 @@ def test_dropped_connections_are_retried(server) -> None:
         _grade(_judge(f"http://127.0.0.1:{port}", max_retries=2))
 
 
+def test_a_request_the_judge_cannot_take_is_unavailable_and_a_wrong_model_stops_the_run(server) -> None:
+    s = server(replies=["SCORE: 1"], served_model_name="grader")
+    with pytest.raises(RewardUnavailable, match=r"answered HTTP 400: \"This model's maximum context length is 1024"):
+        _grade(_judge(s.url, model="grader"), completion="word " * 2000)
+    with pytest.raises(JudgeError, match=r"refused the request \(HTTP 404: 'The model `judge` does not exist.'\)"):
+        _grade(_judge(s.url, model="judge"))
+    assert s.requests_total == 2  # neither is retried
+
+
+def test_an_answer_without_a_chat_message_is_unavailable() -> None:
+    for body, shown in [({"choices": []}, "without a chat message"), ("<html>busy</html>", "without a chat message"),
+                        ({"choices": [{"message": {"content": None}}]}, "with no text")]:
+        with pytest.raises(RewardUnavailable, match=shown):
+            answer_text(body)
+
+
 def test_the_api_key_is_sent_and_never_shown(server, monkeypatch, caplog) -> None:
     caplog.set_level(logging.DEBUG)
     s = server(replies=["SCORE: 5"], api_key=SECRET)
@@ -194,3 +210,19 @@ def test_a_judge_replaces_an_environments_reward_on_the_reward_loop(server) -> N
     assert sorted(r.reward for r in rollouts if r.ok) == [0.25, 1.0]  # not the env's own 1.0 for both
     (failed,) = [r for r in rollouts if not r.ok]
     assert failed.status is RolloutStatus.REWARD_ERROR and "'nothing to say'" in failed.errors[0]
+
+
+def test_a_reward_loop_closes_its_judges_sessions_when_it_stops(server) -> None:
+    # A cancelled job's workers may never tear their DoFns down: the loop closes the sessions itself.
+    s = server(replies=["SCORE: 1"])
+    config = config_from_dict({"envs": [{"name": "arith", "kind": "arithmetic", "group_size": 2, "reward": {"judge": {
+        "url": s.url, "model": "judge", "prompt": "{question} {completion}", "verdict": {"pattern": r"SCORE: (\d)"}}}}]})
+    tokenizer = load_tokenizer("tiny")
+    rollouts = [Rollout("g", "arith", i, 2, turns=[Turn([5], [0.0], "stop")], row={"question": "1 + 0", "answer": "1"})
+                for i in range(2)]
+    loop = RewardLoop()
+    rewarder = Rewarder.from_config(config, {"arith": make_env("arithmetic", tokenizer)}, loop)
+    assert [r.reward for r in rewarder.start(rollouts).wait()] == [1.0, 1.0]
+    (session,) = rewarder.rewards["arith"].judge._sessions.values()
+    loop.close()
+    assert session.closed and loop.closed

@@ -3,9 +3,9 @@ advantages, stamp temperatures and run the pre-batch filters. Evaluation groups 
 leave on their own output for EvaluateRounds.
 
 Async rewards run on one event loop per worker process (held through Beam's Shared): `process` starts a
-group's rewards and returns, emitting the groups whose rewards are already in; `finish_bundle` waits for
-the rest. So the groups of a bundle are rewarded concurrently, and a bundle holds more groups exactly when
-groups queue up behind slow rewards.
+group's rewards and returns, emitting the groups whose rewards are already in; `finish_bundle` emits the
+rest as their rewards come in. So the groups of a bundle are rewarded concurrently, and a bundle holds
+more groups exactly when groups queue up behind slow rewards.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 from beam_rl import components
 from beam_rl.config import RunConfig
 from beam_rl.processes import worker_id
-from beam_rl.rewards import GroupRewards, Rewarder, RewardLoop
+from beam_rl.rewards import GroupRewards, Rewarder, RewardLoop, wait_for_any
 from beam_rl.sink import TOO_FEW_SCORED, ScoredGroup, score_group
 from beam_rl.types import RolloutRecord, RolloutStatus
 from transforms import coders  # noqa: F401  (registers the coder of ScoredGroup)
@@ -68,17 +68,21 @@ class _ScoreFn(beam.DoFn):
         self._loop = self._rewarder = None  # the Shared loop stops once no instance holds it
 
     def _emit(self, wait: bool) -> Iterator[Any]:
-        """The outputs of every group whose rewards are in (with `wait`: of every group, waiting)."""
-        still = []
-        for rewarding, context in self._rewarding:
-            if not (wait or rewarding.done()):
-                still.append((rewarding, context))
+        """The outputs of every group whose rewards are in, as they come in; with `wait`, of every group."""
+        while self._rewarding:
+            done = [item for item in self._rewarding if item[0].done()]
+            if not done:
+                if not wait:
+                    return
+                wait_for_any([rewarding for rewarding, _ in self._rewarding])
                 continue
-            for output in self._score(rewarding.wait()):
-                tag, value = (output.tag, output.value) if isinstance(output, beam.pvalue.TaggedOutput) else (None, output)
-                windowed = context.with_value(value)
-                yield windowed if tag is None else beam.pvalue.TaggedOutput(tag, windowed)
-        self._rewarding = still
+            emitted = {id(item) for item in done}
+            self._rewarding = [item for item in self._rewarding if id(item) not in emitted]
+            for rewarding, context in done:
+                for output in self._score(rewarding.wait()):
+                    tagged = isinstance(output, beam.pvalue.TaggedOutput)
+                    windowed = context.with_value(output.value if tagged else output)
+                    yield beam.pvalue.TaggedOutput(output.tag, windowed) if tagged else windowed
 
     def _score(self, rollouts) -> Iterator[Any]:
         env_name = rollouts[0].env_name
