@@ -121,6 +121,10 @@ def one_run(config: RunConfig) -> dict[str, Any]:
         "reward_mean_first5": round(statistics.mean(m["reward_mean"] for m in trainer[:5]), 3),
         "reward_mean_last5": round(statistics.mean(m["reward_mean"] for m in trainer[-5:]), 3),
         "reward_errors": sum(r.window.status.get("reward_error", 0) for r in records),
+        # Rollouts that waited for their rewards are older when packed: how many the staleness bound dropped.
+        "window_rollouts": sum(r.window.rollouts for r in records),
+        "trained_rollouts": sum(r.window.trained_rollouts for r in records),
+        "stale_rollouts": sum(r.window.filtered.get("stale", 0) for r in records),
         "scoring_bundles": len(bundles),
         "groups_per_bundle_mean": round(statistics.mean(bundles), 2) if bundles else None,
         "groups_per_bundle_max": max(bundles) if bundles else None,
@@ -153,7 +157,8 @@ def main() -> None:
     table = Table("", "judge off", *(f"judge {args.latency_s:g} s, {c} in flight" for c in levels),
                   title=f"trainer wait on rewards, {args.config}")
     for key in ("wall_s", "steps", "first_step_wait_s", "later_steps_wait_s_total", "later_steps_wait_s_median",
-                "compute_s_median", "reward_mean_first5", "reward_mean_last5", "reward_errors", "scoring_bundles",
+                "compute_s_median", "reward_mean_first5", "reward_mean_last5", "reward_errors", "window_rollouts",
+                "trained_rollouts", "stale_rollouts", "scoring_bundles",
                 "groups_per_bundle_mean", "groups_per_bundle_max"):
         table.add_row(key, *(str(report[run][key]) for run in runs))
     Console().print(table)
