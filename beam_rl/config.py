@@ -322,8 +322,9 @@ class RunConfig(_Section):
                 problems.append((f"envs[{i}].name", f"duplicate {env.name!r} (also envs[{seen[env.name]}])"))
             seen.setdefault(env.name, i)
             if env.reward.min_scored is not None and env.reward.min_scored > env.group_size:
-                problems.append((f"envs[{i}].reward.min_scored", f"{env.reward.min_scored} is above envs[{i}].group_size "
-                                                                 f"({env.group_size}): no group could ever be trained"))
+                problems.append((f"envs[{i}].reward.min_scored",
+                                 f"{env.reward.min_scored} is above envs[{i}].group_size ({env.group_size}): "
+                                 "no group could ever be trained"))
             # Batches are cut on whole groups, so a step must hold a whole number of every env's groups.
             if batch.rollouts_per_step % env.group_size:
                 problems.append((

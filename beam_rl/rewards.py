@@ -1,9 +1,5 @@
-"""The reward step of scoring: every generated rollout of a complete group gets its environment's reward,
-or its judge's. Sync rewards run inline; async ones run concurrently on the worker's reward loop, at most
-`reward.concurrency` per environment and each within `reward.timeout_s`. A reward that cannot be known
-(RewardUnavailable, or the timeout) makes the rollout a `reward_error`; anything else a reward raises is a
-bug that stops the run.
-"""
+"""The reward step of scoring: each generated rollout of a complete group gets its environment's (or its
+judge's) reward, async ones concurrently on the worker's reward loop; an unknowable one is a reward_error."""
 
 from __future__ import annotations
 
@@ -143,7 +139,12 @@ def wait_for_any(groups: Sequence[GroupRewards]) -> None:
 
 
 class Rewarder:
-    """Rewards complete groups, each environment's with its own reward settings, on one RewardLoop."""
+    """Rewards complete groups, each environment's with its own `reward` settings, on one RewardLoop.
+
+    Sync rewards run inline in the caller's thread; async ones on the loop, at most `concurrency` per
+    environment and each within `timeout_s`. RewardUnavailable or the timeout make the rollout a
+    reward_error; anything else a reward raises, or a result that is not a finite number, stops the run.
+    """
 
     def __init__(self, rewards: Mapping[str, EnvReward], loop: RewardLoop) -> None:
         self.rewards = dict(rewards)
@@ -187,16 +188,23 @@ class Rewarder:
 
         async def one(rollout: Rollout, pending: Awaitable[Any]) -> None:
             async with permits:  # the timeout starts once the reward may run, not while it queues
+                task = asyncio.ensure_future(pending)
                 try:
-                    value = await asyncio.wait_for(pending, timeout_s)
-                except RewardUnavailable as exc:
-                    mark_reward_error(rollout, str(exc))
-                    return
-                except TimeoutError:
+                    finished, _ = await asyncio.wait({task}, timeout=timeout_s)
+                finally:
+                    if not task.done():
+                        task.cancel()
+                if not finished:  # ours, unlike a TimeoutError the reward raises itself (a bug, like any other)
+                    await asyncio.wait({task})  # the cancelled reward cleans up (a sandbox ends its processes)
                     mark_reward_error(rollout, f"the reward took longer than {timeout_s} s (reward.timeout_s)")
                     return
-                except Exception as exc:
-                    raise _failure(reward, rollout, exc) from exc
+            try:
+                value = task.result()
+            except RewardUnavailable as exc:
+                mark_reward_error(rollout, str(exc))
+                return
+            except Exception as exc:
+                raise _failure(reward, rollout, exc) from exc
             rollout.reward = _checked(value, reward, rollout)
 
         outcomes = await asyncio.gather(*(one(r, p) for r, p in waiting), return_exceptions=True)

@@ -62,8 +62,8 @@ class GradingJudge:
         answer, completion = _GRADED.search(body["messages"][-1]["content"]).groups()
         await asyncio.sleep(self.latency_s)
         score = self.grade(answer, ast.literal_eval(completion))
-        return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": f"SCORE: {score}"},
-                                               "finish_reason": "stop"}]})
+        message = {"role": "assistant", "content": f"SCORE: {score}"}
+        return web.json_response({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
 
     def __enter__(self) -> GradingJudge:
         app = web.Application()

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from beam_rl.config import config_from_dict
 from beam_rl.envs import make_env
+from beam_rl.envs.base import Trajectory
 from beam_rl.envs.code import Code
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, Turn
@@ -102,15 +103,9 @@ def through_stage(batch: list[list[Rollout]], concurrency: int) -> dict[str, Any
 
 
 def sandbox_alone(env: Code, batch: list[list[Rollout]], concurrency: int) -> dict[str, Any]:
-    rollouts = [(r.info["kind"], r.row, _trajectory(r)) for g in batch for r in g]
+    rollouts = [(r.info["kind"], r.row, Trajectory(r.turns, r.info)) for g in batch for r in g]
     result = asyncio.run(measure(env, rollouts, concurrency))
     return {k: result[k] for k in ("rollouts_per_s", "p50_s", "p99_s")}
-
-
-def _trajectory(rollout: Rollout):
-    from beam_rl.envs.base import Trajectory
-
-    return Trajectory(rollout.turns, rollout.info)
 
 
 def main() -> None:

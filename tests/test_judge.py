@@ -215,8 +215,10 @@ def test_a_judge_replaces_an_environments_reward_on_the_reward_loop(server) -> N
 def test_a_reward_loop_closes_its_judges_sessions_when_it_stops(server) -> None:
     # A cancelled job's workers may never tear their DoFns down: the loop closes the sessions itself.
     s = server(replies=["SCORE: 1"])
-    config = config_from_dict({"envs": [{"name": "arith", "kind": "arithmetic", "group_size": 2, "reward": {"judge": {
-        "url": s.url, "model": "judge", "prompt": "{question} {completion}", "verdict": {"pattern": r"SCORE: (\d)"}}}}]})
+    judge = {"url": s.url, "model": "judge", "prompt": "{question} {completion}",
+             "verdict": {"pattern": r"SCORE: (\d)"}}
+    config = config_from_dict({"envs": [{"name": "arith", "kind": "arithmetic", "group_size": 2,
+                                         "reward": {"judge": judge}}]})
     tokenizer = load_tokenizer("tiny")
     rollouts = [Rollout("g", "arith", i, 2, turns=[Turn([5], [0.0], "stop")], row={"question": "1 + 0", "answer": "1"})
                 for i in range(2)]

@@ -88,7 +88,8 @@ def test_an_unavailable_reward_makes_the_rollout_a_reward_error_with_the_reason(
     for env in (_LengthEnv(None), _AsyncLengthEnv(None)):
         rollouts = [_rollout(0, []), _rollout(1, [5])]
         assign_rewards(rollouts, env)
-        assert rollouts[0].status is RolloutStatus.REWARD_ERROR and rollouts[0].errors == ["RewardUnavailable: grader down"]
+        assert rollouts[0].status is RolloutStatus.REWARD_ERROR
+        assert rollouts[0].errors == ["RewardUnavailable: grader down"]
         assert not rollouts[0].ok and rollouts[0].reward == 0.0
         assert rollouts[1].ok and rollouts[1].reward == 2.0
 
@@ -186,3 +187,13 @@ def test_a_reward_loop_nobody_holds_stops_its_thread() -> None:
     gc.collect()
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+class _OwnTimeoutEnv(_LengthEnv):
+    async def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float:
+        raise TimeoutError("the grader's own socket timed out")
+
+
+def test_a_timeout_error_the_reward_raises_itself_is_not_taken_for_the_stages_timeout() -> None:
+    with pytest.raises(RewardFailed, match="reward raised TimeoutError: the grader's own socket timed out"):
+        assign_rewards(_group("g", 2), _OwnTimeoutEnv(None), RewardSection(timeout_s=30))

@@ -1,12 +1,5 @@
-"""Score: rewards from each rollout's environment (or its judge), then drop errored rollouts, compute
-advantages, stamp temperatures and run the pre-batch filters. Evaluation groups are only rewarded, and
-leave on their own output for EvaluateRounds.
-
-Async rewards run on one event loop per worker process (held through Beam's Shared): `process` starts a
-group's rewards and returns, emitting the groups whose rewards are already in; `finish_bundle` emits the
-rest as their rewards come in. So the groups of a bundle are rewarded concurrently, and a bundle holds
-more groups exactly when groups queue up behind slow rewards.
-"""
+"""Score: each complete group's rewards (beam_rl.rewards), then its advantages, temperatures and pre-batch
+filters (beam_rl.sink.score_group). Evaluation groups are only rewarded, and leave on their own output."""
 
 from __future__ import annotations
 
@@ -29,6 +22,11 @@ _METRICS = "beam_rl"
 
 
 class _ScoreFn(beam.DoFn):
+    """Async rewards run on one event loop per worker process (held through Beam's Shared): `process`
+    starts a group's rewards and returns, emitting the groups whose rewards are already in;
+    `finish_bundle` emits the rest as their rewards come in. So the groups of a bundle are rewarded
+    together, and a bundle holds more groups exactly when groups queue up behind slow rewards."""
+
     def __init__(self, config: RunConfig) -> None:
         self._config = config
         self._reward_loop = Shared()  # one per worker process, whichever DoFn instances run there
