@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import math
+import re
+import string
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -65,6 +68,88 @@ class InferenceSection(_Section):
         return [url.rstrip("/") for url in urls]
 
 
+class JudgeVerdict(_Section):
+    """How a judge's answer becomes a reward: the last match of `pattern` (a regex with one group) in the
+    answer; its group is the reward as a number, or with `labels`, a label looked up there (case and
+    surrounding spaces ignored)."""
+
+    pattern: str = Field(min_length=1)
+    labels: dict[str, float] | None = Field(None, min_length=1)
+
+    @field_validator("pattern")
+    @classmethod
+    def _one_group(cls, pattern: str) -> str:
+        try:
+            groups = re.compile(pattern).groups
+        except re.error as err:
+            raise ValueError(f"not a regular expression: {err}") from None
+        if groups != 1:
+            raise ValueError(f"needs exactly one group (the verdict), has {groups}")
+        return pattern
+
+    @field_validator("labels")
+    @classmethod
+    def _distinct_labels(cls, labels: dict[str, float] | None) -> dict[str, float] | None:
+        if labels is None:
+            return None
+        folded = [label.strip().lower() for label in labels]
+        if "" in folded or len(set(folded)) != len(folded):
+            raise ValueError(f"labels must be non-empty and distinct ignoring case and spaces, got {list(labels)}")
+        if not all(math.isfinite(score) for score in labels.values()):
+            raise ValueError(f"every label's score must be finite, got {labels}")
+        return labels
+
+
+class JudgeSection(_Section):
+    """An LLM judge that replaces the environment's reward: any OpenAI-compatible chat endpoint
+    (beam_rl/judge.py, docs/environments.md)."""
+
+    url: str  # base URL; the judge posts to <url>/v1/chat/completions
+    model: str = Field(min_length=1)
+    # The user message: `{completion}` (the env's final text) and the row's fields by name, str.format style.
+    prompt: str = Field(min_length=1)
+    system: str | None = None  # an optional system message before it
+    verdict: JudgeVerdict
+    api_key_env: str | None = Field(None, min_length=1)  # name of the environment variable with the API key
+    timeout_s: float = Field(30.0, gt=0)  # one request; reward.timeout_s bounds the whole reward, retries included
+    max_retries: int = Field(2, ge=0)  # connection errors, HTTP 408, 429 and 5xx
+    retry_backoff_s: float = Field(0.5, ge=0)  # doubled after every retry
+    max_tokens: int = Field(256, gt=0)
+    temperature: float = Field(0.0, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _http_base_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{url!r} is not an http(s) base URL")
+        return url.rstrip("/")
+
+    @field_validator("prompt")
+    @classmethod
+    def _names_the_completion(cls, prompt: str) -> str:
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(prompt) if name is not None}
+        except ValueError as err:
+            raise ValueError(f"not a str.format template: {err} (write literal braces as {{{{ and }}}})") from None
+        if "completion" not in fields:
+            raise ValueError("must contain {completion}: the judge would not see what it grades")
+        if "" in fields or any(name.isdigit() for name in fields):
+            raise ValueError("fields must be named ({completion}, {question}, ...), not positional")
+        return prompt
+
+
+class RewardSection(_Section):
+    """How the scoring stage runs an environment's reward, per scoring worker process."""
+
+    concurrency: int = Field(64, gt=0)  # async rewards in flight at once (sync ones run inline, one at a time)
+    # One async reward call; past it the rollout is a reward_error (an infrastructure failure, not a 0).
+    timeout_s: float = Field(60.0, gt=0)
+    # A group with fewer ok rollouts than this after rewarding is not trained (flagged "too_few_scored").
+    # Unset: 2 (one rollout has no baseline), or the group size when that is 1.
+    min_scored: int | None = Field(None, ge=1)
+    judge: JudgeSection | None = None  # set: an LLM judge replaces the environment's own reward
+
+
 class EnvConfig(_Section):
     name: str = Field(min_length=1)  # this entry's name in the run: group ids, metrics, the rollouts' env
     # Which environment class: a built-in name, an entry point of the `beam_rl.environments` group, or an
@@ -80,6 +165,14 @@ class EnvConfig(_Section):
     max_turns: int = Field(4, ge=1)
     split: str = Field("train", min_length=1)
     limit: int | None = Field(None, gt=0)  # use only the first `limit` rows of the split
+    reward: RewardSection = Field(default_factory=RewardSection)
+
+    @property
+    def min_scored(self) -> int:
+        """reward.min_scored with its default filled in."""
+        if self.reward.min_scored is not None:
+            return self.reward.min_scored
+        return min(2, self.group_size)
 
 
 class BatchSection(_Section):
@@ -230,6 +323,10 @@ class RunConfig(_Section):
             if env.name in seen:
                 problems.append((f"envs[{i}].name", f"duplicate {env.name!r} (also envs[{seen[env.name]}])"))
             seen.setdefault(env.name, i)
+            if env.reward.min_scored is not None and env.reward.min_scored > env.group_size:
+                problems.append((f"envs[{i}].reward.min_scored",
+                                 f"{env.reward.min_scored} is above envs[{i}].group_size ({env.group_size}): "
+                                 "no group could ever be trained"))
             # Batches are cut on whole groups, so a step must hold a whole number of every env's groups.
             if batch.rollouts_per_step % env.group_size:
                 problems.append((

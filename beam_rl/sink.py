@@ -35,6 +35,10 @@ from beam_rl.types import (
 )
 
 
+# The flag of a group left with fewer scored rollouts than its env's reward.min_scored (one has no baseline).
+TOO_FEW_SCORED = "too_few_scored"
+
+
 @dataclass(frozen=True)
 class InputExhausted:
     """The packer cut its last batch: every group of the run's input is in a committed step up to
@@ -78,24 +82,36 @@ def score_group(
     algorithm: AdvantageAlgorithm,
     pre_filters: Sequence[RolloutFilter],
     temperature: float,
+    min_scored: int = 1,
 ) -> ScoredGroup:
-    """Drop errored and cancelled, score the survivors, stamp the temperature, filter, tokenize the clean."""
+    """Drop errored, cancelled and reward_error rollouts, score the survivors, stamp the temperature,
+    filter, tokenize the clean. With fewer than `min_scored` survivors the group is not trained: they are
+    flagged TOO_FEW_SCORED (an enforced count) and get no advantage."""
     if not rollouts:
         raise ValueError("score_group needs at least one rollout")
     group_ids = {r.group_id for r in rollouts}
     if len(group_ids) != 1:
         raise ValueError(f"score_group got rollouts of several groups: {sorted(group_ids)}")
+    # A reward_error is not ok: the baseline is taken over the rollouts whose rewards are known.
     survivors = [r for r in rollouts if r.ok]
-    # Advantages use every survivor's reward, including those a filter is about to flag.
-    algorithm.finalize_group(survivors)
     for r in survivors:
         r.temperature = temperature
-    counts = apply_filters(pre_filters, survivors)
+    if len(survivors) < min_scored:
+        for r in survivors:
+            r.filtered = TOO_FEW_SCORED
+        counts = FilterCounts(enforced=Counter({TOO_FEW_SCORED: len(survivors)} if survivors else {}))
+    else:
+        # Advantages use every survivor's reward, including those a filter is about to flag.
+        algorithm.finalize_group(survivors)
+        counts = apply_filters(pre_filters, survivors)
     clean = [r for r in survivors if r.filtered is None]
     samples = [s for r in clean for s in trace_to_samples(r)]
     records = {id(r): r.record() for r in rollouts}
     return ScoredGroup(group_ids.pop(), algorithm, [records[id(r)] for r in rollouts],
                        [records[id(r)] for r in clean], samples, counts)
+
+
+_ERRORED = (RolloutStatus.ERROR, RolloutStatus.REWARD_ERROR)
 
 
 class BatchBuilder:
@@ -250,7 +266,7 @@ class BatchBuilder:
             "step": step,
             "rollouts": len(window),
             "status": {s.value: sum(r.status is s for r in window) for s in RolloutStatus},
-            "errored": sum(r.status is RolloutStatus.ERROR for r in window),
+            "errored": sum(r.status in _ERRORED for r in window),  # status tells generation from reward errors
             "filtered": dict(Counter(r.filtered for r in window if r.filtered is not None)),
             "flagged": self._window_counts.as_dict(),
             "trained_rollouts": len(kept),

@@ -24,8 +24,11 @@ from schemas.fields import (
 
 class RolloutStatus(str, enum.Enum):
     OK = "ok"
-    ERROR = "error"
+    ERROR = "error"  # generation failed (server error, timeout, empty trajectory, a broken turn loop)
     CANCELLED = "cancelled"
+    # Generated, but its reward cannot be known (a judge or sandbox failed or timed out): left out of its
+    # group's advantages rather than scored 0.
+    REWARD_ERROR = "reward_error"
 
 
 def make_group_id(epoch: int, index: int) -> str:

@@ -312,7 +312,7 @@ def test_no_sandbox_makes_the_reward_unavailable_and_the_rollout_an_error(
     trajectory = answer(tok, FIB)
     rollout = Rollout("g", "code", 0, 1, prompt_ids=[1], turns=trajectory.turns, row=FIB_ROW)
     assign_rewards([rollout], env)
-    assert rollout.status is RolloutStatus.ERROR and rollout.errors[0].startswith("RewardUnavailable: bubblewrap")
+    assert rollout.status is RolloutStatus.REWARD_ERROR and rollout.errors[0].startswith("RewardUnavailable: bubblewrap")
 
 
 def test_sandbox_limits_come_from_the_constructor(tok: Any) -> None:

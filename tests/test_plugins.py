@@ -239,7 +239,7 @@ def test_rewards_plain_async_and_unavailable_go_through_the_scoring_stage(toy: P
     rollouts = _rollouts("ok", "reward_async", "reward_unavailable")
     assign_rewards(rollouts, toy)
     assert [r.reward for r in rollouts[:2]] == [2.0, 20.0] and rollouts[0].ok and rollouts[1].ok
-    assert rollouts[2].status is RolloutStatus.ERROR and rollouts[2].errors == ["RewardUnavailable: grader down"]
+    assert rollouts[2].status is RolloutStatus.REWARD_ERROR and rollouts[2].errors == ["RewardUnavailable: grader down"]
 
 
 @pytest.mark.parametrize(

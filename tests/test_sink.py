@@ -10,7 +10,8 @@ import pytest
 from beam_rl.advantages import get_algorithm
 from beam_rl.filters import OverlongFilter, StaleFilter, ZeroAdvantageFilter
 from beam_rl.packing import BatchCutter
-from beam_rl.sink import BatchBuilder, score_group
+from beam_rl.rewards import mark_reward_error
+from beam_rl.sink import TOO_FEW_SCORED, BatchBuilder, score_group
 from beam_rl.types import Rollout, RolloutStatus, Turn
 
 DR_GRPO = get_algorithm("dr_grpo")
@@ -55,6 +56,39 @@ def test_filtered_rollouts_keep_their_reward_in_the_baseline():
         np.testing.assert_allclose(sample.advantages[sample.loss_mask], [-1 / 3] * 3, rtol=1e-6)
 
 
+def test_a_reward_error_is_left_out_of_its_groups_baseline_and_the_rest_trains():
+    rollouts = _group("e0-i0", [1.0, 0.0, 0.5, 0.0])
+    mark_reward_error(rollouts[3], "judge timed out")
+    scored = score_group(rollouts, get_algorithm("grpo"), [], temperature=1.0, min_scored=2)
+    # GRPO over the known rewards [1, 0, 0.5]: mean 0.5, Bessel std sqrt((0.25 + 0.25 + 0) / 2) = 0.5,
+    # so A = (r - 0.5) / (0.5 + 1e-6) = [0.999998, -0.999998, 0]. Scoring the failure as 0 would have
+    # given mean 0.375, std 0.4787 and A = [1.3055, -0.7833, 0.2611, -0.7833].
+    assert [r.advantage for r in rollouts] == pytest.approx([0.999998, -0.999998, 0.0, 0.0], abs=1e-6)
+    assert [r.rollout_id for r in scored.clean] == ["e0-i0/0", "e0-i0/1", "e0-i0/2"]
+    assert scored.rollouts[3].status is RolloutStatus.REWARD_ERROR and scored.counts.enforced == {}
+    np.testing.assert_allclose(scored.samples[0].advantages[scored.samples[0].loss_mask], [0.999998] * 3, rtol=1e-6)
+
+
+def test_a_group_with_fewer_scored_rollouts_than_min_scored_is_not_trained_and_is_counted():
+    rollouts = _group("e0-i0", [1.0, 0.0, 0.5, 0.0])
+    for r in rollouts[1:]:
+        mark_reward_error(r, "judge down")
+    scored = score_group(rollouts, get_algorithm("grpo"), [ZeroAdvantageFilter(mode="enforce")], 1.0, min_scored=2)
+    assert scored.clean == [] and scored.samples == []
+    assert rollouts[0].filtered == TOO_FEW_SCORED and rollouts[0].advantage == 0.0
+    assert scored.counts.enforced == {TOO_FEW_SCORED: 1}  # the zero-advantage filter did not run
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=2))
+    assert builder.add(scored) == []
+    (batch,) = builder.add(_scored("e0-i1", [1.0, 0.0]))
+    assert batch.group_ids == ["e0-i1"] and batch.window["filtered"] == {TOO_FEW_SCORED: 1}
+    assert batch.window["status"]["reward_error"] == 3 and batch.window["errored"] == 3
+    # The same group with two known rewards is trained.
+    rollouts = _group("e0-i2", [1.0, 0.0, 0.5, 0.0])
+    for r in rollouts[2:]:
+        mark_reward_error(r, "judge down")
+    assert len(score_group(rollouts, DR_GRPO, [], 1.0, min_scored=2).clean) == 2
+
+
 def test_score_group_rejects_mixed_or_empty_groups():
     with pytest.raises(ValueError, match="several groups"):
         score_group(_group("a", [1.0]) + _group("b", [0.0]), DR_GRPO, [], 1.0)
@@ -89,8 +123,8 @@ def test_batches_are_cut_on_whole_groups_and_numbered():
 def test_window_counts_every_rollout_since_the_last_batch():
     builder = _builder(cutter=BatchCutter(rollouts_per_step=3))
     errored = _group("g-err", [0.0, 0.0])
-    for r in errored:
-        r.capture_error("HTTPError: 500")
+    errored[0].capture_error("HTTPError: 500")
+    mark_reward_error(errored[1], "judge down")
     assert builder.add(score_group(errored, DR_GRPO, [], 1.0)) == []
     flat = _scored("g-flat", [1.0, 1.0], pre_filters=[ZeroAdvantageFilter(mode="enforce")], version=2)
     assert builder.add(flat) == []
@@ -100,7 +134,8 @@ def test_window_counts_every_rollout_since_the_last_batch():
     w = batch.window
     assert batch.step == 1 and batch.group_ids == ["g-mon", "g-ok"]
     assert w["group_ids"] == ["g-err", "g-flat", "g-mon", "g-ok"]
-    assert w["rollouts"] == 8 and w["status"] == {"ok": 6, "error": 2, "cancelled": 0} and w["errored"] == 2
+    assert w["rollouts"] == 8 and w["status"] == {"ok": 6, "error": 1, "cancelled": 0, "reward_error": 1}
+    assert w["errored"] == 2  # generation and reward errors alike
     assert w["filtered"] == {"zero_advantage": 2}
     assert w["flagged"] == {"monitored": {"zero_advantage": 2}, "enforced": {"zero_advantage": 2}}
     assert w["trained_rollouts"] == 4 and w["samples"] == 4

@@ -1,48 +1,105 @@
-"""Score: rewards from each rollout's environment, then drop errored rollouts, compute advantages, stamp
-temperatures and run the pre-batch filters. Evaluation groups are only rewarded, and leave on their own
-output for EvaluateRounds."""
+"""Score: each complete group's rewards (beam_rl.rewards), then its advantages, temperatures and pre-batch
+filters (beam_rl.sink.score_group). Evaluation groups are only rewarded, and leave on their own output."""
 
 from __future__ import annotations
 
 import time
-from typing import List
+from typing import Any, Iterator, List
 
 import apache_beam as beam
+from apache_beam.utils.shared import Shared
+from apache_beam.utils.windowed_value import WindowedValue
 
 from beam_rl import components
 from beam_rl.config import RunConfig
 from beam_rl.processes import worker_id
-from beam_rl.rewards import assign_rewards
-from beam_rl.sink import ScoredGroup, score_group
-from beam_rl.types import RolloutRecord
+from beam_rl.rewards import GroupRewards, Rewarder, RewardLoop, wait_for_any
+from beam_rl.sink import TOO_FEW_SCORED, ScoredGroup, score_group
+from beam_rl.types import RolloutRecord, RolloutStatus
 from transforms import coders  # noqa: F401  (registers the coder of ScoredGroup)
 
 EVALUATION = "evaluation"
+_METRICS = "beam_rl"
 
 
 class _ScoreFn(beam.DoFn):
+    """Async rewards run on one event loop per worker process (held through Beam's Shared): `process`
+    starts a group's rewards and returns, emitting the groups whose rewards are already in;
+    `finish_bundle` emits the rest as their rewards come in. So the groups of a bundle are rewarded
+    together, and a bundle holds more groups exactly when groups queue up behind slow rewards."""
+
     def __init__(self, config: RunConfig) -> None:
         self._config = config
+        self._reward_loop = Shared()  # one per worker process, whichever DoFn instances run there
 
     def setup(self) -> None:
         self._envs = components.build_envs(self._config)
         self._algorithms = components.algorithms(self._config)
         self._filters = components.pre_batch_filters(self._config)
         self._temperature = self._config.inference.temperature
+        self._min_scored = {e.name: e.min_scored for e in self._config.envs}
         self._worker = worker_id()
+        self._loop = self._reward_loop.acquire(RewardLoop)
+        self._rewarder = Rewarder.from_config(self._config, self._envs, self._loop)
+        self._rewarding: list[tuple[GroupRewards, WindowedValue]] = []
+        self._groups_per_bundle = beam.metrics.Metrics.distribution(_METRICS, "reward_groups_per_bundle")
+        self._bundle_groups = 0
 
-    def process(self, keyed_group):
+    def start_bundle(self) -> None:
+        self._rewarding = []
+        self._bundle_groups = 0
+
+    def process(self, keyed_group, timestamp=beam.DoFn.TimestampParam, window=beam.DoFn.WindowParam):
         _, rollouts = keyed_group
-        assign_rewards(rollouts, self._envs[rollouts[0].env_name])
+        self._bundle_groups += 1
+        # The output keeps this element's timestamp and window, whenever it is emitted.
+        self._rewarding.append((self._rewarder.start(rollouts), WindowedValue(None, timestamp, (window,))))
+        yield from self._emit(wait=False)
+
+    def finish_bundle(self):
+        yield from self._emit(wait=True)
+        self._groups_per_bundle.update(self._bundle_groups)
+
+    def teardown(self) -> None:
+        rewarder = getattr(self, "_rewarder", None)
+        if rewarder is not None:
+            rewarder.close()
+        self._loop = self._rewarder = None  # the Shared loop stops once no instance holds it
+
+    def _emit(self, wait: bool) -> Iterator[Any]:
+        """The outputs of every group whose rewards are in, as they come in; with `wait`, of every group."""
+        while self._rewarding:
+            done = [item for item in self._rewarding if item[0].done()]
+            if not done:
+                if not wait:
+                    return
+                wait_for_any([rewarding for rewarding, _ in self._rewarding])
+                continue
+            emitted = {id(item) for item in done}
+            self._rewarding = [item for item in self._rewarding if id(item) not in emitted]
+            for rewarding, context in done:
+                for output in self._score(rewarding.wait()):
+                    tagged = isinstance(output, beam.pvalue.TaggedOutput)
+                    windowed = context.with_value(output.value if tagged else output)
+                    yield beam.pvalue.TaggedOutput(output.tag, windowed) if tagged else windowed
+
+    def _score(self, rollouts) -> Iterator[Any]:
+        env_name = rollouts[0].env_name
+        reward_errors = sum(r.status is RolloutStatus.REWARD_ERROR for r in rollouts)
+        if reward_errors:
+            beam.metrics.Metrics.counter(_METRICS, f"reward_errors_{env_name}").inc(reward_errors)
         scored_at = time.time()
         for rollout in rollouts:
             rollout.score_worker, rollout.t_scored = self._worker, scored_at
         if rollouts[0].is_eval:
             yield beam.pvalue.TaggedOutput(EVALUATION, (rollouts[0].eval_round, [r.record() for r in rollouts]))
             return
-        scored = score_group(rollouts, self._algorithms[rollouts[0].env_name], self._filters, self._temperature)
+        scored = score_group(rollouts, self._algorithms[env_name], self._filters, self._temperature,
+                             min_scored=self._min_scored[env_name])
+        if scored.counts.enforced.get(TOO_FEW_SCORED):
+            beam.metrics.Metrics.counter(_METRICS, f"groups_too_few_scored_{env_name}").inc()
         for reason, count in scored.counts.enforced.items():
-            beam.metrics.Metrics.counter("beam_rl", f"filtered_{reason}").inc(count)
+            beam.metrics.Metrics.counter(_METRICS, f"filtered_{reason}").inc(count)
         yield scored
 
 
