@@ -111,7 +111,7 @@ def _escape(text: str) -> str:
 
 
 class RolloutNotFound(KeyError):
-    pass
+    """No row of the window has this rollout or group id."""
 
 
 def window_rows(window: pa.Table, count: int | None = None, rollout_ids: Sequence[str] = (),
@@ -128,11 +128,10 @@ def window_rows(window: pa.Table, count: int | None = None, rollout_ids: Sequenc
             if not found:
                 raise RolloutNotFound(wanted)
             rows += found
-        return [window.slice(i, 1).to_pylist()[0] for i in rows]
+        return window.take(rows).to_pylist()
     count = window.num_rows if count is None else min(count, window.num_rows)
     if spread and count:
-        picked = np.unique(np.linspace(0, window.num_rows - 1, count).round().astype(int)).tolist()
-        return [window.slice(i, 1).to_pylist()[0] for i in picked]
+        return window.take(np.unique(np.linspace(0, window.num_rows - 1, count).round().astype(int))).to_pylist()
     return window.slice(0, count).to_pylist()
 
 
@@ -233,8 +232,8 @@ def sample_row(row: dict[str, Any], text: TokenText) -> dict[str, str | int | fl
         "rollout_id": row["rollout_id"],
         "env": row["env"],
         "status": row["status"],
-        "reward": float(row["reward"]),
-        "advantage": float(row["advantage"]),
+        "reward": _float32(row["reward"]),
+        "advantage": _float32(row["advantage"]),
         "filtered": row["filtered"] or "",
         "policy_versions": version_summary(row),
         "prompt": text.plain(row["prompt_ids"] or []),
@@ -243,6 +242,11 @@ def sample_row(row: dict[str, Any], text: TokenText) -> dict[str, str | int | fl
         "server": row["server"] or "",
         "errors": "\n".join(row["errors"]),
     }
+
+
+def _float32(value: float) -> float:
+    """A float32 column's value with the digits float32 has (0.1, not 0.10000000149011612)."""
+    return float(str(np.float32(value)))
 
 
 def step_sample_rows(run_dir: RunDir, step: int, tokenizer: Any, count: int = 8) -> list[dict[str, str | int | float]]:
