@@ -17,11 +17,11 @@ from rich.console import Console
 from beam_rl import components
 from beam_rl.config import config_from_dict
 from beam_rl.inference.server import EmbeddedServer, FaultConfig
-from beam_rl.replay import ReplayError, first_table_difference, replay_steps
+from beam_rl.replay import ReplayError, _fresh_start, first_table_difference, replay_steps
 from beam_rl.rundir import RunDir
 from beam_rl.sink import score_group
 from beam_rl.tinymodel import tiny_model_dir
-from beam_rl.types import Rollout, Turn
+from beam_rl.types import Rollout, TrainBatch, Turn
 from runners.job import run_job
 from runners.pipeline import run_rollouts
 from test_cli import RED, coloured, run_cli
@@ -207,20 +207,51 @@ def test_a_bad_step_or_a_run_without_a_config_is_one_red_line(rollouts_run, job_
     assert status == 2 and "give the run's config (--config)" in coloured(lines, RED)[0]
 
 
-def _sink_step(run_dir, rewards: list[float]) -> RunDir:
-    """One step as the pipeline makes it: a group scored and packed by the sink from the rollouts' float64
-    rewards, then written by the run directory (which keeps rewards as float32 in window.arrow)."""
-    config = config_from_dict({"run": {"dir": str(run_dir)}, "envs": [ENV], "batch": {"rollouts_per_step": 8}})
+def _sink_step(run_dir, *groups: list[float], algorithm: str = "grpo", ranks: int = 1) -> RunDir:
+    """One step as the pipeline makes it: groups of 8 scored and packed by the sink from the rollouts'
+    float64 rewards, then written by the run directory (which keeps rewards as float32 in window.arrow)."""
+    config = config_from_dict({"run": {"dir": str(run_dir)}, "envs": [{**ENV, "algorithm": algorithm}],
+                               "batch": {"rollouts_per_step": 8 * len(groups), "trainer_ranks": ranks}})
     run = RunDir(run_dir)
     run.write_config(config.model_dump(mode="json"))
-    rollouts = [Rollout("arithmetic_easy/e0-i0", "arithmetic_easy", i, 8, prompt_ids=[1, 5, 6], reward=reward,
-                        turns=[Turn([7, 8, 2], [-0.5, -0.25, -1.0], "stop", policy_versions=[0, 0, 0])])
-                for i, reward in enumerate(rewards)]
-    scored = score_group(rollouts, components.algorithms(config)[ENV["name"]], components.pre_batch_filters(config),
-                         config.inference.temperature, min_scored=2)
-    [batch] = components.batch_builder(config, 1).add(scored)
+    builder, batches = components.batch_builder(config, 1), []
+    for g, rewards in enumerate(groups):
+        rollouts = [Rollout(f"arithmetic_easy/e0-i{g}", "arithmetic_easy", i, 8, prompt_ids=[1, 5, 6][:1 + i % 3],
+                            reward=reward, turns=[Turn([7, 8, 2], [-0.5, -0.25, -1.0], "stop", policy_versions=[0] * 3)])
+                    for i, reward in enumerate(rewards)]
+        scored = score_group(rollouts, components.algorithms(config)[ENV["name"]],
+                             components.pre_batch_filters(config), config.inference.temperature, min_scored=2)
+        batches += builder.add(scored)
+    [batch] = batches
     run.write_step(batch)
     return run
+
+
+def test_batch_whitening_and_packing_over_ranks_replay_bit_for_bit(tmp_path):
+    """REINFORCE++ whitens advantages over the batch's trained tokens; samples of three lengths are packed
+    over two ranks."""
+    run = _sink_step(tmp_path / "run", [1.0, 0.5, 0, 0, 0, 0, 0, 0], [0, 0.25, 0.75, 1, 0, 0, 0.5, 0],
+                     algorithm="reinforce_plus_plus_baseline", ranks=2)
+    [result] = replay_steps(run, [1])
+    assert result.identical, [str(d) for d in result.differences]
+    assert result.identical_files == ["rank_0.arrow", "rank_1.arrow"]
+    assert run.read_commit(1).counts.micro_batches == [1, 1]  # both ranks hold samples
+    # Dr.GRPO is REINFORCE++-baseline's group step without the whitening: replayed with it, advantages differ.
+    [result] = replay_steps(run, [1], config_from_dict({**run.read_config(), "envs": [{**ENV, "algorithm": "dr_grpo"}]}))
+    assert result.differences[0].column == "advantages"
+
+
+def test_replay_of_a_step_starts_where_no_group_can_have_waited_past_a_cut(tmp_path):
+    """Every clean rollout of each earlier window trained: the packer was empty; otherwise replay starts
+    at the first step whose window kept some clean rollout untrained."""
+    run = RunDir(tmp_path)
+    stats = {1: {"status": {"ok": 16}, "filtered": {"zero_advantage": 8}, "trained_rollouts": 8},
+             2: {"status": {"ok": 16, "error": 3}, "filtered": {}, "trained_rollouts": 8},  # 8 clean waited?
+             3: {"status": {"ok": 8}, "filtered": {}, "trained_rollouts": 16}}
+    for step, window in stats.items():
+        run.write_step(TrainBatch(step=step, micro_batches=[[]], group_ids=[], window=window))
+    assert _fresh_start(run, 2) == 2
+    assert _fresh_start(run, 3) == _fresh_start(run, 4) == 2
 
 
 def test_float32_rewards_are_named_as_the_limit_of_an_exact_replay(tmp_path):
@@ -231,7 +262,8 @@ def test_float32_rewards_are_named_as_the_limit_of_an_exact_replay(tmp_path):
     rounded = _sink_step(tmp_path / "rounded", [1.0, 0.1, 0, 0, 0, 0, 0, 0])
     [result] = replay_steps(rounded, [1])
     first = result.differences[0]
-    assert (first.file, first.row, first.column) == ("rollouts/step_1/rank_0.arrow", 1, "advantages")
+    assert (first.file, first.column) == ("rollouts/step_1/rank_0.arrow", "advantages")
+    assert first.where.startswith("rollout arithmetic_easy/e0-i0/1,")  # the one rewarded 0.1
     assert abs(int(first.committed.view(np.uint32)) - int(first.replayed.view(np.uint32))) == 1  # one ulp
     assert result.notes == ["rewards are recorded as float32 (e.g. 0.1 is stored as 0.10000000149011612) and "
                             "the run scored their float64 values: advantages and reward means replayed from "
