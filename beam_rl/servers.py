@@ -18,7 +18,8 @@ _LOG = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def inference_servers(config: RunConfig) -> Iterator[list[str]]:
-    """Yields the base URLs to dispatch to; embedded servers live exactly as long as the block."""
+    """Yields the base URLs to dispatch to; embedded servers live exactly as long as the block, and
+    die with this process however it ends."""
     inf = config.inference
     if inf.urls:
         yield list(inf.urls)
@@ -30,7 +31,7 @@ def inference_servers(config: RunConfig) -> Iterator[list[str]]:
         for _ in range(inf.embedded_servers):
             proc, url = start_subprocess_server(
                 model_dir, mode=inf.embedded_mode, max_num_seqs=inf.embedded_max_num_seqs,
-                extra_args=("--served-model-name", config.model.name))
+                extra_args=("--served-model-name", config.model.name), die_with_parent=True)
             procs.append(proc)
             urls.append(url)
         _LOG.info("started %d embedded inference servers: %s", len(urls), ", ".join(urls))

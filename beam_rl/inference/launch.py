@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 
+from beam_rl import processes
+
 
 def start_subprocess_server(
     model_dir: str | os.PathLike | None = None,
@@ -19,10 +21,12 @@ def start_subprocess_server(
     extra_args: tuple[str, ...] | list[str] = (),
     env: dict[str, str] | None = None,
     ready_timeout_s: float = 120.0,
+    die_with_parent: bool = False,
 ) -> tuple[subprocess.Popen, str]:
     """Returns (process, base url). The caller owns the process: terminate() and wait() it.
 
     `extra_args` are more server flags, e.g. ("--fault-latency-s", "0.1", "--served-model-name", "m").
+    `die_with_parent`: the server ends with the calling thread (`beam_rl.processes.die_with_parent`).
     """
     cmd = [sys.executable, "-m", "beam_rl.inference.server", "--port", "0", "--mode", mode]
     if model_dir is not None:
@@ -34,7 +38,8 @@ def start_subprocess_server(
     # Make this checkout importable in the child even when beam_rl is not pip-installed.
     root = str(pathlib.Path(__file__).resolve().parents[2])
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=child_env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=child_env,
+                            preexec_fn=processes.die_with_parent if die_with_parent else None)
     assert proc.stdout is not None
     first_line: list[str] = []
     # readline() has no timeout; a reader thread lets a server that never gets ready fail cleanly.
