@@ -65,7 +65,7 @@ def _rollout_job(config: RunConfig, urls: list[str], run_dir: RunDir, console: C
     attached = attach_rollouts(config, str(run_dir.path))
     if attached is not None:
         if config.inference.urls:
-            console.print(f"following the rollout job still running on {config.runner.flink_master}")
+            console.print(f"following the rollout job still running for {run_dir.path} (job.json)")
             return attached
         # Its embedded servers died with the process that started it: it could only wait for them.
         console.print("cancelling the rollout job left running: its embedded inference servers are gone")

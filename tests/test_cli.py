@@ -116,3 +116,36 @@ def test_an_empty_window_step_shows_zeros(tmp_path, monkeypatch):
     run.write_step(TrainBatch(step=1, micro_batches=[], group_ids=[], window={}))
     status, lines = run_cli(monkeypatch, "inspect", str(run.path))
     assert status == 0 and cells(lines, 1) == ["1", "0", "0", "0", "0.000", "0", "0", ""]
+
+
+_BUSY_CONFIG = """
+[run]
+dir = "{run_dir}"
+max_steps = 2
+[inference]
+urls = ["http://127.0.0.1:9"]
+[[envs]]
+name = "reverse_text"
+group_size = 4
+[batch]
+rollouts_per_step = 8
+[trainer]
+kind = "none"
+"""
+
+
+@pytest.mark.parametrize("command", ["run", "rollouts"])
+def test_a_run_directory_another_process_follows_is_a_one_line_error(tmp_path, monkeypatch, command):
+    from beam_rl.lease import RunLease
+
+    run = RunDir(tmp_path / "run")
+    config = tmp_path / "run.toml"
+    config.write_text(_BUSY_CONFIG.format(run_dir=run.path))
+    with RunLease(run.path):  # another live process follows the run
+        argv = ["run", str(config)] if command == "run" else ["rollouts", "--config", str(config)]
+        status, lines = run_cli(monkeypatch, *argv)
+    assert status == 2
+    # Red, and after `rollouts`' spinner, behind the terminal codes that clear its line.
+    red = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line) for line in lines if RED in line]
+    assert len(red) == 1 and red[0].startswith(f"{run.path} is followed by another beam-rl process"), lines
+    assert not any("Traceback" in line for line in lines) and run.committed_steps() == []
