@@ -2,7 +2,7 @@
 them faulty: 5xx answers, hangs past the request timeout, dropped connections, a server dying
 mid-run, a server coming back, and every server down.
 
-The contract (DESIGN.md section 8): a failing server costs only the rollouts it held, which leave
+The contract (docs/design.md, "Reliability"): a failing server costs only the rollouts it held, which leave
 Dispatch as errored and are counted in their step's window; the run finishes its steps on the other
 server. Counts are exact where the servers make them so: with `max_retries = 0` and group mode every
 completion request a server received is one group of GROUP_SIZE rollouts, and the servers count the
