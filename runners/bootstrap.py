@@ -51,16 +51,18 @@ def require_tool(tool: str, how: str) -> str:
     return path
 
 
-def _run(cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
-    """Run one step, logging its start and how long it took (the set-up script shows both)."""
-    _LOG.info("%s ...", what)
+def _run(cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+         progress: bool = True) -> str:
+    """Run one step; with `progress`, log its start and how long it took (the set-up script shows both)."""
+    log = _LOG.info if progress else _LOG.debug
+    log("%s ...", what)
     _LOG.debug("%s", " ".join(cmd))
     started = time.monotonic()
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip()[-3000:]
         raise BootstrapError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
-    _LOG.info("%s: %.0f s", what, time.monotonic() - started)
+    log("%s: %.0f s", what, time.monotonic() - started)
     return proc.stdout
 
 
@@ -104,7 +106,7 @@ def ensure_prism(version: str | None = None, patches: list[Path] | None = None) 
     env = dict(os.environ, GOFLAGS="-mod=mod", GONOSUMDB="github.com/apache/beam")
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         module = f"github.com/apache/beam/sdks/v2@v{version}"
-        download = json.loads(_run([go, "mod", "download", "-json", module], f"downloading {module}", env=env, cwd=Path(work)))
+        download = json.loads(_run([go, "mod", "download", "-json", module], f"Prism: downloading {module}", env=env, cwd=Path(work)))
         source, tree = Path(download["Dir"]), Path(work) / "sdks"
         # The Go sources only (the module also holds Java, Python and TypeScript), made writable:
         # the module cache is read-only.
@@ -114,7 +116,7 @@ def ensure_prism(version: str | None = None, patches: list[Path] | None = None) 
         for directory, _, _ in os.walk(tree):
             os.chmod(directory, 0o755)
         for patch in patches:
-            _run([git, "apply", "-p1", str(patch)], f"Prism: patching ({patch.name})", cwd=tree)
+            _run([git, "apply", "-p1", str(patch)], f"Prism: patching ({patch.name})", cwd=tree, progress=False)
         _run([go, "build", "-o", str(Path(work) / "prism"), "./go/cmd/prism"],
              f"Prism: building v{version} (a minute or two the first time)",
              env=env, cwd=tree)
