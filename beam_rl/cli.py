@@ -173,6 +173,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     run_dir = preflight(config, source)
     last = run_dir.last_committed_step()
+    if _run_complete(config, run_dir, last):
+        console.print(f"{run_dir.path} is complete: steps 1..{last} are committed"
+                      + (" and trained" if config.trainer.kind == "reference" else "")
+                      + f"; `beam-rl report {run_dir.path}` shows them")
+        return 0
     if last is not None:
         console.print(f"resuming {config.run.dir}: steps 1..{last} are committed, continuing at {last + 1}")
     since = time.time()
@@ -183,6 +188,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except RuntimeError as err:
         return _pipeline_stopped(err, run_dir, since, f"beam-rl run --resume {run_dir.path}")
     return 0
+
+
+def _run_complete(config: RunConfig, run_dir: RunDir, last: int | None) -> bool:
+    """Every step committed, and (with the reference trainer) the last one trained: nothing to resume."""
+    if last is None or last < config.run.max_steps:
+        return False
+    stable = run_dir.latest_stable_weights()
+    return config.trainer.kind != "reference" or (stable is not None and stable[0] >= config.run.max_steps)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -252,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the rest
+    # Beam warns at import that the Google Cloud Storage filesystem is not installed: runs here use local paths.
+    logging.getLogger("apache_beam.io.filesystems").setLevel(logging.ERROR)
     try:
         return args.func(args)
     except (ConfigError, RunDirError, RunDirBusyError, DatasetError) as err:

@@ -121,7 +121,7 @@ def ensure_prism(version: str | None = None, patches: list[Path] | None = None) 
              f"Prism: building v{version} (a minute or two the first time)",
              env=env, cwd=tree)
         os.replace(Path(work) / "prism", target)
-    _LOG.info("built Prism v%s (%d patches) in %.1fs -> %s", version, len(patches),
+    _LOG.debug("built Prism v%s (%d patches) in %.1fs -> %s", version, len(patches),
               time.monotonic() - started, target)
     return target
 
@@ -164,7 +164,7 @@ def ensure_flink_job_server(version: str | None = None, flink: str = FLINK_VERSI
     if not any(name.startswith(f"beam-runners-flink-{flink}-") for name in jars):
         raise BootstrapError(f"Maven resolved no beam-runners-flink-{flink} jar into {lib}")
     _write_launcher_jar(jar, [f"lib/{name}" for name in jars])
-    _LOG.info("assembled Flink job server in %.1fs -> %s", time.monotonic() - started, jar)
+    _LOG.debug("assembled Flink job server in %.1fs -> %s", time.monotonic() - started, jar)
     return jar
 
 

@@ -149,3 +149,22 @@ def test_a_run_directory_another_process_follows_is_a_one_line_error(tmp_path, m
     red = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line) for line in lines if RED in line]
     assert len(red) == 1 and red[0].startswith(f"{run.path} is followed by another beam-rl process"), lines
     assert not any("Traceback" in line for line in lines) and run.committed_steps() == []
+
+
+def test_resuming_a_complete_run_starts_nothing_and_says_so(tmp_path, monkeypatch):
+    from beam_rl.config import load_config
+
+    run = three_steps(RunDir(tmp_path / "run"))
+    config_path = tmp_path / "run.toml"
+    config_path.write_text(_BUSY_CONFIG.format(run_dir=run.path).replace("max_steps = 2", "max_steps = 3"))
+    config = load_config(str(config_path))
+    run.write_config(config.model_dump(mode="json"))
+    status, lines = run_cli(monkeypatch, "run", "--resume", str(run.path))
+    assert status == 0
+    assert [_STYLE.sub("", line) for line in lines] == [
+        f"{run.path} is complete: steps 1..3 are committed; `beam-rl report {run.path}` shows them"]
+    assert not (run.path / "run.lock").exists()  # no job was started
+    # With the reference trainer, the last step must be trained too: no weights yet, so not complete.
+    reference = config.model_copy(update={"trainer": config.trainer.model_copy(update={"kind": "reference"})})
+    assert not cli._run_complete(reference, run, 3) and cli._run_complete(config, run, 3)
+    assert not cli._run_complete(config, run, 2) and not cli._run_complete(config, run, None)
