@@ -156,7 +156,6 @@ def _with_run_dir(config, run_dir: str | None):
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from beam_rl.config import config_from_dict
-    from runners.job import run_job  # the CLI is the one domain module that reaches the runners
 
     if args.resume:
         run_dir = RunDir(args.resume)
@@ -171,15 +170,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         console.print("[red]give a CONFIG, or --resume RUN_DIR[/red]")
         return 2
-    run_dir = preflight(config, source)
-    last = run_dir.last_committed_step()
-    if _run_complete(config, run_dir, last):
-        console.print(f"{run_dir.path} is complete: steps 1..{last} are committed"
+    last = RunDir(config.run.dir).last_committed_step()
+    if _run_complete(config, RunDir(config.run.dir), last):
+        console.print(f"{config.run.dir} is complete: steps 1..{last} are committed"
                       + (" and trained" if config.trainer.kind == "reference" else "")
-                      + f"; `beam-rl report {run_dir.path}` shows them")
+                      + f"; `beam-rl report {config.run.dir}` shows them")
         return 0
+    run_dir = preflight(config, source)
     if last is not None:
         console.print(f"resuming {config.run.dir}: steps 1..{last} are committed, continuing at {last + 1}")
+    from runners.job import run_job  # the CLI is the one domain module that reaches the runners
+
     since = time.time()
     try:
         run_job(config, console)
