@@ -17,6 +17,7 @@ from beam_rl.config import ConfigError, RunConfig, load_config
 from beam_rl.datasets import DatasetError
 from beam_rl.failures import read_failure
 from beam_rl.lease import RunDirBusyError
+from beam_rl.processes import ChildFailedError
 from beam_rl.report import COMMITTED_COLUMNS, StepRow, StepTable
 from beam_rl.rundir import CommitRecord, CommitRecordError, RunDir, RunDirError, StepCorruptError
 
@@ -184,7 +185,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     since = time.time()
     try:
         run_job(config, console)
-    except RunDirBusyError:
+    except (RunDirBusyError, ChildFailedError):
         raise
     except RuntimeError as err:
         return _pipeline_stopped(err, run_dir, since, f"beam-rl run --resume {run_dir.path}")
@@ -273,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RunDirError, RunDirBusyError, DatasetError) as err:
         console.print(f"[red]{escape(str(err))}[/red]")
         return 2
+    except ChildFailedError as err:  # the trainer: its log says why
+        console.print(f"[red]{escape(str(err))}[/red]")
+        return 1
     except KeyboardInterrupt:
         # The job cancelled the pipeline and stopped its servers and trainer on the way out;
         # committed steps are whole, and `beam-rl run --resume RUN_DIR` continues after them.

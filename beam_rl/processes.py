@@ -10,10 +10,13 @@ import signal
 import socket
 import subprocess
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 _LOG = logging.getLogger(__name__)
+T = TypeVar("T")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -41,6 +44,10 @@ def stop_processes(procs: Iterable[subprocess.Popen], timeout_s: float = 10.0) -
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class ChildFailedError(RuntimeError):
+    """A child process of a job ended with an error; the message names it and its log."""
 
 
 @dataclass
@@ -81,9 +88,20 @@ class Supervisor:
         self._children.append(child)
         return child
 
+    def enter(self, name: str, context: AbstractContextManager[T]) -> T:
+        """A context started elsewhere (the servers' block): entered now, exited in its turn."""
+        value = context.__enter__()
+        self.add(name, lambda: context.__exit__(None, None, None))
+        return value
+
     def failed(self) -> Child | None:
         """The first child process that exited with a non-zero status."""
         return next((c for c in self._children if c.exit_code() not in (None, 0)), None)
+
+    def raise_if_failed(self) -> None:
+        child = self.failed()
+        if child is not None:
+            raise ChildFailedError(f"the {child.name} exited with status {child.exit_code()}; see {child.log}")
 
     def stop(self) -> None:
         """Stop every part, newest first; each is stopped even when an earlier stop raised, and the

@@ -38,9 +38,7 @@ def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
     observer = RunObserver(run_dir, config, sample_rows=sample_rollouts(run_dir))
     with Supervisor() as parts:
         parts.add("run observer", observer.close)
-        servers = inference_servers(config)
-        urls = servers.__enter__()
-        parts.add("inference servers", lambda: servers.__exit__(None, None, None))
+        urls = parts.enter("inference servers", inference_servers(config))
         console.print(f"inference servers: {', '.join(urls)}; runner: {config.runner.name}; run dir: {run_dir.path}")
         job = _rollout_job(config, urls, run_dir, console)
         parts.add("rollout job", job.cancel)
@@ -97,9 +95,7 @@ def _follow(pipeline: _Waiter, trainer: Child | None, parts: Supervisor, view: _
     """Refresh the view until the pipeline and the trainer are both done; raise what stopped either."""
     with Live(view.render(), console=view.console, refresh_per_second=2) as live:
         while pipeline.running() or (trainer is not None and trainer.exit_code() is None):
-            failed = parts.failed()
-            if failed is not None:
-                raise RuntimeError(f"the {failed.name} exited with {failed.exit_code()}; see {failed.log}")
+            parts.raise_if_failed()
             if pipeline.error is not None:
                 break
             time.sleep(REFRESH_S)
@@ -107,9 +103,7 @@ def _follow(pipeline: _Waiter, trainer: Child | None, parts: Supervisor, view: _
         live.update(view.render())
     if pipeline.error is not None:
         raise pipeline.error
-    failed = parts.failed()  # a trainer that failed after the pipeline's end
-    if failed is not None:
-        raise RuntimeError(f"the {failed.name} exited with {failed.exit_code()}; see {failed.log}")
+    parts.raise_if_failed()  # a trainer that failed after the pipeline's end
 
 
 class _ProgressView:

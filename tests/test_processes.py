@@ -3,6 +3,7 @@ SIGKILLed end too; no log handle left open in the parent; a failed child is name
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from beam_rl.processes import Supervisor
+from beam_rl.processes import ChildFailedError, Supervisor
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -32,8 +33,13 @@ def test_parts_stop_newest_first_and_every_part_stops_when_one_fails(tmp_path):
         stopped.append(("rollout job", trainer.exit_code()))  # the trainer has ended by now
         raise RuntimeError("cancel failed")
 
+    @contextlib.contextmanager
+    def servers():
+        yield ["http://127.0.0.1:1"]
+        stopped.append(("servers", trainer.exit_code()))
+
     supervisor = Supervisor(stop_timeout_s=5)
-    supervisor.add("servers", lambda: stopped.append(("servers", trainer.exit_code())))
+    assert supervisor.enter("servers", servers()) == ["http://127.0.0.1:1"]
     supervisor.add("rollout job", cancel_rollout_job)
     trainer = supervisor.start("trainer", SLEEP, tmp_path / "trainer.log")
     assert trainer.exit_code() is None
@@ -72,6 +78,8 @@ def test_a_failed_child_is_named(tmp_path):
         child = supervisor.start("trainer", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "trainer.log")
         child.process.wait(timeout=30)
         assert supervisor.failed() is child and child.exit_code() == 3
+        with pytest.raises(ChildFailedError, match=f"the trainer exited with status 3; see {tmp_path}/trainer.log"):
+            supervisor.raise_if_failed()
 
 
 def test_children_end_when_their_parent_is_killed(tmp_path):
@@ -80,7 +88,7 @@ def test_children_end_when_their_parent_is_killed(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from beam_rl.processes import Supervisor
+        from beam_rl.processes import ChildFailedError, Supervisor
         child = Supervisor().start("trainer", {SLEEP!r}, Path({str(tmp_path / 'child.log')!r}))
         print(child.process.pid, flush=True)
         time.sleep(60)
