@@ -1,12 +1,15 @@
-"""The main job (`runners/job.py`): the live table at 80 and 160 columns, and a rollout job left running
-by a dead submitter followed instead of a second one submitted."""
+"""The main job (`runners/job.py`): the live table at 80 and 160 columns; a rollout job left running by
+a dead submitter followed instead of a second one submitted; the run observer fed while the job runs."""
 
 from __future__ import annotations
 
 import io
 import re
+import socket
+import threading
 import time
 
+import httpx
 import pytest
 from rich.console import Console
 
@@ -88,15 +91,40 @@ rollouts_per_step = 16
 seq_len = 256
 [trainer]
 kind = "none"
+[logging]
+prometheus_port = {port}
+prometheus_host = "127.0.0.1"
+[logging.tensorboard]
+enabled = true
 """
 
 
-def test_a_job_left_running_for_the_run_directory_is_followed_not_submitted_again(tmp_path, monkeypatch):
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape_until_a_step_is_committed(port: int, seen: list[str], stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
+            if re.search(r"^beam_rl_steps_committed [1-9]", text, re.M):
+                seen.append(text)
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+
+
+def test_a_job_left_running_is_followed_not_submitted_again_and_the_run_is_observed(tmp_path, monkeypatch):
     servers = [EmbeddedServer(mode="instant") for _ in range(2)]
     urls = [s.start() for s in servers]
+    port, scraped, stop = _free_port(), [], threading.Event()
+    scraper = threading.Thread(target=_scrape_until_a_step_is_committed, args=(port, scraped, stop))
     try:
         path = tmp_path / "run.toml"
-        path.write_text(_CONFIG.format(run_dir=tmp_path / "run", urls=", ".join(f'"{u}"' for u in urls)))
+        path.write_text(_CONFIG.format(run_dir=tmp_path / "run", urls=", ".join(f'"{u}"' for u in urls), port=port))
         config = load_config(str(path))
         # The job an earlier submitter left running (no trainer: it needs no published weights).
         left_running = start_rollouts(config, urls, str(config.run.dir), with_trainer=False)
@@ -112,10 +140,22 @@ def test_a_job_left_running_for_the_run_directory_is_followed_not_submitted_agai
         monkeypatch.setattr(job_module, "attach_rollouts", attach)
         monkeypatch.setattr(job_module, "start_rollouts", submit)
         out = io.StringIO()
+        scraper.start()
         run_dir = job_module.run_job(config, Console(file=out, width=120))
     finally:
+        stop.set()
         for server in servers:
             server.stop()
     assert attached == [str(config.run.dir)]
     assert run_dir.committed_steps() == [1, 2, 3]
     assert "following the rollout job still running" in out.getvalue()
+    # The run observer: Prometheus served from logging.prometheus_port while the job ran, and closed
+    # with it; every committed step logged to TensorBoard.
+    scraper.join(timeout=5)
+    assert scraped and "beam_rl_permits_capacity 32.0" in scraped[0]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir.path / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("rollouts/step")] == [1, 2, 3]
