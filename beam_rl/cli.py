@@ -115,8 +115,9 @@ def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, 
 
 def _pipeline_stopped(err: BaseException, run_dir: RunDir, since: float, again: str) -> int:
     """A run stopped by one of our own errors (disk full, every server down), which the failing stage
-    recorded in the run directory (beam_rl/failures.py): its message, not Beam's whole traceback, and
-    what the run directory still holds. Any other error is raised as it is."""
+    recorded in the run directory since `since` (beam_rl/failures.py): its message, not Beam's whole
+    traceback, and what the run directory still holds. Any other error (a busy run directory, a failed
+    trainer) is raised as it is, for `main`."""
     failure = read_failure(run_dir.path, since)
     if failure is None:
         raise err
@@ -140,8 +141,6 @@ def _cmd_rollouts(args: argparse.Namespace) -> int:
         console.print(f"running the rollout pipeline on [bold]{config.runner.name}[/bold] -> {run_dir.path}")
         try:
             run_rollouts(config, urls, with_trainer=False)
-        except RunDirBusyError:
-            raise
         except RuntimeError as err:
             return _pipeline_stopped(err, run_dir, since, "the same command")
     console.print(inspect_table(run_dir))
@@ -172,7 +171,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         console.print("[red]give a CONFIG, or --resume RUN_DIR[/red]")
         return 2
     last = RunDir(config.run.dir).last_committed_step()
-    if _run_complete(config, RunDir(config.run.dir), last):
+    if _run_complete(config, last):
         console.print(f"{config.run.dir} is complete: steps 1..{last} are committed"
                       + (" and trained" if config.trainer.kind == "reference" else "")
                       + f"; `beam-rl report {config.run.dir}` shows them")
@@ -185,18 +184,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     since = time.time()
     try:
         run_job(config, console)
-    except (RunDirBusyError, ChildFailedError):
-        raise
     except RuntimeError as err:
         return _pipeline_stopped(err, run_dir, since, f"beam-rl run --resume {run_dir.path}")
     return 0
 
 
-def _run_complete(config: RunConfig, run_dir: RunDir, last: int | None) -> bool:
-    """Every step committed, and (with the reference trainer) the last one trained: nothing to resume."""
+def _run_complete(config: RunConfig, last: int | None) -> bool:
+    """Every step committed (`last`), and with the reference trainer the last one trained: nothing to resume."""
     if last is None or last < config.run.max_steps:
         return False
-    stable = run_dir.latest_stable_weights()
+    stable = RunDir(config.run.dir).latest_stable_weights()
     return config.trainer.kind != "reference" or (stable is not None and stable[0] >= config.run.max_steps)
 
 

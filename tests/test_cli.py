@@ -166,5 +166,11 @@ def test_resuming_a_complete_run_starts_nothing_and_says_so(tmp_path, monkeypatc
     assert not (run.path / "run.lock").exists()  # no job was started
     # With the reference trainer, the last step must be trained too: no weights yet, so not complete.
     reference = config.model_copy(update={"trainer": config.trainer.model_copy(update={"kind": "reference"})})
-    assert not cli._run_complete(reference, run, 3) and cli._run_complete(config, run, 3)
-    assert not cli._run_complete(config, run, 2) and not cli._run_complete(config, run, None)
+    assert not cli._run_complete(reference, 3) and cli._run_complete(config, 3)
+    assert not cli._run_complete(config, 2) and not cli._run_complete(config, None)
+    with run.publish_weights_dir(2) as weights:
+        (weights / "model.safetensors").write_bytes(b"")
+    assert not cli._run_complete(reference, 3)  # trained up to step 2 only
+    with run.publish_weights_dir(3) as weights:
+        (weights / "model.safetensors").write_bytes(b"")
+    assert cli._run_complete(reference, 3)
