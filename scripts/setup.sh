@@ -38,6 +38,8 @@ venv() {
   [ -x .venv/bin/uv ] || .venv/bin/pip install --quiet --disable-pip-version-check "uv>=0.13,<0.14"
   say "venv: installing beam-rl and its dependencies (~3.5 GB on an empty cache) ..."
   .venv/bin/uv pip install --python .venv/bin/python --override scripts/overrides.txt -e ".[test]"
+  # A venv made before the override still holds triton: uv does not remove what it no longer needs.
+  .venv/bin/uv pip uninstall --quiet --python .venv/bin/python triton
   echo "$want" > "$stamp"
   say "venv: ready ($(since "$t"))"
 }
