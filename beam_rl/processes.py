@@ -72,18 +72,17 @@ class Supervisor:
         self.stop_timeout_s = stop_timeout_s
         self._children: list[Child] = []
 
-    def start(self, name: str, cmd: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Child:
+    def start(self, name: str, cmd: Sequence[str], log: Path) -> Child:
         """Start `cmd` with its output appended to `log`; it dies with this process (`die_with_parent`)."""
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:  # the child keeps its own descriptor; ours closes here
-            process = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       preexec_fn=die_with_parent)
+            process = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         child = Child(name, lambda: stop_processes([process], self.stop_timeout_s), process, log)
         self._children.append(child)
         return child
 
     def add(self, name: str, stop: Callable[[], None]) -> Child:
-        """A part started elsewhere (the rollout job, the servers' context): stopped in its turn."""
+        """A part started elsewhere (the rollout job, the run observer): stopped in its turn."""
         child = Child(name, stop)
         self._children.append(child)
         return child
