@@ -35,12 +35,15 @@ def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
     run_dir.write_config(config.model_dump(mode="json"))
     started = time.monotonic()
     # First: a Prometheus port in use fails here, before anything else starts.
-    observer = RunObserver(run_dir, config, sample_rows=sample_rollouts(run_dir))
+    jobs: list[RolloutJob] = []  # the rollout job, once submitted: its Beam counters go to Prometheus
+    observer = RunObserver(run_dir, config, sample_rows=sample_rollouts(run_dir),
+                           beam_counters=lambda: jobs[0].counters() if jobs else {})
     with Supervisor() as parts:
         parts.add("run observer", observer.close)
         urls = parts.enter("inference servers", inference_servers(config))
         console.print(f"inference servers: {', '.join(urls)}; runner: {config.runner.name}; run dir: {run_dir.path}")
         job = _rollout_job(config, urls, run_dir, console)
+        jobs.append(job)
         parts.add("rollout job", job.cancel)
         if threading.current_thread() is threading.main_thread():
             # Beam's job-server wrapper installs a SIGINT handler that fails when called; Ctrl-C
