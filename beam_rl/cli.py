@@ -1,10 +1,10 @@
-"""The `beam-rl` command: run rollouts, inspect a run directory, (soon) run the whole RL loop."""
+"""The `beam-rl` command: the whole RL loop, the rollout pipeline or the trainer alone, and views of a
+run directory."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 import time
 from pathlib import Path
@@ -15,13 +15,14 @@ from rich.table import Table
 
 from beam_rl.config import ConfigError, RunConfig, load_config
 from beam_rl.datasets import DatasetError
+from beam_rl.failures import read_failure
+from beam_rl.lease import RunDirBusyError
+from beam_rl.processes import ChildFailedError
+from beam_rl.report import COMMITTED_COLUMNS, StepRow, StepTable
 from beam_rl.rundir import CommitRecord, CommitRecordError, RunDir, RunDirError, StepCorruptError
 
 console = Console()
 _LOG = logging.getLogger(__name__)
-# Beam re-raises a worker's exception as a RuntimeError whose text ends with the original
-# "module.Class: message" line (plus "[while running 'step']").
-_DOMAIN_ERROR = re.compile(r"(beam_rl\.[\w.]+): (.+?)(?: \[while running '[^']*'\])?$")
 
 
 def inspect_table(run_dir: RunDir) -> Table:
@@ -32,25 +33,12 @@ def inspect_table(run_dir: RunDir) -> Table:
     return table
 
 
-def _step_table(run_dir: RunDir) -> Table:
-    table = Table(title=f"run {run_dir.path}")
-    for column in ("step", "rollouts", "trained", "tokens", "reward mean", "errored", "filtered", "lag max"):
-        table.add_column(column, justify="right")
-    return table
+def _step_table(run_dir: RunDir) -> StepTable:
+    return StepTable(COMMITTED_COLUMNS, title=f"run {run_dir.path}")
 
 
-def _add_step_row(table: Table, record: CommitRecord) -> None:
-    window = record.window
-    table.add_row(
-        str(record.step),
-        str(window.rollouts),
-        str(window.trained_rollouts),
-        str(record.counts.tokens),
-        f"{window.reward_mean or 0.0:.3f}",
-        str(window.errored),
-        ", ".join(f"{k}={v}" for k, v in sorted(window.filtered.items())) or "0",
-        "" if window.staleness_max is None else str(window.staleness_max),
-    )
+def _add_step_row(table: StepTable, record: CommitRecord) -> None:
+    table.add_step(StepRow.from_commit(record))
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -210,16 +198,18 @@ def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, 
     return loaded
 
 
-def _pipeline_stopped(err: BaseException, run_dir: RunDir, again: str) -> int:
-    """A run stopped by one of our own errors (disk full, every server down): its message, not
-    Beam's whole traceback, and what the run directory still holds."""
-    match = next((m for line in reversed(str(err).splitlines()) if (m := _DOMAIN_ERROR.search(line))), None)
-    if match is None:
+def _pipeline_stopped(err: BaseException, run_dir: RunDir, since: float, again: str) -> int:
+    """A run stopped by one of our own errors (disk full, every server down), which the failing stage
+    recorded in the run directory since `since` (beam_rl/failures.py): its message, not Beam's whole
+    traceback, and what the run directory still holds. Any other error (a busy run directory, a failed
+    trainer) is raised as it is, for `main`."""
+    failure = read_failure(run_dir.path, since)
+    if failure is None:
         raise err
     _LOG.info("the pipeline failed", exc_info=err)  # the full traceback with -v
     last = run_dir.last_committed_step()
     kept = f"steps 1..{last} are committed in {run_dir.path}" if last else f"no step is committed in {run_dir.path}"
-    console.print(f"[red]the run stopped: {match.group(1).rsplit('.', 1)[-1]}: {escape(match.group(2))}[/red]")
+    console.print(f"[red]the run stopped: {escape(str(failure))}[/red]")
     console.print(f"{kept}; {again} continues from there")
     return 1
 
@@ -230,14 +220,14 @@ def _cmd_rollouts(args: argparse.Namespace) -> int:
 
     config = _with_run_dir(load_config(args.config), args.run_dir)
     run_dir = preflight(config, args.config)
-    started = time.monotonic()
+    started, since = time.monotonic(), time.time()
     with console.status("starting inference servers"), inference_servers(config) as urls:
         console.print(f"inference servers: {', '.join(urls)}")
         console.print(f"running the rollout pipeline on [bold]{config.runner.name}[/bold] -> {run_dir.path}")
         try:
             run_rollouts(config, urls, with_trainer=False)
         except RuntimeError as err:
-            return _pipeline_stopped(err, run_dir, "the same command")
+            return _pipeline_stopped(err, run_dir, since, "the same command")
     console.print(inspect_table(run_dir))
     console.print(f"done in {time.monotonic() - started:.1f}s; Arrow files under {run_dir.rollouts_dir}")
     return 0
@@ -251,7 +241,6 @@ def _with_run_dir(config, run_dir: str | None):
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from beam_rl.config import config_from_dict
-    from runners.job import run_job  # the CLI is the one domain module that reaches the runners
 
     if args.resume:
         run_dir = RunDir(args.resume)
@@ -266,15 +255,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         console.print("[red]give a CONFIG, or --resume RUN_DIR[/red]")
         return 2
+    last = RunDir(config.run.dir).last_committed_step()
+    if _run_complete(config, last):
+        console.print(f"{config.run.dir} is complete: steps 1..{last} are committed"
+                      + (" and trained" if config.trainer.kind == "reference" else "")
+                      + f"; `beam-rl report {config.run.dir}` shows them")
+        return 0
     run_dir = preflight(config, source)
-    last = run_dir.last_committed_step()
     if last is not None:
         console.print(f"resuming {config.run.dir}: steps 1..{last} are committed, continuing at {last + 1}")
+    from runners.job import run_job  # the CLI is the one domain module that reaches the runners
+
+    since = time.time()
     try:
         run_job(config, console)
     except RuntimeError as err:
-        return _pipeline_stopped(err, run_dir, f"beam-rl run --resume {run_dir.path}")
+        return _pipeline_stopped(err, run_dir, since, f"beam-rl run --resume {run_dir.path}")
     return 0
+
+
+def _run_complete(config: RunConfig, last: int | None) -> bool:
+    """Every step committed (`last`), and with the reference trainer the last one trained: nothing to resume."""
+    if last is None or last < config.run.max_steps:
+        return False
+    stable = RunDir(config.run.dir).latest_stable_weights()
+    return config.trainer.kind != "reference" or (stable is not None and stable[0] >= config.run.max_steps)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -393,11 +398,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the rest
+    # Beam warns at import that the Google Cloud Storage filesystem is not installed: runs here use local paths.
+    logging.getLogger("apache_beam.io.filesystems").setLevel(logging.ERROR)
     try:
         return args.func(args)
-    except (ConfigError, RunDirError, DatasetError) as err:
+    except (ConfigError, RunDirError, RunDirBusyError, DatasetError) as err:
         console.print(f"[red]{escape(str(err))}[/red]")
         return 2
+    except ChildFailedError as err:  # the trainer: its log says why
+        console.print(f"[red]{escape(str(err))}[/red]")
+        return 1
     except KeyboardInterrupt:
         # The job cancelled the pipeline and stopped its servers and trainer on the way out;
         # committed steps are whole, and `beam-rl run --resume RUN_DIR` continues after them.

@@ -156,3 +156,11 @@ def test_two_dispatch_shards_share_the_work_and_keep_every_group_exactly_once(se
     workers = {w for s in run_dir.committed_steps() for ws in run_dir.read_commit(s).extra["workers"].values() for w in ws}
     in_this_process = {f"{os.uname().nodename}:{os.getpid()}"}
     assert workers == in_this_process if runner == "direct" else (workers and not workers & in_this_process), workers
+
+
+def test_the_jobs_own_counters_come_from_the_runner(servers, tmp_path):
+    job = start_rollouts(_config(tmp_path, max_steps=2), servers, str(tmp_path), with_trainer=False)
+    job.wait()
+    counters = job.counters()  # what the job's follower serves to Prometheus (beam_rl/observe)
+    assert counters["beam_rl/steps_committed"] == len(RunDir(tmp_path).committed_steps()) == 2, counters
+    assert not any(name.startswith("beam/") for name in counters)  # Beam's system metrics left out
