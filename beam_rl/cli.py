@@ -72,8 +72,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_inspect_samples(args: argparse.Namespace) -> int:
     """Rollouts of one step's window as text (`--step N --samples K`, or `--rollout ID`); a bad step, an
     unknown rollout or a damaged window is one red line and exit status 2."""
+    from beam_rl.components import tokenizer_for
     from beam_rl.samples_text import RolloutNotFound, TokenText, find_step, rollout_panel, window_rows
-    from beam_rl.tokenizer import load_tokenizer  # components' tokenizer_for, without its torch import
 
     run_dir = RunDir(args.run_dir)
     if not run_dir.path.is_dir():
@@ -100,7 +100,7 @@ def _cmd_inspect_samples(args: argparse.Namespace) -> int:
         console.print(f"[red]{escape(str(run_dir.path))} holds no config.json to name its tokenizer: "
                       "give --tokenizer (tiny, or a local model directory)[/red]")
         return 2
-    text = TokenText(load_tokenizer(model))
+    text = TokenText(tokenizer_for(model))
     console.print(f"step {step}: {len(rows)} of the {window.num_rows} rollouts in its window "
                   f"({escape(str(run_dir.window_path(step)))})")
     for row in rows:

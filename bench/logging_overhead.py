@@ -4,9 +4,9 @@
     .venv/bin/python -m bench.logging_overhead --pairs 6 --out bench/logging_overhead.json
 
 "On" is W&B offline (with its samples table: beam_rl.samples_text.tracker_sample_rows), TensorBoard and
-Prometheus /metrics scraped once a second. The job does not drive the run observer yet, so it runs here as
-the job will: a thread of the orchestrator's process polling the run directory every 0.5 s while the
-pipeline runs, then closed. Runs alternate off, on, off, on, ... on the same servers. Per run: the
+Prometheus /metrics scraped once a second. The bench's pipeline (runners.pipeline.run_rollouts) has no
+run observer; the job (runners/job.py) polls one every 0.5 s in the orchestrator's process beside the
+pipeline, so it runs here likewise, on a thread, then is closed. Runs alternate off, on, off, on, ... on the same servers. Per run: the
 pipeline's wall time and sustained rollouts/s; the CPU of this process tree (Prism and W&B's service
 process included, the inference servers not) per rollout, with and without opening the trackers (once
 per process: W&B starts its service); and the observer's own CPU per committed step (its thread's CPU
