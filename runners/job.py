@@ -15,6 +15,7 @@ from rich.live import Live
 
 from beam_rl.config import RunConfig
 from beam_rl.observe import RunObserver
+from beam_rl.samples_text import tracker_sample_rows
 from beam_rl.processes import Child, Supervisor
 from beam_rl.report import LIVE_COLUMNS, RunTail, StepTable, fitting_columns, write_plot
 from beam_rl.rundir import RunDir
@@ -24,8 +25,6 @@ from runners.pipeline import RolloutJob, attach_rollouts, start_rollouts
 REFRESH_S = 0.5
 TABLE_ROWS = 12  # the last steps the progress table shows
 SAMPLE_ROLLOUTS = 8  # rollouts of each committed step in W&B's samples table
-_SAMPLE_FIELDS = ("rollout_id", "env", "status", "reward", "advantage", "filtered", "completion_tokens",
-                  "policy_version_start")
 
 
 def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
@@ -36,7 +35,7 @@ def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
     started = time.monotonic()
     # First: a Prometheus port in use fails here, before anything else starts.
     jobs: list[RolloutJob] = []  # the rollout job, once submitted: its Beam counters go to Prometheus
-    observer = RunObserver(run_dir, config, sample_rows=sample_rollouts(run_dir),
+    observer = RunObserver(run_dir, config, sample_rows=tracker_sample_rows(run_dir, config.model.name, SAMPLE_ROLLOUTS),
                            beam_counters=lambda: jobs[0].counters() if jobs else {})
     with Supervisor() as parts:
         parts.add("run observer", observer.close)
@@ -160,9 +159,3 @@ def server_line(status: dict) -> str:
     return "  |  ".join(entries)
 
 
-def sample_rollouts(run_dir: RunDir) -> Callable[[int], list[dict]]:
-    """W&B's samples table: the first SAMPLE_ROLLOUTS rollouts of a committed step's window."""
-    def rows(step: int) -> list[dict]:
-        window = run_dir.read_window(step).select(list(_SAMPLE_FIELDS)).slice(0, SAMPLE_ROLLOUTS)
-        return [{k: ("" if v is None else v) for k, v in row.items()} for row in window.to_pylist()]
-    return rows
