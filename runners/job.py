@@ -8,7 +8,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 from rich.console import Console
 from rich.live import Live
