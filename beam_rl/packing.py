@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from beam_rl.types import MicroBatch, Rollout, Sample
-from schemas.fields import SAMPLE_TOKEN_FIELDS
 
 
 def pack_micro_batches(samples: Sequence[Sample], seq_len: int) -> list[MicroBatch]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -26,6 +25,7 @@ from beam_rl.envs.base import Trajectory
 from beam_rl.envs.code import Code, extract_program
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Turn
+from bench.results import write_results
 
 # Completion kinds and their share of the rollouts: what a policy early in training writes.
 KINDS = {"reference": 0.5, "wrong": 0.2, "exception": 0.1, "syntax_error": 0.15, "loop": 0.05}
@@ -139,10 +139,7 @@ def main() -> None:
         levels = [asyncio.run(measure(env, rollouts, int(n))) for n in args.concurrency.split(",")]
         report[mix] = {"kinds": shares, "levels": levels}
         print_tables(levels, f"code rewards {mix.replace('_', ' ')}: {args.rollouts} rollouts per level")
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    print(f"written to {args.out}")
+    write_results(args.out, report)
 
 if __name__ == "__main__":
     main()

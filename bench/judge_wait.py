@@ -34,6 +34,7 @@ from beam_rl.config import RunConfig, load_config
 from beam_rl.envs.arithmetic import first_integer
 from beam_rl.rundir import RunDir
 from bench import reward_stage
+from bench.results import write_results
 from runners.job import run_job
 
 PROMPT = "Grade the answer to a sum.\nanswer: {answer}\ncompletion: {completion!r}"
@@ -162,10 +163,7 @@ def main() -> None:
                 "groups_per_bundle_mean", "groups_per_bundle_max"):
         table.add_row(key, *(str(report[run][key]) for run in runs))
     Console().print(table)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    print(f"written to {args.out}")
+    write_results(args.out, report)
 
 
 if __name__ == "__main__":

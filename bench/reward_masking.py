@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import random
 from collections import defaultdict
 from typing import Any
@@ -26,6 +25,7 @@ from beam_rl.rewards import mark_reward_error
 from beam_rl.rundir import RunDir
 from beam_rl.sink import score_group
 from beam_rl.types import Rollout, Turn
+from bench.results import write_results
 
 
 def run_groups(run_dir: RunDir) -> list[list[Rollout]]:
@@ -122,10 +122,7 @@ def main() -> None:
     table.add_row("equal-reward groups given a signal", cell("flat_groups_given_signal"), "0")
     table.add_row("groups dropped (min_scored)", "0", cell("groups_dropped_masked"))
     Console().print(table)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    print(f"written to {args.out}")
+    write_results(args.out, report)
 
 
 if __name__ == "__main__":

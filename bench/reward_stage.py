@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -30,6 +29,7 @@ from beam_rl.envs.code import Code
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, Turn
 from bench.code_rewards import MIXES, measure, program
+from bench.results import write_results
 from runners.options import pipeline_options
 from transforms import score
 from transforms.groups import CompleteGroups
@@ -139,10 +139,7 @@ def main() -> None:
                           str(lv["group_p99_s"]), ",".join(map(str, lv["groups_per_bundle"])), str(alone),
                           f"{lv['rollouts_per_s'] / alone:.2f}")
         console.print(table)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    print(f"written to {args.out}")
+    write_results(args.out, report)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import beam_rl.envs as envs
 from beam_rl.datasets import DatasetError
 from beam_rl.envs import ENVIRONMENTS, make_env, register_env
 from beam_rl.envs.arithmetic import Arithmetic, ArithmeticEasy, first_integer
-from beam_rl.envs.base import Completion, Environment, SamplingParams, Trajectory, chat_prompt_ids
+from beam_rl.envs.base import Completion, SamplingParams, Trajectory, chat_prompt_ids
 from beam_rl.envs.code import Code
 from beam_rl.types import Turn
 from beam_rl.envs.data import make_datasets

@@ -178,7 +178,7 @@ def test_a_corrupted_value_in_a_rank_file_is_named(rollouts_run, tmp_path, monke
     status, lines = run_cli(monkeypatch, "replay", str(copy.path), "--step", "2", "--staleness", "off")
     assert status == 1
     [line] = coloured(lines, RED)
-    assert line.startswith(f"step 2: rollouts/step_2/rank_0.arrow row 3 column advantages (rollout ")
+    assert line.startswith("step 2: rollouts/step_2/rank_0.arrow row 3 column advantages (rollout ")
     assert line.endswith(f"token {token}): committed 12.5 (0x41480000), replay {str(first.replayed)} "
                          f"(0x{first.replayed.view(np.uint32):08x})")
 

@@ -26,7 +26,6 @@ from beam_rl.config import RunConfig
 from beam_rl.rundir import RunDir
 from beam_rl.sink import BatchBuilder, InputExhausted
 from beam_rl.source import EndOfInput
-from beam_rl.types import TrainBatch
 from transforms.coders import PackerItem, PackerOutput
 
 _PACKER_KEY = "packer"

@@ -209,6 +209,22 @@ class DatasetEnvironment(Environment):
             return sampling
         return dataclasses.replace(sampling, max_tokens=max(1, self.max_context - len(prompt_ids)))
 
+    def turn_sampling(self, sampling: SamplingParams, turn: int, context_len: int) -> SamplingParams | None:
+        """A multi-turn episode's sampling for `turn` (from 1) after `context_len` tokens of context: its
+        budget cut to the room left under max_context, its seed offset per turn (the same seed every turn
+        would replay the same random stream). None when no room is left; an error if the prompt alone
+        fills the context."""
+        room = sampling.max_tokens if self.max_context is None else self.max_context - context_len
+        if room < 1:
+            if turn == 1:
+                raise ValueError(f"prompt of {context_len} tokens leaves no room under max_context={self.max_context}")
+            return None
+        return dataclasses.replace(
+            sampling,
+            max_tokens=min(sampling.max_tokens, room),
+            seed=None if sampling.seed is None else sampling.seed + turn - 1,
+        )
+
     async def run(
         self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int], sampling: SamplingParams
     ) -> Trajectory:

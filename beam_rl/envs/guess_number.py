@@ -6,7 +6,6 @@ the model's completion ids plus the environment's hint ids; generated text is ne
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -138,19 +137,9 @@ class GuessNumber(DatasetEnvironment):
         turns: list[Turn] = []
         env_ids: list[int] = []  # the hint before the coming turn; none before the first
         for turn in range(1, self.max_turns + 1):
-            room = sampling.max_tokens if self.max_context is None else self.max_context - len(context)
-            if room < 1:
-                if turn == 1:
-                    raise ValueError(
-                        f"prompt of {len(context)} tokens leaves no room under max_context={self.max_context}"
-                    )
+            turn_sampling = self.turn_sampling(sampling, turn, len(context))
+            if turn_sampling is None:
                 break
-            turn_sampling = dataclasses.replace(
-                sampling,
-                max_tokens=min(sampling.max_tokens, room),
-                # Same seed every turn would replay the same random stream; offset it per turn.
-                seed=None if sampling.seed is None else sampling.seed + turn - 1,
-            )
             # A copy: `context` keeps growing, and a client may hold on to the list it was given.
             (completion,) = await client.complete(list(context), turn_sampling, n=1)
             completion_ids = list(completion.token_ids)

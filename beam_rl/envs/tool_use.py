@@ -7,7 +7,6 @@ messages' ids, which are cut from the chat template's own rendering; generated t
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -154,18 +153,9 @@ class ToolArithmetic(DatasetEnvironment):
         env_ids: list[int] = []  # the tool messages before the coming turn; none before the first
         info: dict[str, Any] = {"answered": False, "tool_calls": 0, "bad_tool_calls": 0}
         for turn in range(1, self.max_turns + 1):
-            room = sampling.max_tokens if self.max_context is None else self.max_context - len(context)
-            if room < 1:
-                if turn == 1:
-                    raise ValueError(
-                        f"prompt of {len(context)} tokens leaves no room under max_context={self.max_context}"
-                    )
+            turn_sampling = self.turn_sampling(sampling, turn, len(context))
+            if turn_sampling is None:
                 break
-            turn_sampling = dataclasses.replace(
-                sampling,
-                max_tokens=min(sampling.max_tokens, room),
-                seed=None if sampling.seed is None else sampling.seed + turn - 1,
-            )
             (completion,) = await client.complete(list(context), turn_sampling, n=1)
             completion_ids = list(completion.token_ids)
             turns.append(Turn(completion_ids, list(completion.logprobs), completion.finish_reason, env_ids))
