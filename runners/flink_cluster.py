@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from beam_rl.processes import stop_processes, tree_pids
+from beam_rl.processes import die_with_parent, stop_processes, tree_pids
 from runners.bootstrap import ensure_flink_distribution
 from runners.flink_rest import FlinkRest
 
@@ -151,7 +151,8 @@ class FlinkCluster:
             command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
                        f'mount --bind "{hosts}" /etc/hosts && exec "$@"', "sh", *command]
         with open(self.log_dir / f"{name}.out", "ab") as out:
-            return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=die_with_parent)
 
     def start_jobmanager(self) -> None:
         self.jobmanager = self._spawn("jobmanager.sh", "jobmanager")
@@ -198,7 +199,8 @@ class FlinkCluster:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         out = open(self.log_dir / f"pool-{name}.out", "ab")
         pool = subprocess.Popen([sys.executable, "-m", "runners.workers", "pool", "--host", host, "--port", port],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent)
         out.close()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -289,7 +291,8 @@ def start_cluster(taskmanagers: int = 2, slots_per_taskmanager: int = 2, workdir
                   settings: dict[str, Any] | None = None, ready_timeout_s: float = 120.0,
                   worker_pools: bool = True) -> FlinkCluster:
     """Starts a JobManager and `taskmanagers` TaskManagers, each with its worker pool (`worker_pools`),
-    and waits until all are registered."""
+    and waits until all are registered. The cluster lives as long as the thread that started it: its
+    processes get SIGTERM when that ends, even by SIGKILL."""
     if worker_pools and not _can_unshare_mounts():
         raise FlinkClusterError(
             "a worker pool per TaskManager on one machine needs mount namespaces (`unshare --mount`, as root): "

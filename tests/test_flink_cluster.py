@@ -5,7 +5,8 @@ and EXTERNAL workers: the Python stages run on the cluster's workers, not in thi
 Covered: dispatch (two shards) and scoring (a CPU-heavy reward) ran in two worker processes, neither of
 them this one, every group trained once or counted; the job keeps checkpointing for the whole run and
 restores from a checkpoint taken more than a minute in when a TaskManager dies; a killed worker process;
-a killed submitter, after which steps keep committing and a new follower attaches to the job.
+a killed submitter, after which steps keep committing and a new follower attaches to the job; a cluster
+whose starting process is killed goes with it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 from beam_rl.config import config_from_dict
 from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.lease import RunDirBusyError, read_job_record
+from beam_rl.processes import tree_pids
 from beam_rl.rundir import RunDir
 from runners.flink_cluster import start_cluster
 from runners.pipeline import attach_rollouts, start_rollouts
@@ -252,3 +254,28 @@ def test_the_job_outlives_its_submitter_and_a_new_follower_attaches_to_it(cluste
             submitter.kill()
         with contextlib.suppress(Exception):
             cluster.api.cancel(read_job_record(tmp_path)["job_id"])
+
+
+def test_a_cluster_whose_starter_is_killed_leaves_no_process_behind(tmp_path):
+    starter = subprocess.Popen([sys.executable, "-m", "runners.flink_cluster", "--taskmanagers", "1",
+                                "--workdir", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    started: list[int] = []
+    try:
+        assert "ready" in starter.stdout.readline()
+        started = [pid for pid in tree_pids(starter.pid) if pid != starter.pid]
+        assert len(started) >= 3  # a JobManager, a TaskManager, its worker pool
+        starter.send_signal(signal.SIGKILL)
+        starter.wait()
+        _wait(lambda: not any(map(_running, started)), 60, "the cluster's processes gone")
+    finally:
+        for pid in [starter.pid, *started]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
