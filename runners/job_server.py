@@ -4,6 +4,7 @@ client of the cluster), while an embedded Flink (`[local]`) lives inside it."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import tempfile
@@ -13,6 +14,9 @@ from pathlib import Path
 
 from beam_rl.processes import die_with_parent, stop_processes
 from runners import bootstrap
+from runners.flink_rest import FlinkRest
+
+_EMBEDDED_REST = re.compile(rb"Rest endpoint listening at (\S+):(\d+)")
 
 
 class JobServerError(RuntimeError):
@@ -30,9 +34,22 @@ class JobServer:
     process: subprocess.Popen
     endpoint: str  # host:port of its job service
     log: Path
+    log_start: int = 0  # where this server's output begins in `log` (runs append to one file)
 
     def stop(self) -> None:
         stop_processes([self.process], timeout_s=10)
+
+    def embedded_flink_rest(self, timeout_s: float = 60.0) -> FlinkRest | None:
+        """The REST API of the embedded Flink (`[local]`) this server starts for its job, from the port
+        its log names; None if none shows within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.process.poll() is None:
+            with open(self.log, "rb") as f:
+                f.seek(self.log_start)
+                if match := _EMBEDDED_REST.search(f.read()):
+                    return FlinkRest(f"{match[1].decode()}:{match[2].decode()}")
+            time.sleep(0.2)
+        return None
 
 
 def start_job_server(flink_master: str, log: Path, jvm_heap_mb: int | None = None,
@@ -45,6 +62,7 @@ def start_job_server(flink_master: str, log: Path, jvm_heap_mb: int | None = Non
                "--flink-master", flink_master, "--artifacts-dir", artifacts, "--job-port", str(port),
                "--artifact-port", "0", "--expansion-port", "0"]
     log.parent.mkdir(parents=True, exist_ok=True)
+    log_start = log.stat().st_size if log.exists() else 0
     with open(log, "ab") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     deadline = time.monotonic() + timeout_s
@@ -53,7 +71,7 @@ def start_job_server(flink_master: str, log: Path, jvm_heap_mb: int | None = Non
             raise JobServerError(f"the Flink job server exited with {process.returncode}:\n{_tail(log)}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return JobServer(process, f"localhost:{port}", log)
+                return JobServer(process, f"localhost:{port}", log, log_start)
         except OSError:
             if time.monotonic() > deadline:
                 stop_processes([process])

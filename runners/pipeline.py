@@ -92,11 +92,17 @@ class _BeamJob:
     """A job followed through the Beam job service that runs it."""
 
     result: beam.runners.runner.PipelineResult
+    embedded_flink: _FlinkJob | None = None  # the same job inside flink-local's embedded Flink
 
     def state(self) -> str:
         return str(self.result.state)
 
     def cancel(self) -> None:
+        if self.embedded_flink is not None:
+            # The job server's cancel ends its invocation but leaves the embedded Flink job running until
+            # the server stops, under this process's loopback workers (which then die with tracebacks).
+            # Cancelled in Flink first, its tasks release the workers.
+            self.embedded_flink.cancel_and_wait()
         self.result.cancel()
 
     def raise_if_failed(self) -> None:
@@ -127,6 +133,13 @@ class _FlinkJob:
 
     def cancel(self) -> None:
         self.rest.cancel(self.job_id)
+
+    def cancel_and_wait(self, timeout_s: float = 60.0) -> None:
+        self.cancel()
+        deadline = time.monotonic() + timeout_s
+        # An embedded Flink shuts down, REST API and all, once its only job has ended.
+        while self.rest.reachable() and self.state() not in TERMINAL and time.monotonic() < deadline:
+            time.sleep(POLL_S)
 
     def raise_if_failed(self) -> None:
         if self.state() == "FAILED":
@@ -231,7 +244,20 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
     handle: _JobHandle = _BeamJob(result)
     if config.runner.name == "flink":
         handle = _record_cluster_job(config, directory, job_name) or handle
+    elif config.runner.name == "flink-local" and job_server is not None:
+        handle = _BeamJob(result, _embedded_flink_job(job_server, job_name))
     return RolloutJob(spec, handle, lease, job_server)
+
+
+def _embedded_flink_job(job_server: JobServer, job_name: str, timeout_s: float = 60.0) -> _FlinkJob | None:
+    rest = job_server.embedded_flink_rest(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while rest is not None and time.monotonic() < deadline:
+        if (job := rest.job_named(job_name)) is not None:
+            return _FlinkJob(rest, job["jid"])
+        time.sleep(POLL_S)
+    _LOG.warning("the embedded Flink's job %s is not found: it is ended through the job server only", job_name)
+    return None
 
 
 def _record_cluster_job(config: RunConfig, directory: RunDir, job_name: str, timeout_s: float = 60.0) -> _FlinkJob | None:

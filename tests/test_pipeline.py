@@ -69,6 +69,7 @@ def test_every_group_is_dispatched_and_lands_in_one_step(finished_run):
 
 
 @pytest.mark.skipif(shutil.which("java") is None, reason="needs a Java 11+ runtime for Flink")
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # workers end quietly
 def test_flink_local_with_checkpoints_keeps_every_group_exactly_once(servers, tmp_path):
     # Checkpoints every 0.5 s for the whole run: the source stays up and the job is ended once the run is over.
     config = _config(tmp_path, runner="flink-local", runner_options={"checkpointing_interval_ms": 500})
