@@ -185,6 +185,7 @@ def test_complete_sends_token_in_token_out_request_and_orders_choices_by_index()
         "return_token_ids": True,
         "skip_special_tokens": False,
         "stop_token_ids": [2, 99],
+        "cache_salt": "policy-v0",  # the prefix cache is salted per policy version
         "seed": 1234,
     }
 
