@@ -70,20 +70,27 @@ def dispatcher_thread(
     *,
     timeout_s: float = 30.0,
     max_retries: int = 0,
+    max_redispatches: int = 0,
+    stream: bool = False,
+    version: Callable[[], int] = lambda: 0,
+    extra_body: dict | None = None,
 ) -> DispatcherThread:
-    """Built like `beam_rl.components.dispatcher_thread`: clients are made on the dispatcher's loop."""
+    """Built like `beam_rl.components.dispatcher_thread`: clients are made on the dispatcher's loop.
+    By default a failed server's rollouts are not re-dispatched, so each fault surfaces on its rollout."""
     stop = tuple(env.stop_token_ids())
     sampling = {ENV: SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=stop)}
 
     def build(next_group: Callable[[], GroupRequest | None]) -> Dispatcher:
         clients = [
-            InferenceClient(url, model="tiny", timeout_s=timeout_s, max_retries=max_retries, backoff_s=0.01)
+            InferenceClient(url, model="tiny", timeout_s=timeout_s, max_retries=max_retries, backoff_s=0.01,
+                            stream=stream, extra_body=extra_body)
             for url in urls
         ]
         # A short re-probe: a server taken out of service by injected faults comes back within the test.
         pool = ServerPool(clients, reprobe_s=0.5)
         return Dispatcher(
-            pool, {ENV: env}, {ENV: mode}, sampling, max_inflight, lambda: 0, next_group, seed=3
+            pool, {ENV: env}, {ENV: mode}, sampling, max_inflight, version, next_group, seed=3,
+            max_redispatches=max_redispatches,
         )
 
     return DispatcherThread(build, refresh_s=0.5, tick_s=0.05)
