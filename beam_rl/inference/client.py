@@ -400,8 +400,10 @@ class InferenceClient:
                 f"POST {url}: connection failed mid-stream ({type(exc).__name__}: {exc})", url) from None
         if not ended:
             raise InferenceConnectionError(f"POST {url}: the stream ended without [DONE]", url)
-        if not request.finished:
-            raise bad("[DONE] came before every choice had a finish_reason")
+        for choice in request.choices:
+            # vLLM streams nothing for a choice aborted before its first token: it ended, like any abort.
+            if choice.finish_reason is None:
+                choice.finish_reason = ABORT
 
     # -- weight updates ----------------------------------------------------------------------------
 

@@ -97,10 +97,6 @@ class LiveRequest:
                 raise bad(f"choice {index}: a chunk of {len(token_ids)} token ids with {len(logprobs)} logprobs")
             self.add(index, token_ids, logprobs, choice.get("finish_reason"))
 
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
-
 
 def copy_completion(c: Completion) -> Completion:
     return Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, list(c.policy_versions))
