@@ -327,6 +327,7 @@ class InferenceClient:
 
     async def _send_completion(self, prompt_ids: list[int], sampling: SamplingParams, choices: list[Completion],
                                targets: list[int], progress: Progress | None) -> set[int]:
+        await self._update_finished()  # an update may have begun since _generate looked: no await from here on
         payload: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_ids,
