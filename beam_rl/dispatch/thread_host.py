@@ -242,6 +242,7 @@ class DispatcherThread:
             "running": server.load.running if server.load else None,
             "waiting": server.load.waiting if server.load else None,
             "kv_cache_usage": server.load.kv_cache_usage if server.load else None,
+            "tokens_received": getattr(server.client, "tokens_received", None),
         } for server in self.dispatcher.pool.servers]
 
     def _call(self, fn: Callable[[], T], timeout_s: float = 30.0) -> T:

@@ -240,6 +240,7 @@ class InferenceClient:
         self.stream = stream
         self.version = version
         self.extra_body = dict(extra_body or {})  # more fields of every completions request (vLLM's extras)
+        self.tokens_received = 0  # completion tokens that came back from this server, all requests
         # Kept out of repr, logs and errors: only the header the session sends holds it.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._ssl: ssl.SSLContext | None = (
@@ -353,6 +354,7 @@ class InferenceClient:
                               UNKNOWN_VERSION if self._reloading else self.version, self.version,
                               self.stream, progress)
         self._live.add(request)
+        before = sum(len(c.token_ids) for c in request.choices)
         try:
             if self.stream:
                 await self._read_stream(payload, request)
@@ -362,6 +364,7 @@ class InferenceClient:
                     request.add(index, c.token_ids, c.logprobs, c.finish_reason)
         finally:
             self._live.discard(request)
+            self.tokens_received += sum(len(c.token_ids) for c in request.choices) - before
         if not request.aborted_by_us:
             return set()
         return {t for t, c in zip(targets, request.choices) if c.finish_reason == ABORT}
