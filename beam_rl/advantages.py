@@ -1,6 +1,6 @@
 """Advantage algorithms: a registry of pure functions over one group's rewards, and the object the sink uses.
 
-Conventions (DESIGN.md section 7): n = group size, r = rewards of one group, std Bessel-corrected
+Conventions (docs/design.md, "Advantages"): n = group size, r = rewards of one group, std Bessel-corrected
 unless said. A group of fewer than two rollouts has no baseline: its advantages are 0 everywhere.
 """
 

@@ -1,10 +1,10 @@
-"""The `beam-rl` command: run rollouts, inspect a run directory, (soon) run the whole RL loop."""
+"""The `beam-rl` command: the whole RL loop, the rollout pipeline or the trainer alone, and views of a
+run directory."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 import time
 from pathlib import Path
@@ -15,13 +15,14 @@ from rich.table import Table
 
 from beam_rl.config import ConfigError, RunConfig, load_config
 from beam_rl.datasets import DatasetError
+from beam_rl.failures import read_failure
+from beam_rl.lease import RunDirBusyError
+from beam_rl.processes import ChildFailedError
+from beam_rl.report import COMMITTED_COLUMNS, StepRow, StepTable
 from beam_rl.rundir import CommitRecord, CommitRecordError, RunDir, RunDirError, StepCorruptError
 
 console = Console()
 _LOG = logging.getLogger(__name__)
-# Beam re-raises a worker's exception as a RuntimeError whose text ends with the original
-# "module.Class: message" line (plus "[while running 'step']").
-_DOMAIN_ERROR = re.compile(r"(beam_rl\.[\w.]+): (.+?)(?: \[while running '[^']*'\])?$")
 
 
 def inspect_table(run_dir: RunDir) -> Table:
@@ -32,31 +33,20 @@ def inspect_table(run_dir: RunDir) -> Table:
     return table
 
 
-def _step_table(run_dir: RunDir) -> Table:
-    table = Table(title=f"run {run_dir.path}")
-    for column in ("step", "rollouts", "trained", "tokens", "reward mean", "errored", "filtered", "lag max"):
-        table.add_column(column, justify="right")
-    return table
+def _step_table(run_dir: RunDir) -> StepTable:
+    return StepTable(COMMITTED_COLUMNS, title=f"run {run_dir.path}")
 
 
-def _add_step_row(table: Table, record: CommitRecord) -> None:
-    window = record.window
-    table.add_row(
-        str(record.step),
-        str(window.rollouts),
-        str(window.trained_rollouts),
-        str(record.counts.tokens),
-        f"{window.reward_mean or 0.0:.3f}",
-        str(window.errored),
-        ", ".join(f"{k}={v}" for k, v in sorted(window.filtered.items())) or "0",
-        "" if window.staleness_max is None else str(window.staleness_max),
-    )
+def _add_step_row(table: StepTable, record: CommitRecord) -> None:
+    table.add_step(StepRow.from_commit(record))
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     """The step table, with every committed file verified against its commit record: a damaged step is
     left out of the table and named in one red line (exit status 2); a file in a step directory that its
     commit record does not list is named in a yellow line (readers never open it: not an error)."""
+    if args.step is not None or args.rollout:
+        return _cmd_inspect_samples(args)
     run_dir = RunDir(args.run_dir)
     if not run_dir.path.is_dir():
         console.print(f"[red]no run directory at {run_dir.path}[/red]")
@@ -77,6 +67,89 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for err in damaged:
         console.print(f"[red]{escape(str(err))}[/red]")
     return 2 if damaged else 0
+
+
+def _cmd_inspect_samples(args: argparse.Namespace) -> int:
+    """Rollouts of one step's window as text (`--step N --samples K`, or `--rollout ID`); a bad step, an
+    unknown rollout or a damaged window is one red line and exit status 2."""
+    from beam_rl.components import tokenizer_for
+    from beam_rl.samples_text import RolloutNotFound, TokenText, find_step, rollout_panel, window_rows
+
+    run_dir = RunDir(args.run_dir)
+    if not run_dir.path.is_dir():
+        console.print(f"[red]no run directory at {run_dir.path}[/red]")
+        return 2
+    step = args.step if args.step is not None else find_step(run_dir, args.rollout[0])
+    committed = run_dir.committed_steps()
+    if step is None or step not in committed:
+        have = f"committed steps: {committed[0]}..{committed[-1]}" if committed else "no step is committed"
+        what = f"step {step} is not committed" if step is not None else f"no committed step holds {args.rollout[0]}"
+        console.print(f"[red]{escape(str(run_dir.path))}: {escape(what)} ({have})[/red]")
+        return 2
+    try:
+        window = run_dir.read_window(step)
+        rows = window_rows(window, args.samples, args.rollout or ())
+    except (CommitRecordError, StepCorruptError) as err:
+        console.print(f"[red]{escape(str(err))}[/red]")
+        return 2
+    except RolloutNotFound as err:
+        console.print(f"[red]step {step}'s window holds no rollout or group {escape(str(err.args[0]))}[/red]")
+        return 2
+    model = args.tokenizer or _run_model_name(run_dir)
+    if model is None:
+        console.print(f"[red]{escape(str(run_dir.path))} holds no config.json to name its tokenizer: "
+                      "give --tokenizer (tiny, or a local model directory)[/red]")
+        return 2
+    text = TokenText(tokenizer_for(model))
+    console.print(f"step {step}: {len(rows)} of the {window.num_rows} rollouts in its window "
+                  f"({escape(str(run_dir.window_path(step)))})")
+    for row in rows:
+        console.print(rollout_panel(row, text))
+    return 0
+
+
+def _run_model_name(run_dir: RunDir) -> str | None:
+    from beam_rl.config import config_from_dict
+
+    if not run_dir.config_path.is_file():
+        return None
+    return config_from_dict(run_dir.read_config(), source=str(run_dir.config_path)).model.name
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    """Replay committed steps from their windows and compare with the committed files; exit status 1 naming
+    each differing step's first difference, 2 when a step cannot be replayed."""
+    from beam_rl.replay import ReplayError, replay_steps
+
+    run_dir = RunDir(args.run_dir)
+    committed = run_dir.committed_steps() if run_dir.path.is_dir() else []
+    if not committed:
+        console.print(f"[red]{escape(str(run_dir.path))} holds no committed step[/red]")
+        return 2
+    steps = committed if args.all else [args.step]
+    config = load_config(args.config) if args.config else None
+    staleness = {"on": True, "off": False, "auto": None}[args.staleness]
+    identical = 0
+    try:
+        for result in replay_steps(run_dir, steps, config, staleness):
+            if result.identical:
+                identical += 1
+                files = ", ".join(result.identical_files) or "no rank file"
+                console.print(f"[green]step {result.step}: identical[/green] ({files} byte for byte; "
+                              "window.arrow advantage and filtered; COMMIT.json group ids and window stats)")
+            else:
+                first, *rest = result.differences
+                console.print(f"[red]step {result.step}: {escape(str(first))}[/red]")
+                for difference in rest:
+                    console.print(f"  also {escape(str(difference))}")
+            for note in result.notes:
+                console.print(f"  [yellow]{escape(note)}[/yellow]")
+    except (ReplayError, CommitRecordError, StepCorruptError) as err:
+        console.print(f"[red]{escape(str(err))}[/red]")
+        return 2
+    if len(steps) > 1:
+        console.print(f"{identical} of {len(steps)} steps identical")
+    return 0 if identical == len(steps) else 1
 
 
 def preflight(config: RunConfig, source: str) -> RunDir:
@@ -125,16 +198,18 @@ def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, 
     return loaded
 
 
-def _pipeline_stopped(err: BaseException, run_dir: RunDir, again: str) -> int:
-    """A run stopped by one of our own errors (disk full, every server down): its message, not
-    Beam's whole traceback, and what the run directory still holds."""
-    match = next((m for line in reversed(str(err).splitlines()) if (m := _DOMAIN_ERROR.search(line))), None)
-    if match is None:
+def _pipeline_stopped(err: BaseException, run_dir: RunDir, since: float, again: str) -> int:
+    """A run stopped by one of our own errors (disk full, every server down), which the failing stage
+    recorded in the run directory since `since` (beam_rl/failures.py): its message, not Beam's whole
+    traceback, and what the run directory still holds. Any other error (a busy run directory, a failed
+    trainer) is raised as it is, for `main`."""
+    failure = read_failure(run_dir.path, since)
+    if failure is None:
         raise err
     _LOG.info("the pipeline failed", exc_info=err)  # the full traceback with -v
     last = run_dir.last_committed_step()
     kept = f"steps 1..{last} are committed in {run_dir.path}" if last else f"no step is committed in {run_dir.path}"
-    console.print(f"[red]the run stopped: {match.group(1).rsplit('.', 1)[-1]}: {escape(match.group(2))}[/red]")
+    console.print(f"[red]the run stopped: {escape(str(failure))}[/red]")
     console.print(f"{kept}; {again} continues from there")
     return 1
 
@@ -145,14 +220,14 @@ def _cmd_rollouts(args: argparse.Namespace) -> int:
 
     config = _with_run_dir(load_config(args.config), args.run_dir)
     run_dir = preflight(config, args.config)
-    started = time.monotonic()
+    started, since = time.monotonic(), time.time()
     with console.status("starting inference servers"), inference_servers(config) as urls:
         console.print(f"inference servers: {', '.join(urls)}")
         console.print(f"running the rollout pipeline on [bold]{config.runner.name}[/bold] -> {run_dir.path}")
         try:
             run_rollouts(config, urls, with_trainer=False)
         except RuntimeError as err:
-            return _pipeline_stopped(err, run_dir, "the same command")
+            return _pipeline_stopped(err, run_dir, since, "the same command")
     console.print(inspect_table(run_dir))
     console.print(f"done in {time.monotonic() - started:.1f}s; Arrow files under {run_dir.rollouts_dir}")
     return 0
@@ -166,7 +241,6 @@ def _with_run_dir(config, run_dir: str | None):
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from beam_rl.config import config_from_dict
-    from runners.job import run_job  # the CLI is the one domain module that reaches the runners
 
     if args.resume:
         run_dir = RunDir(args.resume)
@@ -181,15 +255,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         console.print("[red]give a CONFIG, or --resume RUN_DIR[/red]")
         return 2
+    last = RunDir(config.run.dir).last_committed_step()
+    if _run_complete(config, last):
+        console.print(f"{config.run.dir} is complete: steps 1..{last} are committed"
+                      + (" and trained" if config.trainer.kind == "reference" else "")
+                      + f"; `beam-rl report {config.run.dir}` shows them")
+        return 0
     run_dir = preflight(config, source)
-    last = run_dir.last_committed_step()
     if last is not None:
         console.print(f"resuming {config.run.dir}: steps 1..{last} are committed, continuing at {last + 1}")
+    from runners.job import run_job  # the CLI is the one domain module that reaches the runners
+
+    since = time.time()
     try:
         run_job(config, console)
     except RuntimeError as err:
-        return _pipeline_stopped(err, run_dir, f"beam-rl run --resume {run_dir.path}")
+        return _pipeline_stopped(err, run_dir, since, f"beam-rl run --resume {run_dir.path}")
     return 0
+
+
+def _run_complete(config: RunConfig, last: int | None) -> bool:
+    """Every step committed (`last`), and with the reference trainer the last one trained: nothing to resume."""
+    if last is None or last < config.run.max_steps:
+        return False
+    stable = RunDir(config.run.dir).latest_stable_weights()
+    return config.trainer.kind != "reference" or (stable is not None and stable[0] >= config.run.max_steps)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -214,12 +304,40 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if not run_dir.committed_steps():
         console.print(f"[red]{run_dir.path} holds no committed step[/red]")
         return 2
+    steps = _timeline_steps(run_dir, args.steps)
+    if steps is None:
+        return 2
     try:
         console.print(inspect_table(run_dir))
         console.print(f"plot: {write_plot(run_dir)}")
+        return _report_timeline(run_dir, steps)
     except CommitRecordError as err:
         console.print(f"[red]{escape(str(err))}[/red]")
         return 2
+
+
+def _timeline_steps(run_dir: RunDir, steps_text: str | None) -> list[int] | None:
+    """The committed steps `report --steps` names; None after a red line saying why there are none."""
+    from beam_rl.timeline import StepRangeError, parse_steps
+
+    try:
+        return parse_steps(steps_text, run_dir.committed_steps())
+    except StepRangeError as err:
+        console.print(f"[red]{escape(str(err))}[/red]")
+        return None
+
+
+def _report_timeline(run_dir: RunDir, steps: list[int]) -> int:
+    """The latency table of the chosen steps and timeline.png (latency and each server's requests)."""
+    from beam_rl.timeline import latency_breakdown, latency_table, read_timelines, write_timeline
+
+    try:
+        timelines = read_timelines(run_dir, steps)
+    except StepCorruptError as err:
+        console.print(f"[red]{escape(str(err))}[/red]")
+        return 2
+    console.print(latency_table(latency_breakdown(timelines), steps))
+    console.print(f"timeline: {write_timeline(run_dir, steps, timelines)}")
     return 0
 
 
@@ -246,11 +364,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="the step table and a PNG plot of reward, lag and throughput")
     report.add_argument("run_dir")
+    report.add_argument("--steps", metavar="A:B", help="the steps of the latency table and timeline.png, both "
+                        "included (A:, :B, N); default: all")
     report.set_defaults(func=_cmd_report)
 
-    inspect = sub.add_parser("inspect", help="print a table of a run directory's committed steps")
+    inspect = sub.add_parser("inspect", help="print a table of a run directory's committed steps, or "
+                             "rollouts of one step as text")
     inspect.add_argument("run_dir")
+    inspect.add_argument("--step", type=int, metavar="N", help="show rollouts of step N's window as text")
+    inspect.add_argument("--samples", type=int, default=4, metavar="K", help="how many (the first K; default 4)")
+    inspect.add_argument("--rollout", action="append", metavar="ID", help="show this rollout (or every rollout "
+                         "of this group) instead; repeatable; without --step, the step is found")
+    inspect.add_argument("--tokenizer", help="tiny, or a local model directory (default: the run's model)")
     inspect.set_defaults(func=_cmd_inspect)
+
+    replay = sub.add_parser("replay", help="redo scoring, filtering, advantages and packing of committed steps "
+                            "from their windows and compare with the committed files, bit for bit")
+    replay.add_argument("run_dir")
+    which = replay.add_mutually_exclusive_group(required=True)
+    which.add_argument("--step", type=int, metavar="N")
+    which.add_argument("--all", action="store_true", help="every committed step")
+    replay.add_argument("--config", help="the run's TOML config (default: the run directory's config.json; a "
+                        "`beam-rl rollouts` run writes none)")
+    replay.add_argument("--staleness", choices=("auto", "on", "off"), default="auto",
+                        help="whether the run's packer checked staleness; auto: on for a `beam-rl run` run "
+                        "(it has a config.json), off for a `beam-rl rollouts` one")
+    replay.set_defaults(func=_cmd_replay)
     return parser
 
 
@@ -259,11 +398,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the rest
+    # Beam warns at import that the Google Cloud Storage filesystem is not installed: runs here use local paths.
+    logging.getLogger("apache_beam.io.filesystems").setLevel(logging.ERROR)
     try:
         return args.func(args)
-    except (ConfigError, RunDirError, DatasetError) as err:
+    except (ConfigError, RunDirError, RunDirBusyError, DatasetError) as err:
         console.print(f"[red]{escape(str(err))}[/red]")
         return 2
+    except ChildFailedError as err:  # the trainer: its log says why
+        console.print(f"[red]{escape(str(err))}[/red]")
+        return 1
     except KeyboardInterrupt:
         # The job cancelled the pipeline and stopped its servers and trainer on the way out;
         # committed steps are whole, and `beam-rl run --resume RUN_DIR` continues after them.

@@ -1,7 +1,7 @@
 """Batch packing: when a batch is full, and how its samples become micro-batches per trainer rank.
 
-Samples are never split and never padded: a micro-batch is samples laid end to end, and position
-ids restart at 0 for each sample so the trainer can keep attention within a sample.
+Samples are never split and never padded: a micro-batch is samples laid end to end (the Arrow writer,
+schemas/train_batch.py, restarts position ids at 0 for each, so attention stays within a sample).
 """
 
 from __future__ import annotations
@@ -45,26 +45,6 @@ def pack_micro_batches(samples: Sequence[Sample], seq_len: int) -> list[MicroBat
     return [MicroBatch(b) for b in bins]
 
 
-def balance_across_ranks(micro_batches: Sequence[MicroBatch], ranks: int) -> list[list[MicroBatch]]:
-    """Greedy by tokens: the largest micro-batch goes to the rank with the fewest tokens so far.
-
-    Rank totals then differ by at most one micro-batch's tokens. With fewer micro-batches than
-    ranks, the largest multi-sample micro-batches are halved first (by tokens, never splitting a
-    sample) until every rank can get one; if there are fewer samples than ranks, the ranks left
-    over get an empty list, and the trainer must still step them (with no data).
-    """
-    if ranks < 1:
-        raise ValueError(f"ranks must be >= 1, got {ranks}")
-    pieces = list(micro_batches)
-    while len(pieces) < ranks:
-        splittable = [i for i, mb in enumerate(pieces) if len(mb.samples) > 1]
-        if not splittable:
-            break
-        largest = max(splittable, key=lambda i: pieces[i].num_tokens)
-        pieces[largest : largest + 1] = [MicroBatch(half) for half in _lpt(pieces[largest].samples, 2)]
-    return [[pieces[i] for i in rank] for rank in _lpt_indices([mb.num_tokens for mb in pieces], ranks)]
-
-
 def pack_for_ranks(samples: Sequence[Sample], seq_len: int, ranks: int) -> list[list[MicroBatch]]:
     """Balance samples across ranks greedily by tokens, then pack each rank's samples with FFD.
 
@@ -74,26 +54,6 @@ def pack_for_ranks(samples: Sequence[Sample], seq_len: int, ranks: int) -> list[
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     return [pack_micro_batches(rank_samples, seq_len) for rank_samples in _lpt(samples, ranks)]
-
-
-def position_ids(mb: MicroBatch) -> np.ndarray:
-    """Positions 0..len-1 for each sample in turn (int32)."""
-    lengths = np.array([len(s) for s in mb.samples], dtype=np.int64)
-    starts = np.cumsum(lengths) - lengths
-    return (np.arange(lengths.sum()) - np.repeat(starts, lengths)).astype(np.int32)
-
-
-def flatten(mb: MicroBatch) -> dict[str, np.ndarray]:
-    """The micro-batch as one row of concatenated arrays, plus `seq_lens` to recover the samples."""
-    flat = {
-        f.name: np.concatenate([getattr(s, f.name) for s in mb.samples]).astype(f.dtype, copy=False)
-        if mb.samples
-        else np.zeros(0, dtype=f.dtype)
-        for f in SAMPLE_TOKEN_FIELDS
-    }
-    flat["position_ids"] = position_ids(mb)
-    flat["seq_lens"] = np.array([len(s) for s in mb.samples], dtype=np.int32)
-    return flat
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,23 @@
-"""Processes of a run: which worker this is, and stopping the children a run started."""
+"""Processes of a run: which worker this is, and the children a run starts (tied to their parent's
+life, their logs closed, stopped newest first)."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import signal
 import socket
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+_LOG = logging.getLogger(__name__)
+T = TypeVar("T")
+_PR_SET_PDEATHSIG = 1
 
 
 def _children() -> dict[int, list[int]]:
@@ -39,6 +51,13 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def die_with_parent() -> None:
+    """A `preexec_fn`: the child gets SIGTERM when the thread that started it ends, so a killed parent
+    (SIGKILL included) leaves no child behind. Linux only; start such children from a thread that
+    lives as long as they should."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def stop_processes(procs: Iterable[subprocess.Popen], timeout_s: float = 10.0) -> None:
     """SIGTERM all at once (they shut down in parallel), then SIGKILL whoever outlives `timeout_s`."""
     procs = list(procs)
@@ -51,3 +70,87 @@ def stop_processes(procs: Iterable[subprocess.Popen], timeout_s: float = 10.0) -
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class ChildFailedError(RuntimeError):
+    """A child process of a job ended with an error; the message names it and its log."""
+
+
+@dataclass
+class Child:
+    """A part of a job that must be stopped: a child process, or anything with a stop function."""
+
+    name: str
+    stop: Callable[[], None]
+    process: subprocess.Popen | None = None
+    log: Path | None = None  # where a child process writes its output
+
+    def exit_code(self) -> int | None:
+        """The process's exit status once it has ended; None while it runs (or for a non-process)."""
+        return None if self.process is None else self.process.poll()
+
+
+class Supervisor:
+    """The parts of one job, stopped in the reverse order of their start: a job starts its servers,
+    then the rollout job, then the trainer, and stops the trainer first and the servers last."""
+
+    def __init__(self, stop_timeout_s: float = 30.0) -> None:
+        self.stop_timeout_s = stop_timeout_s
+        self._children: list[Child] = []
+
+    def start(self, name: str, cmd: Sequence[str], log: Path) -> Child:
+        """Start `cmd` with its output appended to `log`; it dies with this process (`die_with_parent`)."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:  # the child keeps its own descriptor; ours closes here
+            process = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        child = Child(name, lambda: stop_processes([process], self.stop_timeout_s), process, log)
+        self._children.append(child)
+        return child
+
+    def add(self, name: str, stop: Callable[[], None]) -> Child:
+        """A part started elsewhere (the rollout job, the run observer): stopped in its turn."""
+        child = Child(name, stop)
+        self._children.append(child)
+        return child
+
+    def enter(self, name: str, context: AbstractContextManager[T]) -> T:
+        """A context started elsewhere (the servers' block): entered now, exited in its turn."""
+        value = context.__enter__()
+        self.add(name, lambda: context.__exit__(None, None, None))
+        return value
+
+    def failed(self) -> Child | None:
+        """The first child process that exited with a non-zero status."""
+        return next((c for c in self._children if c.exit_code() not in (None, 0)), None)
+
+    def raise_if_failed(self) -> None:
+        child = self.failed()
+        if child is not None:
+            raise ChildFailedError(f"the {child.name} exited with status {child.exit_code()}; see {child.log}")
+
+    def stop(self) -> None:
+        """Stop every part, newest first; each is stopped even when an earlier stop raised, and the
+        first error is raised at the end."""
+        errors = self._stop_all()
+        if errors:
+            raise errors[0]
+
+    def _stop_all(self) -> list[BaseException]:
+        errors: list[BaseException] = []
+        while self._children:
+            child = self._children.pop()
+            try:
+                child.stop()
+            except BaseException as err:  # Ctrl-C mid-stop included: the older parts still stop
+                errors.append(err)
+        return errors
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        errors = self._stop_all()
+        if errors and exc is None:
+            raise errors[0]
+        for err in errors:  # the error that ended the block is the one to see
+            _LOG.warning("stopping a part of the job failed while handling %r", exc, exc_info=err)

@@ -1,13 +1,17 @@
-"""Per-step figures of a run, read back from its run directory: the progress table and the PNG plot."""
+"""Per-step figures of a run, read back from its run directory: one row type (`StepRow`) and one
+table of it for every view (the live progress display, `beam-rl inspect`, `beam-rl report`), and the
+PNG plot."""
 
 from __future__ import annotations
 
 from bisect import bisect_right, insort
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rich.table import Table
 
 from beam_rl.rundir import CommitRecord, MetricsTail, RunDir
 
@@ -18,15 +22,85 @@ class StepRow:
     committed_at: float
     rollouts: int
     trained: int
+    tokens: int  # packed tokens, prompts included
     reward_mean: float | None
     errored: int
     filtered: dict[str, int]
     policy_version_min: int | None
     staleness_max: int | None
-    rollouts_per_s: float | None  # window rollouts / time since the previous commit
+    rollouts_per_s: float | None = None  # window rollouts / time since the previous commit
     trainer: dict[str, Any] | None = None
     permits_in_use: float | None = None  # mean share of max_inflight running since the previous commit
     server_inflight: dict[str, float] | None = None  # mean rollouts running per server, same span
+
+    @classmethod
+    def from_commit(cls, commit: CommitRecord, **derived: Any) -> StepRow:
+        """The step's own figures; `derived` adds what needs other records (rate, trainer, load)."""
+        window = commit.window
+        return cls(step=commit.step, committed_at=commit.committed_at, rollouts=window.rollouts,
+                   trained=window.trained_rollouts, tokens=commit.counts.tokens, reward_mean=window.reward_mean,
+                   errored=window.errored, filtered=dict(window.filtered),
+                   policy_version_min=window.policy_version_min, staleness_max=window.staleness_max, **derived)
+
+
+@dataclass(frozen=True)
+class StepColumn:
+    header: str
+    cell: Callable[[StepRow], str]
+
+
+def _trainer(key: str, spec: str) -> Callable[[StepRow], str]:
+    return lambda row: format((row.trainer or {})[key], spec) if key in (row.trainer or {}) else "-"
+
+
+# Every column a step table can show, in the order they are shown.
+STEP_COLUMNS: dict[str, StepColumn] = {c.header: c for c in (
+    StepColumn("step", lambda r: str(r.step)),
+    StepColumn("rollouts", lambda r: str(r.rollouts)),
+    StepColumn("trained", lambda r: str(r.trained)),
+    StepColumn("tokens", lambda r: str(r.tokens)),
+    StepColumn("reward mean", lambda r: f"{r.reward_mean or 0.0:.3f}"),
+    StepColumn("errored", lambda r: str(r.errored)),
+    StepColumn("filtered", lambda r: ", ".join(f"{k}={v}" for k, v in sorted(r.filtered.items())) or "0"),
+    StepColumn("lag max", lambda r: "" if r.staleness_max is None else str(r.staleness_max)),
+    StepColumn("rollouts/s", lambda r: f"{r.rollouts_per_s:.1f}" if r.rollouts_per_s else "-"),
+    StepColumn("permits used", lambda r: "-" if r.permits_in_use is None else f"{100 * r.permits_in_use:.0f}%"),
+    StepColumn("loss", _trainer("loss", ".4f")),
+    StepColumn("trainer wait s", _trainer("wait_s", ".1f")),
+)}
+# `beam-rl inspect` and `beam-rl report`: what the commit records alone hold.
+COMMITTED_COLUMNS = ("step", "rollouts", "trained", "tokens", "reward mean", "errored", "filtered", "lag max")
+# The live table, most wanted first: as many as the terminal is wide enough for (`fitting_columns`).
+LIVE_COLUMNS = ("step", "reward mean", "rollouts/s", "trained", "lag max", "loss", "errored", "filtered",
+                "trainer wait s", "rollouts", "tokens", "permits used")
+
+
+class StepTable(Table):
+    """A rich table of StepRows showing `columns` (names in STEP_COLUMNS), in STEP_COLUMNS' order."""
+
+    def __init__(self, columns: Iterable[str], **table_args: Any) -> None:
+        super().__init__(**table_args)
+        wanted = set(columns)
+        self.step_columns = [column for name, column in STEP_COLUMNS.items() if name in wanted]
+        for column in self.step_columns:
+            self.add_column(column.header, justify="right")
+
+    def add_step(self, row: StepRow) -> None:
+        self.add_row(*(column.cell(row) for column in self.step_columns))
+
+
+def fitting_columns(rows: Sequence[StepRow], columns: Sequence[str], width: int) -> list[str]:
+    """The longest prefix of `columns` whose table, with these rows, fits in `width` characters: each
+    column takes its widest cell or header plus two of padding and one of border."""
+    kept, used = [], 1
+    for name in columns:
+        column = STEP_COLUMNS[name]
+        need = max([len(column.header), *(len(column.cell(row)) for row in rows)]) + 3
+        if used + need > width:
+            break
+        kept.append(name)
+        used += need
+    return kept
 
 
 def _dispatch_means(samples: list[dict[str, Any]]) -> tuple[float | None, dict[str, float] | None]:
@@ -114,21 +188,15 @@ def _rows(commits: Iterable[CommitRecord], previous: float | None, dispatch: lis
     times = [d["t"] for d in dispatch]
     rows: list[StepRow] = []
     for commit in commits:
-        window = commit.window
         at = commit.committed_at
-        rate = window.rollouts / (at - previous) if previous is not None and at > previous else None
+        rate = commit.window.rollouts / (at - previous) if previous is not None and at > previous else None
         # The dispatcher's load samples since the previous commit; the last one before, if none.
         end = bisect_right(times, at)
         start = 0 if previous is None else bisect_right(times, previous)
         share, per_server = _dispatch_means(dispatch[start:end] or dispatch[max(end - 1, 0):end])
         previous = at
-        rows.append(StepRow(
-            step=commit.step, committed_at=at, rollouts=window.rollouts,
-            trained=window.trained_rollouts, reward_mean=window.reward_mean,
-            errored=window.errored, filtered=dict(window.filtered),
-            policy_version_min=window.policy_version_min, staleness_max=window.staleness_max,
-            rollouts_per_s=rate, trainer=trainer.get(commit.step), permits_in_use=share,
-            server_inflight=per_server))
+        rows.append(StepRow.from_commit(commit, rollouts_per_s=rate, trainer=trainer.get(commit.step),
+                                        permits_in_use=share, server_inflight=per_server))
     return rows
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from beam_rl import components
 from beam_rl.config import RunConfig
-from beam_rl.inference.launch import start_subprocess_server
+from beam_rl.inference.launch import spawn_subprocess_server, wait_until_ready
 from beam_rl.processes import stop_processes
 
 _LOG = logging.getLogger(__name__)
@@ -18,7 +18,8 @@ _LOG = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def inference_servers(config: RunConfig) -> Iterator[list[str]]:
-    """Yields the base URLs to dispatch to; embedded servers live exactly as long as the block."""
+    """Yields the base URLs to dispatch to; embedded servers live exactly as long as the block, and
+    die with this process however it ends."""
     inf = config.inference
     if inf.urls:
         yield list(inf.urls)
@@ -26,13 +27,12 @@ def inference_servers(config: RunConfig) -> Iterator[list[str]]:
     model_dir = components.model_dir(config)
     procs: list[subprocess.Popen] = []
     try:
-        urls = []
+        # All started before any is waited for: each spends seconds importing torch and loading the model.
         for _ in range(inf.embedded_servers):
-            proc, url = start_subprocess_server(
+            procs.append(spawn_subprocess_server(
                 model_dir, mode=inf.embedded_mode, max_num_seqs=inf.embedded_max_num_seqs,
-                extra_args=("--served-model-name", config.model.name))
-            procs.append(proc)
-            urls.append(url)
+                extra_args=("--served-model-name", config.model.name), die_with_parent=True))
+        urls = [wait_until_ready(proc) for proc in procs]
         _LOG.info("started %d embedded inference servers: %s", len(urls), ", ".join(urls))
         yield urls
     finally:

@@ -12,11 +12,13 @@ import pathlib
 import shutil
 import tempfile
 
-import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+from typing import TYPE_CHECKING
 
 from beam_rl.cache import cache_root
 from beam_rl.tokenizer import build_tiny_tokenizer, save_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, Qwen2Config
 
 # Bump when the recipe below changes, so stale cached directories are rebuilt, not reused.
 RECIPE_VERSION = 1
@@ -41,6 +43,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def _tiny_config(vocab_size: int, eos_id: int, pad_id: int) -> Qwen2Config:
+    from transformers import Qwen2Config
+
     return Qwen2Config(
         vocab_size=vocab_size,
         bos_token_id=pad_id,  # Qwen convention: <|endoftext|> doubles as bos
@@ -52,6 +56,11 @@ def _tiny_config(vocab_size: int, eos_id: int, pad_id: int) -> Qwen2Config:
 
 
 def _write_model(directory: pathlib.Path, seed: int) -> None:
+    # torch and transformers' models only here: the orchestrator finds the model cached and never
+    # imports them (seconds of start-up, and torch._dynamo's import of triton).
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
     tokenizer = build_tiny_tokenizer()
     config = _tiny_config(_round_up(len(tokenizer), 64), tokenizer.eos_token_id, tokenizer.pad_token_id)
     # fork_rng: a fixed seed for the weights without disturbing the caller's global RNG.
@@ -117,6 +126,9 @@ def tiny_model_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None) ->
 
 
 def load_tiny_model(path: str | os.PathLike) -> PreTrainedModel:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     """A causal LM from a local directory, float32 on CPU, in eval mode."""
     # No dtype argument: its name changed across transformers releases (torch_dtype -> dtype).
     model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)

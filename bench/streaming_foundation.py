@@ -19,7 +19,7 @@ import numpy as np
 
 from runners import bootstrap
 from runners.options import pipeline_options
-from transforms.streaming_demo import build_streaming_demo, read_batch_files
+from bench.streaming_demo import build_streaming_demo, read_batch_files
 
 
 def _bootstrap_seconds() -> dict[str, float]:

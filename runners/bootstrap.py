@@ -7,10 +7,13 @@
   registry reachable here, so it is assembled from the `beam-runners-flink-<flink>` runner artifact
   and its dependencies (resolved by Maven) as a launcher jar whose manifest names them.
 Both are cached under `$BEAM_RL_CACHE` (default `~/.cache/beam-rl`); a second call costs a stat.
+`python -m runners.bootstrap prism --beam-version V` runs without Beam installed (with the system
+python3), so the set-up script builds Prism while the virtualenv installs.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -22,8 +25,6 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-
-from apache_beam.version import __version__ as BEAM_VERSION
 
 from beam_rl.cache import cache_root
 
@@ -37,6 +38,13 @@ class BootstrapError(RuntimeError):
     """A runner prerequisite is missing; the message says what and how to get it."""
 
 
+def sdk_version() -> str:
+    """The installed Beam SDK's version: the one every runner binary must match."""
+    from apache_beam.version import __version__
+
+    return __version__
+
+
 def require_tool(tool: str, how: str) -> str:
     path = shutil.which(tool)
     if path is None:
@@ -44,12 +52,18 @@ def require_tool(tool: str, how: str) -> str:
     return path
 
 
-def _run(cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
-    _LOG.info("%s: %s", what, " ".join(cmd))
+def _run(cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+         progress: bool = True) -> str:
+    """Run one step; with `progress`, log its start and how long it took (the set-up script shows both)."""
+    log = _LOG.info if progress else _LOG.debug
+    log("%s ...", what)
+    _LOG.debug("%s", " ".join(cmd))
+    started = time.monotonic()
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip()[-3000:]
         raise BootstrapError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    log("%s: %.0f s", what, time.monotonic() - started)
     return proc.stdout
 
 
@@ -63,13 +77,15 @@ def _patches_digest(patches: list[Path]) -> str:
     return digest.hexdigest()[:12]
 
 
-def prism_path(version: str = BEAM_VERSION, patches: list[Path] | None = None) -> Path:
-    """Where the Prism binary of `version` with `patches` (default: all of ours) is cached."""
+def prism_path(version: str | None = None, patches: list[Path] | None = None) -> Path:
+    """Where the Prism binary of `version` (default: the installed SDK's) with `patches` (default: all
+    of ours) is cached."""
+    version = version or sdk_version()
     digest = _patches_digest(PRISM_PATCHES if patches is None else patches)
     return cache_root() / "prism" / f"v{version}-{digest}" / "prism"
 
 
-def ensure_prism(version: str = BEAM_VERSION, patches: list[Path] | None = None) -> Path:
+def ensure_prism(version: str | None = None, patches: list[Path] | None = None) -> Path:
     """The Prism binary for `version`, built on first use from Beam's Go module with our fixes applied
     (`runners/prism_patches/`, README "Runners"). The cache path names the patches (`prism_path`), so
     changing them builds a new binary. `patches` selects a subset: tests build Prism without one of
@@ -77,6 +93,7 @@ def ensure_prism(version: str = BEAM_VERSION, patches: list[Path] | None = None)
     if not PRISM_PATCHES:
         raise BootstrapError(f"no Prism patches in {Path(__file__).parent / 'prism_patches'}: a stock Prism "
                              "loses keyed state and data; reinstall beam-rl from its source tree")
+    version = version or sdk_version()
     patches = PRISM_PATCHES if patches is None else patches
     target = prism_path(version, patches)
     if target.is_file():
@@ -90,7 +107,7 @@ def ensure_prism(version: str = BEAM_VERSION, patches: list[Path] | None = None)
     env = dict(os.environ, GOFLAGS="-mod=mod", GONOSUMDB="github.com/apache/beam")
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         module = f"github.com/apache/beam/sdks/v2@v{version}"
-        download = json.loads(_run([go, "mod", "download", "-json", module], f"downloading {module}", env=env, cwd=Path(work)))
+        download = json.loads(_run([go, "mod", "download", "-json", module], f"Prism: downloading {module}", env=env, cwd=Path(work)))
         source, tree = Path(download["Dir"]), Path(work) / "sdks"
         # The Go sources only (the module also holds Java, Python and TypeScript), made writable:
         # the module cache is read-only.
@@ -100,11 +117,12 @@ def ensure_prism(version: str = BEAM_VERSION, patches: list[Path] | None = None)
         for directory, _, _ in os.walk(tree):
             os.chmod(directory, 0o755)
         for patch in patches:
-            _run([git, "apply", "-p1", str(patch)], f"patching Prism ({patch.name})", cwd=tree)
-        _run([go, "build", "-o", str(Path(work) / "prism"), "./go/cmd/prism"], f"building Prism v{version}",
+            _run([git, "apply", "-p1", str(patch)], f"Prism: patching ({patch.name})", cwd=tree, progress=False)
+        _run([go, "build", "-o", str(Path(work) / "prism"), "./go/cmd/prism"],
+             f"Prism: building v{version} (a minute or two the first time)",
              env=env, cwd=tree)
         os.replace(Path(work) / "prism", target)
-    _LOG.info("built Prism v%s (%d patches) in %.1fs -> %s", version, len(patches),
+    _LOG.debug("built Prism v%s (%d patches) in %.1fs -> %s", version, len(patches),
               time.monotonic() - started, target)
     return target
 
@@ -125,8 +143,10 @@ _JOB_SERVER_POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
 """
 
 
-def ensure_flink_job_server(version: str = BEAM_VERSION, flink: str = FLINK_VERSION) -> Path:
-    """A runnable Flink job-server jar for Beam `version`, assembled with Maven on first use."""
+def ensure_flink_job_server(version: str | None = None, flink: str = FLINK_VERSION) -> Path:
+    """A runnable Flink job-server jar for Beam `version` (default: the installed SDK's), assembled with
+    Maven on first use."""
+    version = version or sdk_version()
     home = cache_root() / "flink-job-server" / f"beam-{version}-flink-{flink}"
     jar = home / f"beam-runners-flink-{flink}-job-server-{version}.jar"
     if jar.is_file():
@@ -139,12 +159,13 @@ def ensure_flink_job_server(version: str = BEAM_VERSION, flink: str = FLINK_VERS
     lib = home / "lib"
     _run([mvn, "-q", "-B", "dependency:copy-dependencies", f"-DoutputDirectory={lib}",
           "-DincludeScope=runtime"],
-         f"fetching org.apache.beam:beam-runners-flink-{flink}:{version} and its dependencies", cwd=home)
+         f"Flink job server: fetching org.apache.beam:beam-runners-flink-{flink}:{version} and its dependencies",
+         cwd=home)
     jars = sorted(p.name for p in lib.glob("*.jar"))
     if not any(name.startswith(f"beam-runners-flink-{flink}-") for name in jars):
         raise BootstrapError(f"Maven resolved no beam-runners-flink-{flink} jar into {lib}")
     _write_launcher_jar(jar, [f"lib/{name}" for name in jars])
-    _LOG.info("assembled Flink job server in %.1fs -> %s", time.monotonic() - started, jar)
+    _LOG.debug("assembled Flink job server in %.1fs -> %s", time.monotonic() - started, jar)
     return jar
 
 
@@ -193,13 +214,24 @@ def ensure_flink_distribution(version: str = FLINK_CLUSTER_VERSION) -> Path:
     return home
 
 
-def main() -> None:
-    """`python -m runners.bootstrap`: make both runners ready, reporting what it cost."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for what, ensure in (("Prism", ensure_prism), ("Flink job server", ensure_flink_job_server)):
+_PARTS = {"prism": ("Prism", ensure_prism), "flink-job-server": ("Flink job server", ensure_flink_job_server),
+          "flink-cluster": ("Flink distribution", lambda _version: ensure_flink_distribution())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m runners.bootstrap PART... [--beam-version V]`: make runner binaries ready, saying what
+    each step took."""
+    parser = argparse.ArgumentParser(prog="python -m runners.bootstrap", description=main.__doc__)
+    parser.add_argument("parts", nargs="+", choices=sorted(_PARTS))
+    parser.add_argument("--beam-version", help="default: the installed Beam SDK's")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[setup] %(message)s")
+    version = args.beam_version or sdk_version()
+    for part in args.parts:
+        what, ensure = _PARTS[part]
         started = time.monotonic()
-        path = ensure()
-        print(f"{what} for Beam {BEAM_VERSION}: {path} ({time.monotonic() - started:.1f}s)")
+        path = ensure(version)
+        _LOG.info("%s for Beam %s ready (%.0f s): %s", what, version, time.monotonic() - started, path)
 
 
 if __name__ == "__main__":

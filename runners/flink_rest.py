@@ -4,6 +4,7 @@ its checkpoints and metrics."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -15,13 +16,24 @@ class FlinkRest:
     def __init__(self, master: str) -> None:
         self.master = master if master.startswith(("http://", "https://")) else f"http://{master}"
 
-    def get(self, path: str, timeout_s: float = 5.0) -> Any:
-        with urllib.request.urlopen(f"{self.master}{path}", timeout=timeout_s) as response:
-            return json.loads(response.read())
+    def get(self, path: str, timeout_s: float = 10.0, attempts: int = 4) -> Any:
+        """GET `path` as JSON. A JobManager under load (a checkpoint, a failover) can leave a request
+        unanswered for seconds, so timeouts and refused connections are retried with backoff; an HTTP
+        error status is not."""
+        for attempt in range(attempts):
+            try:
+                with urllib.request.urlopen(f"{self.master}{path}", timeout=timeout_s) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError:
+                raise
+            except (OSError, urllib.error.URLError):
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.5 * 2 ** attempt)
 
     def reachable(self) -> bool:
         try:
-            self.get("/overview")
+            self.get("/overview", timeout_s=5.0, attempts=1)
             return True
         except (OSError, urllib.error.URLError, ValueError):
             return False

@@ -4,8 +4,6 @@ client of the cluster), while an embedded Flink (`[local]`) lives inside it."""
 
 from __future__ import annotations
 
-import ctypes
-import signal
 import socket
 import subprocess
 import tempfile
@@ -13,20 +11,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from beam_rl.processes import stop_processes
+from beam_rl.processes import die_with_parent, stop_processes
 from runners import bootstrap
-
-_PR_SET_PDEATHSIG = 1
 
 
 class JobServerError(RuntimeError):
     """The job server did not start; the message holds the end of its log."""
-
-
-def _die_with_parent() -> None:
-    # Runs in the child before exec: SIGTERM it when the thread that started it goes away, so a
-    # killed submitter leaves no job server behind (the cluster's job runs on without it).
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -56,7 +46,7 @@ def start_job_server(flink_master: str, log: Path, jvm_heap_mb: int | None = Non
                "--artifact-port", "0", "--expansion-port", "0"]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:

@@ -1,7 +1,7 @@
 """Pipeline options for a runner name, streaming on, with no path to a silent batch fallback.
 
 `direct` names Beam's `PrismRunner` class itself rather than `DirectRunner`: the latter quietly
-switches to its batch-style runners when it meets a feature it thinks Prism lacks (DESIGN.md s.4).
+switches to its batch-style runners when it meets a feature it thinks Prism lacks (docs/design.md, "Runners").
 """
 
 from __future__ import annotations

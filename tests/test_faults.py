@@ -2,7 +2,7 @@
 them faulty: 5xx answers, hangs past the request timeout, dropped connections, a server dying
 mid-run, a server coming back, and every server down.
 
-The contract (DESIGN.md section 8): a failing server costs only the rollouts it held, which leave
+The contract (docs/design.md, "Reliability"): a failing server costs only the rollouts it held, which leave
 Dispatch as errored and are counted in their step's window; the run finishes its steps on the other
 server. Counts are exact where the servers make them so: with `max_retries = 0` and group mode every
 completion request a server received is one group of GROUP_SIZE rollouts, and the servers count the
@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.config import RunConfig, config_from_dict
+from beam_rl.failures import read_failure
 from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.rundir import RunDir
 from runners.pipeline import run_rollouts
@@ -243,6 +244,9 @@ def test_all_servers_down_stops_the_run_with_the_limit_named_and_resume_finishes
         run_rollouts(config, [s.url for s in servers], with_trainer=False)
     killer.join()
     assert "AllServersDownError: all 2 inference servers" in str(raised.value)
+    failure = read_failure(run_dir.path)  # what the CLI shows: the typed record, not Beam's text
+    assert (failure.error, failure.stage) == ("AllServersDownError", "dispatch")
+    assert failure.message.startswith("all 2 inference servers") and failure.message in str(raised.value)
 
     committed = run_dir.committed_steps()
     assert committed == list(range(1, len(committed) + 1)) and committed

@@ -1,4 +1,4 @@
-"""Packing: FFD micro-batches, rank balance, restarting positions, flattening, and the batch cut."""
+"""Packing: FFD micro-batches, samples balanced across ranks, and the batch cut."""
 
 from __future__ import annotations
 
@@ -7,14 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from beam_rl.packing import (
-    BatchCutter,
-    balance_across_ranks,
-    flatten,
-    pack_for_ranks,
-    pack_micro_batches,
-    position_ids,
-)
+from beam_rl.packing import BatchCutter, pack_for_ranks, pack_micro_batches
 from beam_rl.types import MicroBatch, Rollout, Sample, Turn
 
 
@@ -60,22 +53,6 @@ def test_random_packing_loses_and_duplicates_nothing_and_respects_seq_len():
     assert len(mbs) <= np.ceil(sum(len(s) for s in samples) / 64) * 1.1
 
 
-def test_balance_micro_batches_greedily_by_tokens():
-    mbs = [MicroBatch([_sample(n, f"r{n}")]) for n in (2, 10, 8, 3, 9)]
-    ranks = balance_across_ranks(mbs, ranks=2)
-    # 10 -> r0 (10); 9 -> r1 (9); 8 -> r1 (17); 3 -> r0 (13); 2 -> r0 (15)
-    assert [[mb.num_tokens for mb in rank] for rank in ranks] == [[10, 3, 2], [9, 8]]
-
-
-def test_fewer_micro_batches_than_ranks_are_split_by_sample():
-    mb = MicroBatch([_sample(n, f"r{n}") for n in (4, 3, 2, 1)])
-    # halve [4,3,2,1] by tokens: [4,1] and [3,2]; halve the first largest again: [4], [1]
-    ranks = balance_across_ranks([mb], ranks=3)
-    assert [[_lengths([m])[0] for m in rank] for rank in ranks] == [[[3, 2]], [[4]], [[1]]]
-    lone = MicroBatch([_sample(5, "only")])
-    assert balance_across_ranks([lone], ranks=2) == [[lone], []]
-
-
 def test_pack_for_ranks_balances_within_one_sample():
     rng = np.random.default_rng(1)
     samples = [_sample(int(n), f"r{i}") for i, n in enumerate(rng.integers(1, 200, size=257))]
@@ -86,31 +63,6 @@ def test_pack_for_ranks_balances_within_one_sample():
     seen = Counter(s.rollout_id for rank in ranks for mb in rank for s in mb.samples)
     assert seen == Counter(s.rollout_id for s in samples)
     assert pack_for_ranks([_sample(3, "a")], seq_len=8, ranks=2)[1] == []
-
-
-def test_position_ids_restart_per_sample():
-    mb = MicroBatch([_sample(3, "a"), _sample(2, "b"), _sample(1, "c")])
-    np.testing.assert_array_equal(position_ids(mb), [0, 1, 2, 0, 1, 0])
-    assert position_ids(mb).dtype == np.int32
-
-
-def test_flatten_concatenates_every_column():
-    a, b = _sample(3, "a", completion=2), _sample(2, "b", completion=1)
-    flat = flatten(MicroBatch([a, b]))
-    np.testing.assert_array_equal(flat["input_ids"], [100, 101, 102, 100, 101])
-    np.testing.assert_array_equal(flat["position_ids"], [0, 1, 2, 0, 1])
-    np.testing.assert_array_equal(flat["loss_mask"], [0, 1, 1, 0, 1])
-    np.testing.assert_allclose(flat["advantages"], [0, 1.5, 1.5, 0, 1.5])
-    np.testing.assert_allclose(flat["logprobs"], [0, -0.5, -0.5, 0, -0.5])
-    np.testing.assert_allclose(flat["temperatures"], [0.8] * 5, rtol=1e-6)
-    np.testing.assert_array_equal(flat["policy_versions"], [-1] * 5)  # left out of the samples: unknown
-    np.testing.assert_array_equal(flat["seq_lens"], [3, 2])
-    assert {k: v.dtype.name for k, v in flat.items()} == {
-        "input_ids": "int32", "position_ids": "int32", "loss_mask": "bool", "advantages": "float32",
-        "logprobs": "float32", "temperatures": "float32", "policy_versions": "int32", "seq_lens": "int32",
-    }
-    empty = flatten(MicroBatch([]))
-    assert all(v.shape == (0,) for v in empty.values())
 
 
 def _group(size: int, tokens: int) -> list[Rollout]:

@@ -225,3 +225,11 @@ def test_weights_published_every_step_train_only_tokens_inside_the_bound(tmp_pat
     assert counted == generated - clean_left  # clean rollouts not cut into a step yet are counted when cut
     # New weights did make in-flight rollouts too stale, and they were generated again.
     assert sum(u["regenerated_rollouts"] for u in updates) > 0 and sum(r["discarded_tokens"]["stale"] for r in rows) > 0
+
+
+def test_the_jobs_own_counters_come_from_the_runner(servers, tmp_path):
+    job = start_rollouts(_config(tmp_path, max_steps=2), servers, str(tmp_path), with_trainer=False)
+    job.wait()
+    counters = job.counters()  # what the job's follower serves to Prometheus (beam_rl/observe)
+    assert counters["beam_rl/steps_committed"] == len(RunDir(tmp_path).committed_steps()) == 2, counters
+    assert not any(name.startswith("beam/") for name in counters)  # Beam's system metrics left out

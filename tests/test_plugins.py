@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -333,3 +334,25 @@ def test_an_installed_plugin_runs_end_to_end_through_the_pipeline(example_instal
             checked.append(sample["rollout_id"])
     assert len(checked) == len(set(checked)) == len(window)  # every rollout trained once, with its own reward
     assert {r["reward"] for r in window} != {0.0}  # the random policy earns some reward: rewards really vary
+
+
+@pytest.mark.timeout(300)
+def test_a_reward_that_breaks_stops_the_run_with_a_typed_failure_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from beam_rl.failures import read_failure
+    from beam_rl.inference.server import EmbeddedServer
+    from runners.pipeline import run_rollouts
+
+    module = write_module(tmp_path, PLUGIN + "\nclass Env(Toy):\n    def load_rows(self, split='train'):\n"
+                          "        return [{'mode': 'reward_text'}] * 4\n", monkeypatch)
+    config = config_from_dict({
+        "run": {"dir": str(tmp_path / "run")}, "envs": [{"name": "broken", "kind": f"{module}:Env", "group_size": 2}],
+        "batch": {"rollouts_per_step": 4}, "inference": {"max_tokens": 4, "max_inflight": 8},
+    })
+    started = time.time()
+    with EmbeddedServer(mode="instant") as server, pytest.raises(Exception, match="PluginFailure"):
+        run_rollouts(config, [server.url], with_trainer=False)
+    failure = read_failure(tmp_path / "run", since=started)
+    assert failure is not None and (failure.error, failure.stage) == ("PluginFailure", "score")
+    assert "reward returned" in failure.message and "not a finite number" in failure.message

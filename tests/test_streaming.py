@@ -13,7 +13,7 @@ from apache_beam.runners.runner import PipelineState
 
 from runners import bootstrap
 from runners.options import RunnerSettings, pipeline_options
-from transforms.streaming_demo import build_streaming_demo, read_batch_files
+from bench.streaming_demo import build_streaming_demo, read_batch_files
 
 COUNT, INTERVAL_S, GROUP_SIZE, GROUPS_PER_BATCH = 48, 0.1, 4, 3
 

@@ -122,6 +122,39 @@ class _WorkerSources:
             self._by_shard.clear()
 
 
+class _GroupKeys:
+    """The key each group is collected (and so scored) under. On Flink, groups are dealt round-robin
+    over the parallel subtasks by their position in the prompt schedule: keyed by group id, Flink's hash
+    left one worker with half as many groups again as the other on a 96-group run, and a worker scoring
+    a CPU-heavy reward is as fast as its share is small. The key is a pure function of the group, so a
+    group's parts, before and after a restore, meet under one key."""
+
+    def __init__(self, runner: str, parallelism: int) -> None:
+        self._parallelism = parallelism if runner != "direct" else 1
+        self._coder = beam.coders.registry.get_coder(str)
+        self._cache: dict[str, str] = {}
+
+    def key(self, rollout: Rollout, source: RolloutSource) -> str:
+        group_id = rollout.group_id
+        if self._parallelism == 1:
+            return group_id
+        key = self._cache.get(group_id)
+        if key is None:
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            target = (rollout.index if rollout.is_eval else source.schedule.position(rollout.prompt_offset))
+            key = self._cache[group_id] = _key_for(group_id, target % self._parallelism, self._parallelism, self._coder)
+        return key
+
+
+def _key_for(group_id: str, subtask: int, parallelism: int, coder) -> str:
+    for salt in range(100_000):
+        key = f"{group_id}#{salt}"
+        if operator_index(coder.encode_nested(key), parallelism) == subtask:
+            return key
+    raise AssertionError("no key found")  # each salt hits a subtask with probability 1/parallelism
+
+
 def _freeze_long_lived_heap() -> None:
     """Take what the worker holds for good (modules, tokenizer, environments, the runner's harness:
     ~480k objects) out of the cyclic collector's full passes. Each pass over them held the GIL for
@@ -137,6 +170,7 @@ class _DispatchFn(beam.DoFn):
 
     def setup(self) -> None:
         self._sources: _WorkerSources = self._shared.acquire(_WorkerSources)  # held: kept alive across bundles
+        self._keys = _GroupKeys(self._spec.config.runner.name, self._spec.config.runner.parallelism)
 
     def teardown(self) -> None:
         self._sources.close()
@@ -169,7 +203,7 @@ class _DispatchFn(beam.DoFn):
             for rollout in source.poll(POLL_S):
                 parts.setdefault(rollout.group_id, []).append(rollout)
             for group_id, part in parts.items():
-                yield beam.window.TimestampedValue((group_id, part), now)
+                yield beam.window.TimestampedValue((self._keys.key(part[0], source), part), now)
             restriction.in_flight = source.in_flight()
             watermark.set_watermark(now)
             if source.finished(all_claimed=next_offset >= restriction.end_marker):
@@ -209,7 +243,7 @@ def _routing_key(spec: SourceSpec, shard: int, size: int) -> str:
 
 
 class DispatchRollouts(beam.PTransform):
-    """Every rollout of the run as it finishes, in parts keyed by group id (errored and cancelled ones
+    """Every rollout of the run as it finishes, in parts keyed by their group (errored and cancelled ones
     too: every started rollout leaves exactly once); plus one EndOfInput per shard."""
 
     def __init__(self, spec: SourceSpec) -> None:

@@ -21,22 +21,22 @@ class _CollectGroup(beam.DoFn):
     ARRIVED = userstate.BagStateSpec("arrived", DomainCoder())  # the group's rollouts so far
 
     def process(self, keyed: Tuple[str, List[Rollout]], arrived=beam.DoFn.StateParam(ARRIVED)):
-        group_id, part = keyed
-        if len(part) == part[0].group_size:  # the whole group at once: no state to read or write
-            yield group_id, sorted(part, key=lambda r: r.attempt)
-            return
-        group = [*arrived.read(), *part]
-        if len(group) < part[0].group_size:
-            for rollout in part:
-                arrived.add(rollout)
-            return
-        arrived.clear()
+        _, part = keyed  # keyed by the group (transforms/dispatch.py chooses the key)
+        if len(part) < part[0].group_size:
+            group = [*arrived.read(), *part]
+            if len(group) < part[0].group_size:
+                for rollout in part:
+                    arrived.add(rollout)
+                return
+            arrived.clear()
+        else:  # the whole group at once: no state to read or write
+            group = part
         beam.metrics.Metrics.counter("beam_rl", "groups_completed").inc()
-        yield group_id, sorted(group, key=lambda r: r.attempt)
+        yield group[0].group_id, sorted(group, key=lambda r: r.attempt)
 
 
 class CompleteGroups(beam.PTransform):
-    """(group id, some of its rollouts) -> (group id, the group's rollouts ordered by attempt), once per group."""
+    """(a group's key, some of its rollouts) -> (group id, the group's rollouts ordered by attempt), once per group."""
 
     def expand(self, rollouts):
         return rollouts | beam.ParDo(_CollectGroup()).with_output_types(Tuple[str, List[Rollout]])

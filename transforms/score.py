@@ -3,6 +3,7 @@ filters (beam_rl.sink.score_group). Evaluation groups are only rewarded, and lea
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Iterator, List
 
@@ -13,7 +14,9 @@ from apache_beam.utils.windowed_value import WindowedValue
 from beam_rl import components
 from beam_rl.config import RunConfig
 from beam_rl.processes import worker_id
-from beam_rl.rewards import GroupRewards, Rewarder, RewardLoop, wait_for_any
+from beam_rl.envs.plugins import PluginFailure
+from beam_rl.failures import record_failure
+from beam_rl.rewards import GroupRewards, RewardFailed, Rewarder, RewardLoop, wait_for_any
 from beam_rl.sink import TOO_FEW_SCORED, ScoredGroup, score_group
 from beam_rl.types import RolloutRecord, RolloutStatus
 from transforms import coders  # noqa: F401  (registers the coder of ScoredGroup)
@@ -28,8 +31,9 @@ class _ScoreFn(beam.DoFn):
     `finish_bundle` emits the rest as their rewards come in. So the groups of a bundle are rewarded
     together, and a bundle holds more groups exactly when groups queue up behind slow rewards."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, run_dir: str | None) -> None:
         self._config = config
+        self._run_dir = run_dir  # where a failure that stops the run is recorded (None: nowhere)
         self._reward_loop = Shared()  # one per worker process, whichever DoFn instances run there
 
     def setup(self) -> None:
@@ -52,12 +56,14 @@ class _ScoreFn(beam.DoFn):
     def process(self, keyed_group, timestamp=beam.DoFn.TimestampParam, window=beam.DoFn.WindowParam):
         _, rollouts = keyed_group
         self._bundle_groups += 1
-        # The output keeps this element's timestamp and window, whenever it is emitted.
-        self._rewarding.append((self._rewarder.start(rollouts), WindowedValue(None, timestamp, (window,))))
-        yield from self._emit(wait=False)
+        with self._recording_failure():
+            # The output keeps this element's timestamp and window, whenever it is emitted.
+            self._rewarding.append((self._rewarder.start(rollouts), WindowedValue(None, timestamp, (window,))))
+            yield from self._emit(wait=False)
 
     def finish_bundle(self):
-        yield from self._emit(wait=True)
+        with self._recording_failure():
+            yield from self._emit(wait=True)
         self._groups_per_bundle.update(self._bundle_groups)
 
     def teardown(self) -> None:
@@ -65,6 +71,16 @@ class _ScoreFn(beam.DoFn):
         if rewarder is not None:
             rewarder.close()
         self._loop = self._rewarder = None  # the Shared loop stops once no instance holds it
+
+    @contextlib.contextmanager
+    def _recording_failure(self) -> Iterator[None]:
+        """A reward that stops the run (a broken plug-in, a judge refusing the key) is recorded first."""
+        try:
+            yield
+        except (RewardFailed, PluginFailure) as err:
+            if self._run_dir is not None:
+                record_failure(self._run_dir, "score", err)
+            raise
 
     def _emit(self, wait: bool) -> Iterator[Any]:
         """The outputs of every group whose rewards are in, as they come in; with `wait`, of every group."""
@@ -106,13 +122,14 @@ class _ScoreFn(beam.DoFn):
 class ScoreGroups(beam.PTransform):
     """Complete groups -> ScoredGroup (main output) and (eval round, rollout records) on EVALUATION."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, run_dir: str | None = None) -> None:
         super().__init__()
         self._config = config
+        self._run_dir = run_dir
 
     def expand(self, groups):
         return (groups
-                | beam.ParDo(_ScoreFn(self._config)).with_output_types(ScoredGroup)
+                | beam.ParDo(_ScoreFn(self._config, self._run_dir)).with_output_types(ScoredGroup)
                 .with_outputs(EVALUATION, main="scored"))
 
 

@@ -7,7 +7,8 @@ import time
 
 import apache_beam as beam
 
-from beam_rl.rundir import RunDir
+from beam_rl.failures import record_failure
+from beam_rl.rundir import RunDir, RunDirError
 from beam_rl.sink import InputExhausted
 from beam_rl.types import TrainBatch
 
@@ -37,8 +38,12 @@ class _WriteStepFn(beam.DoFn):
         last_finished = max((r.t_finished for r in batch.rollouts), default=0.0)
         workers = {"dispatch": sorted({r.dispatch_worker for r in batch.rollouts if r.dispatch_worker}),
                    "score": sorted({r.score_worker for r in batch.rollouts if r.score_worker})}
-        self._dir.write_step(batch, offsets=offsets, window=batch.rollouts,
-                             extra={"last_rollout_finished_at": last_finished, "workers": workers})
+        try:
+            self._dir.write_step(batch, offsets=offsets, window=batch.rollouts,
+                                 extra={"last_rollout_finished_at": last_finished, "workers": workers})
+        except RunDirError as err:  # a full disk: the CLI names it from the record, not Beam's text
+            record_failure(self._run_dir, "write", err)
+            raise
         self._dir.append_metrics({"step": batch.step, "committed_at": time.time(), **batch.window})
         beam.metrics.Metrics.counter("beam_rl", "steps_committed").inc()
         yield batch.step

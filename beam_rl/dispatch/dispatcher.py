@@ -204,13 +204,13 @@ class Dispatcher:
     def _pin_server(self, group: OpenGroup) -> Server | None:
         # Rule: group affinity. The first attempt picks the least-loaded server; later attempts go
         # to the same one so the shared prompt hits its prefix cache. A pinned server that turned
-        # unhealthy has no cache worth keeping, so the group moves.
+        # unhealthy has no cache worth keeping, so the group moves (as it does with a re-dispatch: _moved).
         if group.server is None or not group.server.healthy:
             group.server = self.pool.select()
         return group.server
 
     def _moved(self, launch: Launch, failed: Server, target: Server) -> None:
-        # Rule: group affinity moves with a re-dispatched launch: the group's later attempts follow it.
+        # Group affinity (_pin_server) follows a re-dispatched launch: the group's later attempts go there too.
         self.pool.finished(failed, launch.permits)
         self.pool.started(target, launch.permits)
         launch.server = launch.group.server = target

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 
+from beam_rl import processes
+
 
 def start_subprocess_server(
     model_dir: str | os.PathLike | None = None,
@@ -19,11 +21,28 @@ def start_subprocess_server(
     extra_args: tuple[str, ...] | list[str] = (),
     env: dict[str, str] | None = None,
     ready_timeout_s: float = 120.0,
+    die_with_parent: bool = False,
 ) -> tuple[subprocess.Popen, str]:
     """Returns (process, base url). The caller owns the process: terminate() and wait() it.
 
     `extra_args` are more server flags, e.g. ("--fault-latency-s", "0.1", "--served-model-name", "m").
+    `die_with_parent`: the server ends with the calling thread (`beam_rl.processes.die_with_parent`).
     """
+    proc = spawn_subprocess_server(model_dir, mode=mode, max_num_seqs=max_num_seqs, extra_args=extra_args,
+                                   env=env, die_with_parent=die_with_parent)
+    return proc, wait_until_ready(proc, ready_timeout_s)
+
+
+def spawn_subprocess_server(
+    model_dir: str | os.PathLike | None = None,
+    *,
+    mode: str = "model",
+    max_num_seqs: int | None = None,
+    extra_args: tuple[str, ...] | list[str] = (),
+    env: dict[str, str] | None = None,
+    die_with_parent: bool = False,
+) -> subprocess.Popen:
+    """Start a server without waiting for it (`wait_until_ready`), so several can start side by side."""
     cmd = [sys.executable, "-m", "beam_rl.inference.server", "--port", "0", "--mode", mode]
     if model_dir is not None:
         cmd += ["--model-dir", str(model_dir)]
@@ -34,7 +53,12 @@ def start_subprocess_server(
     # Make this checkout importable in the child even when beam_rl is not pip-installed.
     root = str(pathlib.Path(__file__).resolve().parents[2])
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=child_env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=child_env,
+                            preexec_fn=processes.die_with_parent if die_with_parent else None)
+
+
+def wait_until_ready(proc: subprocess.Popen, ready_timeout_s: float = 120.0) -> str:
+    """The server's base URL once it prints `READY <url>`; kills it if it does not within the timeout."""
     assert proc.stdout is not None
     first_line: list[str] = []
     # readline() has no timeout; a reader thread lets a server that never gets ready fail cleanly.
@@ -47,6 +71,6 @@ def start_subprocess_server(
         proc.wait()
         raise RuntimeError(
             f"inference server not ready within {ready_timeout_s:g}s (exit code {proc.returncode}, "
-            f"first line {line!r}); command: {' '.join(cmd)}"
+            f"first line {line!r}); command: {' '.join(map(str, proc.args))}"
         )
-    return proc, line.split(" ", 1)[1]
+    return line.split(" ", 1)[1]

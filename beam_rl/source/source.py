@@ -16,6 +16,7 @@ from pathlib import Path
 
 from beam_rl import components
 from beam_rl.config import RunConfig
+from beam_rl.failures import record_failure
 from beam_rl.processes import worker_id
 from beam_rl.rundir import RunDir
 from beam_rl.source.admission import AdmissionState, hold_reason, input_finished, limits_for
@@ -23,7 +24,7 @@ from beam_rl.source.commits import CommittedSteps
 from beam_rl.source.eval_rounds import EvalRounds
 from beam_rl.source.restriction import DispatchRange, InFlight
 from beam_rl.source.shard import Shard
-from beam_rl.source.status import HeldBack, ServersDownWatch, StatusBoard
+from beam_rl.source.status import AllServersDownError, HeldBack, ServersDownWatch, StatusBoard
 from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.types import Rollout
 from beam_rl.weight_sync import WeightSync
@@ -196,7 +197,11 @@ class RolloutSource:
 
     def _publish_status(self, now: float) -> None:
         counters, servers = self._dispatcher.counters_and_servers()
-        self._servers_down.check(counters.get("healthy_servers", 1), now)
+        try:
+            self._servers_down.check(counters.get("healthy_servers", 1), now)
+        except AllServersDownError as err:
+            record_failure(self._run_dir.path, "dispatch", err)
+            raise
         self._held.note(self._held.reason, now)
         self._status.publish({
             "policy_version": self.policy_version(),

@@ -130,7 +130,7 @@ class ReferenceTrainer:
         versions = (np.concatenate([mb["sample_policy_versions"] for mb in micro_batches]) if micro_batches
                     else np.zeros(0))
         rewards = np.concatenate([mb["rewards"] for mb in micro_batches]) if micro_batches else np.zeros(0)
-        staleness = (step - 1) - versions  # DESIGN.md section 3: step s trains policy s-1
+        staleness = (step - 1) - versions  # docs/design.md, "Staleness": step s trains policy s-1
         metrics: StepMetrics = {
             "step": step,
             "policy_version": step,
