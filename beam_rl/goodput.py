@@ -69,3 +69,13 @@ def goodput(tokens_by_fate: dict[str, int], exclude_filtered: bool = False) -> f
     None when nothing was generated."""
     generated = sum(n for fate, n in tokens_by_fate.items() if not (exclude_filtered and fate.startswith(FILTERED)))
     return tokens_by_fate.get(TRAINED, 0) / generated if generated else None
+
+
+def describe(tokens_by_fate: dict[str, int]) -> str:
+    """One line for people: the step's tokens by fate, trained first, and its goodput."""
+    if not tokens_by_fate:
+        return "tokens by fate: none counted"
+    fates = sorted(tokens_by_fate.items(), key=lambda item: (item[0] != TRAINED, item[0]))
+    share = goodput(tokens_by_fate)
+    return (f"tokens by fate: {', '.join(f'{fate} {n}' for fate, n in fates)}; goodput "
+            + ("-" if share is None else f"{share:.3f}") + f" of {sum(tokens_by_fate.values())} generated")

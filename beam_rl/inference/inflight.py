@@ -120,4 +120,5 @@ class UpdateTiming:
 
     def as_dict(self) -> dict[str, Any]:
         return {"url": self.url, "mode": self.mode, "version": self.version,
-                "paused_s": round(self.paused_s, 4), "reload_s": round(self.reload_s, 4)}
+                "paused_s": round(self.paused_s, 4), "reload_s": round(self.reload_s, 4),
+                "engine_idle_s": round(self.engine_idle_s, 4)}
