@@ -204,7 +204,8 @@ def test_weights_published_every_step_train_only_tokens_inside_the_bound(tmp_pat
         for s in servers:
             s.stop()
     updates = [m["weight_update"] for m in run_dir.read_metrics() if "weight_update" in m]
-    assert len(updates) >= 4 and {s["mode"] for u in updates for s in u["servers"]} == {update_mode}
+    # WeightSync loads the newest weights: steps committed during an update (a loaded machine) are skipped.
+    assert len(updates) >= 3 and {s["mode"] for u in updates for s in u["servers"]} == {update_mode}
     rows = [r for step in run_dir.committed_steps() for r in run_dir.read_window(step).to_pylist()]
     # Regenerated or kept, never cancelled as stale: a cancelled rollout is one the run's end stopped.
     assert not [r for r in rows if r["status"] == "cancelled" and r["discarded_tokens"]["stale"]]
