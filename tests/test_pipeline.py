@@ -178,6 +178,27 @@ class _PublishEveryStep(threading.Thread):
                 published = step
 
 
+def run_publishing_every_step(config, urls: list[str]) -> tuple[RunDir, list[dict]]:
+    """The rollout pipeline beside a stand-in trainer that publishes weights after every step: the run
+    directory and its weight-update records."""
+    run_dir = RunDir(config.run.dir)
+    trainer = _PublishEveryStep(run_dir)
+    trainer.start()
+    try:
+        run_rollouts(config, urls, with_trainer=True)
+    finally:
+        trainer.stop.set()
+        trainer.join(10)
+    return run_dir, [m["weight_update"] for m in run_dir.read_metrics() if "weight_update" in m]
+
+
+def trained_token_versions(run_dir: RunDir, step: int) -> list[list[int]]:
+    """The policy version of every generated token of each of the step's rank-0 samples."""
+    table = pa.ipc.open_file(pa.memory_map(str(run_dir.rank_path(step, 0)))).read_all()
+    columns = zip(table.column("policy_versions").to_pylist(), table.column("loss_mask").to_pylist())
+    return [[v for v, m in zip(versions, mask) if m] for versions, mask in columns]
+
+
 @pytest.mark.parametrize("update_mode", ["keep", "continue", "reload"])
 def test_weights_published_every_step_train_only_tokens_inside_the_bound(tmp_path, update_mode):
     # Slow decode steps and long completions: updates land while rollouts generate, and some outlive two.
@@ -193,26 +214,18 @@ def test_weights_published_every_step_train_only_tokens_inside_the_bound(tmp_pat
         "weights": {"update_mode": update_mode},
         "filters": {"zero_advantage": {"mode": "monitor"}},
     })
-    run_dir = RunDir(tmp_path)
-    trainer = _PublishEveryStep(run_dir)
-    trainer.start()
     try:
-        run_rollouts(config, urls, with_trainer=True)
+        run_dir, updates = run_publishing_every_step(config, urls)
     finally:
-        trainer.stop.set()
-        trainer.join(10)
         for s in servers:
             s.stop()
-    updates = [m["weight_update"] for m in run_dir.read_metrics() if "weight_update" in m]
     # WeightSync loads the newest weights: steps committed during an update (a loaded machine) are skipped.
     assert len(updates) >= 3 and {s["mode"] for u in updates for s in u["servers"]} == {update_mode}
     rows = [r for step in run_dir.committed_steps() for r in run_dir.read_window(step).to_pylist()]
     # Regenerated or kept, never cancelled as stale: a cancelled rollout is one the run's end stopped.
     assert not [r for r in rows if r["status"] == "cancelled" and r["discarded_tokens"]["stale"]]
     for step in run_dir.committed_steps():
-        table = pa.ipc.open_file(pa.memory_map(str(run_dir.rank_path(step, 0)))).read_all()
-        for versions, mask in zip(table.column("policy_versions").to_pylist(), table.column("loss_mask").to_pylist()):
-            generated = [v for v, m in zip(versions, mask) if m]
+        for generated in trained_token_versions(run_dir, step):
             if update_mode != "reload":
                 assert min(generated) >= 0, (step, generated)  # keep and continue: every token's version is known
             known = [v for v in generated if v >= 0]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
@@ -28,8 +27,7 @@ from beam_rl.inference.inflight import Progress
 from beam_rl.rundir import RunDir
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
 from beam_rl.training.checkpoint import publish_weights
-from runners.pipeline import run_rollouts
-from tests.test_pipeline import _PublishEveryStep
+from tests.test_pipeline import run_publishing_every_step, trained_token_versions
 from tests.test_real_vllm import TEMPERATURE, VllmServer, _vllm_python
 
 pytestmark = [
@@ -208,21 +206,11 @@ def test_a_run_whose_trainer_publishes_every_step_trains_only_tokens_inside_the_
         "weights": {"update_mode": update_mode},
         "filters": {"zero_advantage": {"mode": "monitor"}},
     })
-    run_dir = RunDir(tmp_path)
-    trainer = _PublishEveryStep(run_dir)
-    trainer.start()
-    try:
-        run_rollouts(config, [vllm.url], with_trainer=True)
-    finally:
-        trainer.stop.set()
-        trainer.join(10)
-    updates = [m["weight_update"] for m in run_dir.read_metrics() if "weight_update" in m]
+    run_dir, updates = run_publishing_every_step(config, [vllm.url])
     assert len(updates) >= 3 and all(s["mode"] == update_mode for u in updates for s in u["servers"])
     rows = [r for step in run_dir.committed_steps() for r in run_dir.read_window(step).to_pylist()]
     assert rows and all(r["status"] == "ok" for r in rows)
     for step in run_dir.committed_steps():
-        table = pa.ipc.open_file(pa.memory_map(str(run_dir.rank_path(step, 0)))).read_all()
-        for versions, mask in zip(table.column("policy_versions").to_pylist(), table.column("loss_mask").to_pylist()):
-            generated = [v for v, m in zip(versions, mask) if m]
+        for generated in trained_token_versions(run_dir, step):
             assert min(generated) >= step - 2, (step, generated)  # known, and inside max_off_policy_steps
         assert run_dir.read_commit(step).window.tokens_by_fate["trained"] == run_dir.read_commit(step).counts.trained_tokens
