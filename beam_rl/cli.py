@@ -73,6 +73,7 @@ def _cmd_inspect_samples(args: argparse.Namespace) -> int:
     """Rollouts of one step's window as text (`--step N --samples K`, or `--rollout ID`); a bad step, an
     unknown rollout or a damaged window is one red line and exit status 2."""
     from beam_rl.components import tokenizer_for
+    from beam_rl.goodput import describe
     from beam_rl.samples_text import RolloutNotFound, TokenText, find_step, rollout_panel, window_rows
 
     run_dir = RunDir(args.run_dir)
@@ -87,6 +88,7 @@ def _cmd_inspect_samples(args: argparse.Namespace) -> int:
         console.print(f"[red]{escape(str(run_dir.path))}: {escape(what)} ({have})[/red]")
         return 2
     try:
+        fates = run_dir.read_commit(step).window.tokens_by_fate
         window = run_dir.read_window(step)
         rows = window_rows(window, args.samples, args.rollout or ())
     except (CommitRecordError, StepCorruptError) as err:
@@ -103,6 +105,7 @@ def _cmd_inspect_samples(args: argparse.Namespace) -> int:
     text = TokenText(tokenizer_for(model))
     console.print(f"step {step}: {len(rows)} of the {window.num_rows} rollouts in its window "
                   f"({escape(str(run_dir.window_path(step)))})")
+    console.print(describe(fates))
     for row in rows:
         console.print(rollout_panel(row, text))
     return 0
@@ -298,7 +301,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from beam_rl.report import write_plot
+    from beam_rl.report import weight_update_summary, write_plot
 
     run_dir = RunDir(args.run_dir)
     if not run_dir.committed_steps():
@@ -310,6 +313,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     try:
         console.print(inspect_table(run_dir))
         console.print(f"plot: {write_plot(run_dir)}")
+        updates = weight_update_summary(run_dir.read_metrics())
+        if updates:
+            console.print(updates)
         return _report_timeline(run_dir, steps)
     except CommitRecordError as err:
         console.print(f"[red]{escape(str(err))}[/red]")

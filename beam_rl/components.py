@@ -6,9 +6,11 @@ config (a pydantic model) and the inference server URLs.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,7 +20,7 @@ from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
 from beam_rl.envs import env_class, make_env
 from beam_rl.envs.base import Environment, SamplingParams
 from beam_rl.filters import RolloutFilter, make_filter
-from beam_rl.inference.client import InferenceClient
+from beam_rl.inference.client import InferenceAuthError, InferenceClient, InferenceError
 from beam_rl.packing import BatchCutter
 from beam_rl.schedule import EnvSchedule, PromptSchedule
 from beam_rl.sink import BatchBuilder
@@ -132,6 +134,53 @@ def checkpoint_validator(config: RunConfig) -> Callable[[Path], None]:
 ABANDONED_SOURCE_S = 120.0
 
 
+def api_key(config: RunConfig) -> str | None:
+    """The servers' API key, read from the environment variable `inference.api_key_env` names (None when it
+    names none); ValueError naming the variable when it is unset or empty."""
+    name = config.inference.api_key_env
+    if name is None:
+        return None
+    key = os.environ.get(name)
+    if not key:
+        raise ValueError(f"inference.api_key_env names the environment variable {name}, which is not set "
+                         "(or empty): export the servers' API key in it")
+    return key
+
+
+def inference_client(config: RunConfig, url: str, key: str | None, version: int = 0) -> InferenceClient:
+    """The client of one inference server, as the run's config sets it up."""
+    inf = config.inference
+    return InferenceClient(url, model=config.model.name, timeout_s=inf.request_timeout_s,
+                           max_retries=inf.max_retries, backoff_s=inf.retry_backoff_s, stream=inf.stream,
+                           api_key=key, ca_bundle=inf.ca_bundle, version=version)
+
+
+def check_servers(config: RunConfig, server_urls: list[str]) -> None:
+    """Before a pipeline starts: every server accepts the configured API key (or needs none) over a TLS
+    connection this machine trusts. A refused key is a ValueError naming the server and the variable, not
+    a stream of failed rollouts; a server that cannot be reached yet is left to the dispatcher's re-probes."""
+    key = api_key(config)
+
+    async def check(url: str) -> str | None:
+        async with inference_client(config, url, key) as client:
+            try:
+                await client.check_access()
+            except InferenceAuthError as err:
+                return (f"{url} refuses the API key in ${config.inference.api_key_env} (HTTP {err.status})"
+                        if key else f"{url} wants an API key (HTTP {err.status}): set inference.api_key_env")
+            except InferenceError as err:
+                if "certificate" in str(err).lower():
+                    return f"{url}: TLS failed ({err}); set inference.ca_bundle to the CA that signed it"
+        return None
+
+    async def check_all() -> list[str | None]:
+        return list(await asyncio.gather(*(check(url) for url in server_urls)))
+
+    problems = [p for p in asyncio.run(check_all()) if p]
+    if problems:
+        raise ValueError("inference servers refuse this run:\n  " + "\n  ".join(problems))
+
+
 def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str, Environment],
                       policy_version: Callable[[], int], max_inflight: int | None = None) -> DispatcherThread:
     """A dispatcher on its own event-loop thread, with one client per inference server and
@@ -139,12 +188,13 @@ def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str,
     inf = config.inference
     modes = {e.name: e.mode for e in config.envs}
     sampling = sampling_params(config, envs)
+    key = api_key(config)
 
     def build(emit) -> Dispatcher:
-        clients = [InferenceClient(url, model=config.model.name, timeout_s=inf.request_timeout_s,
-                                   max_retries=inf.max_retries, backoff_s=inf.retry_backoff_s)
-                   for url in server_urls]
+        # At version 0 like the WeightSync that then brings them to the newest published weights.
+        clients = [inference_client(config, url, key) for url in server_urls]
         return Dispatcher(ServerPool(clients), envs, modes, sampling, max_inflight or inf.max_inflight,
-                          policy_version, emit, seed=config.run.seed)
+                          policy_version, emit, seed=config.run.seed, max_redispatches=inf.max_redispatches,
+                          max_regenerations=config.off_policy.max_regenerations)
 
     return DispatcherThread(build, abandoned_after_s=ABANDONED_SOURCE_S)

@@ -57,6 +57,16 @@ class InferenceSection(_Section):
     all_servers_down_timeout_s: float = Field(300.0, gt=0)
     max_tokens: int = Field(24, gt=0)
     temperature: float = Field(1.0, ge=0)
+    # Tokens come back as they are sampled (server-sent events): a failed server's rollouts continue from
+    # them elsewhere, and "keep" updates know which tokens each policy version sampled (docs/weight-updates.md).
+    stream: bool = True
+    # A rollout whose server fails (refused, reset, 5xx after retries, timeout, death mid-request) moves to
+    # another healthy server this many times, with its group; then it is an errored rollout.
+    max_redispatches: int = Field(3, ge=0)
+    # The name of the environment variable holding the servers' API key (vLLM's --api-key); the key itself
+    # never goes in a config, a log or the run directory.
+    api_key_env: str | None = Field(None, min_length=1)
+    ca_bundle: Path | None = Field(None, strict=False)  # PEM file of the CA that signed https servers' certificates
 
     @field_validator("urls")
     @classmethod
@@ -66,6 +76,13 @@ class InferenceSection(_Section):
                 raise ValueError(f"{url!r} is not an http(s) base URL")
         # Clients append "/v1/completions"; a trailing slash would double it.
         return [url.rstrip("/") for url in urls]
+
+    @field_validator("ca_bundle")
+    @classmethod
+    def _existing_file(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"{str(path)!r} is not a file (a PEM bundle of CA certificates)")
+        return path
 
 
 class JudgeVerdict(_Section):
@@ -218,7 +235,23 @@ class FiltersSection(_Section):
 
 class OffPolicySection(_Section):
     max_async_level: int = Field(1, ge=0)  # how many steps the source may run ahead of the trainer
-    max_off_policy_steps: int = Field(2, ge=0)  # hard staleness bound checked before packing
+    max_off_policy_steps: int = Field(2, ge=0)  # hard staleness bound (by a rollout's oldest token) before packing
+    # A rollout still generating when new weights put its oldest token past the bound is generated again
+    # under the new policy, at most this many times; then it is cancelled (0: cancelled at once).
+    max_regenerations: int = Field(2, ge=0)
+
+
+class WeightsSection(_Section):
+    """How inference servers take the weights the trainer publishes (docs/weight-updates.md)."""
+
+    # reload: load while requests run (no pause; tokens of requests spanning it have unknown versions);
+    # keep: pause with requests frozen, load, resume (they continue on the new weights);
+    # continue: abort requests keeping their tokens, load, resume them as prompt + partial completion.
+    update_mode: Literal["reload", "keep", "continue"] = "keep"
+    # keep: the pause ends only once no stream has received a token for this long, so every token sampled
+    # before it is in and stamped with the old version.
+    drain_quiet_s: float = Field(0.02, ge=0)
+    update_timeout_s: float = Field(600.0, gt=0)  # one server's whole update (pause, load, resume)
 
 
 class DispatchSection(_Section):
@@ -309,6 +342,7 @@ class RunConfig(_Section):
     batch: BatchSection = Field(default_factory=BatchSection)
     filters: FiltersSection = Field(default_factory=FiltersSection)
     off_policy: OffPolicySection = Field(default_factory=OffPolicySection)
+    weights: WeightsSection = Field(default_factory=WeightsSection)
     runner: RunnerSection = Field(default_factory=RunnerSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     eval: EvalSection = Field(default_factory=EvalSection)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from beam_rl.types import Rollout
+from beam_rl.types import Rollout, RolloutRecord
 
 FilterMode = Literal["off", "monitor", "enforce"]
 MODES: tuple[str, ...] = ("off", "monitor", "enforce")
@@ -149,12 +149,31 @@ class OverlongFilter(RolloutFilter):
         return rollout.truncated
 
 
+def oldest_policy_version(rollout: Rollout | RolloutRecord) -> int:
+    """The policy version of a rollout's oldest token: the lowest one known, or, when some token's version
+    is unknown (or none was generated), the version its request was sent under, which no token is older than.
+    A rollout whose request waited through an update, or that continued under new weights, is younger than
+    its start."""
+    if isinstance(rollout, RolloutRecord):
+        tokens = rollout.tokens
+        if tokens is None or tokens.policy_versions is None:
+            return rollout.policy_version_start
+        versions = tokens.policy_versions[tokens.loss_mask()]
+    else:
+        if any(len(t.policy_versions) != len(t.completion_ids) for t in rollout.turns):
+            return rollout.policy_version_start
+        versions = np.fromiter((v for t in rollout.turns for v in t.policy_versions), dtype=np.int64)
+    if versions.size == 0 or (versions < 0).any():
+        return rollout.policy_version_start
+    return int(versions.min())
+
+
 @dataclass(kw_only=True)
 class StaleFilter(RolloutFilter):
     """Older than the off-policy bound for the step it would train: always enforced.
 
-    A batch for step s trains policy s-1 into s, so a rollout's staleness is
-    (s - 1) - policy_version_start; it is stale when that exceeds `max_off_policy_steps`.
+    A batch for step s trains policy s-1 into s, so a rollout's staleness is (s - 1) - the version of its
+    oldest token (`oldest_policy_version`); it is stale when that exceeds `max_off_policy_steps`.
     """
 
     name: ClassVar[str] = "stale"
@@ -170,7 +189,7 @@ class StaleFilter(RolloutFilter):
         if step is None:
             raise ValueError("filter stale needs the step the batch trains: pass apply_filters(..., step=s)")
         oldest_allowed = step - 1 - self.max_off_policy_steps
-        return [r.policy_version_start < oldest_allowed for r in rollouts]
+        return [oldest_policy_version(r) < oldest_allowed for r in rollouts]
 
 
 FILTERS: dict[str, type[RolloutFilter]] = {

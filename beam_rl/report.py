@@ -13,6 +13,7 @@ from typing import Any
 
 from rich.table import Table
 
+from beam_rl import goodput
 from beam_rl.rundir import CommitRecord, MetricsTail, RunDir
 
 
@@ -28,6 +29,7 @@ class StepRow:
     filtered: dict[str, int]
     policy_version_min: int | None
     staleness_max: int | None
+    tokens_by_fate: dict[str, int]  # generated tokens whose fate this step decided (beam_rl/goodput.py)
     rollouts_per_s: float | None = None  # window rollouts / time since the previous commit
     trainer: dict[str, Any] | None = None
     permits_in_use: float | None = None  # mean share of max_inflight running since the previous commit
@@ -40,7 +42,13 @@ class StepRow:
         return cls(step=commit.step, committed_at=commit.committed_at, rollouts=window.rollouts,
                    trained=window.trained_rollouts, tokens=commit.counts.tokens, reward_mean=window.reward_mean,
                    errored=window.errored, filtered=dict(window.filtered),
-                   policy_version_min=window.policy_version_min, staleness_max=window.staleness_max, **derived)
+                   policy_version_min=window.policy_version_min, staleness_max=window.staleness_max,
+                   tokens_by_fate=dict(window.tokens_by_fate), **derived)
+
+    @property
+    def goodput(self) -> float | None:
+        """Trained tokens over the tokens whose fate this step decided; None when it decided none."""
+        return goodput.goodput(self.tokens_by_fate)
 
 
 @dataclass(frozen=True)
@@ -63,15 +71,17 @@ STEP_COLUMNS: dict[str, StepColumn] = {c.header: c for c in (
     StepColumn("errored", lambda r: str(r.errored)),
     StepColumn("filtered", lambda r: ", ".join(f"{k}={v}" for k, v in sorted(r.filtered.items())) or "0"),
     StepColumn("lag max", lambda r: "" if r.staleness_max is None else str(r.staleness_max)),
+    StepColumn("good", lambda r: "-" if r.goodput is None else f"{100 * r.goodput:.0f}%"),
     StepColumn("rollouts/s", lambda r: f"{r.rollouts_per_s:.1f}" if r.rollouts_per_s else "-"),
     StepColumn("permits used", lambda r: "-" if r.permits_in_use is None else f"{100 * r.permits_in_use:.0f}%"),
     StepColumn("loss", _trainer("loss", ".4f")),
     StepColumn("trainer wait s", _trainer("wait_s", ".1f")),
 )}
 # `beam-rl inspect` and `beam-rl report`: what the commit records alone hold.
-COMMITTED_COLUMNS = ("step", "rollouts", "trained", "tokens", "reward mean", "errored", "filtered", "lag max")
+COMMITTED_COLUMNS = ("step", "rollouts", "trained", "tokens", "reward mean", "errored", "filtered", "lag max",
+                     "good")
 # The live table, most wanted first: as many as the terminal is wide enough for (`fitting_columns`).
-LIVE_COLUMNS = ("step", "reward mean", "rollouts/s", "trained", "lag max", "loss", "errored", "filtered",
+LIVE_COLUMNS = ("step", "reward mean", "rollouts/s", "trained", "lag max", "good", "loss", "errored", "filtered",
                 "trainer wait s", "rollouts", "tokens", "permits used")
 
 
@@ -200,9 +210,42 @@ def _rows(commits: Iterable[CommitRecord], previous: float | None, dispatch: lis
     return rows
 
 
+def weight_update_summary(metrics: list[dict[str, Any]]) -> str | None:
+    """The run's weight updates in one line: how many, in which modes, the engine time each took from
+    each server (paused, or loading in reload mode) and the rollouts they made too stale; None before any."""
+    updates = [m["weight_update"] for m in metrics if "weight_update" in m]
+    per_server = [s for u in updates for s in u["servers"]]
+    if not per_server:
+        return None
+    idle = [s["engine_idle_s"] for s in per_server]
+    modes = "/".join(sorted({s["mode"] for s in per_server}))
+    return (f"weight updates: {len(updates)} ({modes}); engine time lost per update and server: "
+            f"mean {sum(idle) / len(idle):.3f} s, max {max(idle):.3f} s; stale rollouts regenerated "
+            f"{sum(u['regenerated_rollouts'] for u in updates)}, cancelled "
+            f"{sum(u['cancelled_stale_rollouts'] for u in updates)}")
+
+
+def plot_tokens_by_fate(ax: Any, rows: list[StepRow]) -> None:
+    """Generated tokens per step stacked by fate (trained at the bottom), and goodput on its own axis."""
+    steps = [r.step for r in rows]
+    fates = sorted({f for r in rows for f in r.tokens_by_fate}, key=lambda f: (f != goodput.TRAINED, f))
+    bottom = [0] * len(rows)
+    for fate in fates:
+        heights = [r.tokens_by_fate.get(fate, 0) for r in rows]
+        ax.bar(steps, heights, bottom=bottom, label=fate)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_ylabel("tokens by fate")
+    if fates:
+        ax.legend(fontsize=7, loc="upper left")
+    share = ax.twinx()
+    share.plot(steps, [r.goodput if r.goodput is not None else float("nan") for r in rows], "k.-")
+    share.set_ylim(0, 1.05)
+    share.set_ylabel("goodput")
+
+
 def write_plot(run_dir: RunDir, path: Path | None = None) -> Path:
-    """reward, off-policy lag, throughput and dispatcher utilization per step, as one PNG beside the
-    run's metrics."""
+    """reward, off-policy lag, throughput, dispatcher utilization and tokens by fate per step, as one PNG
+    beside the run's metrics."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,7 +254,7 @@ def write_plot(run_dir: RunDir, path: Path | None = None) -> Path:
     rows = step_rows(run_dir)
     path = path or run_dir.path / "report.png"
     steps = [r.step for r in rows]
-    fig, axes = plt.subplots(4, 1, figsize=(7, 10), sharex=True)
+    fig, axes = plt.subplots(5, 1, figsize=(7, 12.5), sharex=True)
     axes[0].plot(steps, [r.reward_mean if r.reward_mean is not None else float("nan") for r in rows], "o-")
     axes[0].set_ylabel("mean reward")
     axes[1].plot(steps, [r.staleness_max if r.staleness_max is not None else float("nan") for r in rows], "o-")
@@ -227,7 +270,8 @@ def write_plot(run_dir: RunDir, path: Path | None = None) -> Path:
                      label=f"{url.rsplit('//', 1)[-1]}: rollouts in flight")
     axes[3].set_ylabel("utilization")
     axes[3].legend(fontsize=7)
-    axes[3].set_xlabel("step")
+    plot_tokens_by_fate(axes[4], rows)
+    axes[4].set_xlabel("step")
     fig.suptitle(f"beam-rl run {run_dir.path.name}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from beam_rl import goodput
 from beam_rl.advantages import AdvantageAlgorithm
-from beam_rl.filters import FilterCounts, RolloutFilter, apply_filters
+from beam_rl.filters import FilterCounts, RolloutFilter, apply_filters, oldest_policy_version
 from beam_rl.packing import BatchCutter, pack_for_ranks
 from beam_rl.samples import (
     samples_from_columns,
@@ -143,6 +144,7 @@ class BatchBuilder:
         self._window: list[RolloutRecord] = []
         self._window_groups: list[str] = []
         self._window_counts = FilterCounts()
+        self._cut_fates: Counter[str] = Counter()  # tokens of rollouts cut into a batch not emitted (all flagged)
 
     @property
     def pending_rollouts(self) -> int:
@@ -181,7 +183,7 @@ class BatchBuilder:
         return {**self.__dict__, "_window": self._window_without_pending_tokens()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"_cut_fates": Counter(), **state})  # a packer state saved before goodput counts
         self.restore_pending(self._pending)
 
     def _window_without_pending_tokens(self) -> list[RolloutRecord]:
@@ -231,7 +233,12 @@ class BatchBuilder:
     def _build(self, cohort: list[ScoredGroup], observe_only_ok: bool = False) -> TrainBatch | None:
         step = self.next_step
         rollouts = [r for g in cohort for r in g.clean]
+        # Goodput: the window's rollouts that can no longer train are counted now, before the post-batch
+        # filters flag some of the cohort's (counted with the cohort).
+        window_fates = goodput.discarded_fates(self._window) + goodput.unclean_fates(
+            self._window, frozenset(f.name for f in self.post_filters))
         self._window_counts = self._window_counts + apply_filters(self.post_filters, rollouts, step=step)
+        self._cut_fates += goodput.cut_fates(rollouts)
         kept = {r.rollout_id for r in rollouts if r.filtered is None}
         by_algorithm: dict[Any, tuple[AdvantageAlgorithm, list[Sample]]] = {}
         group_ids = []
@@ -248,11 +255,13 @@ class BatchBuilder:
         samples = [s for _, algorithm_samples in by_algorithm.values() for s in algorithm_samples]
         micro_batches = pack_for_ranks(samples, self.seq_len, self.ranks)
         window = self._window_stats(step, kept, samples, micro_batches)
+        window["tokens_by_fate"] = dict(sorted((window_fates + self._cut_fates).items()))
         self.next_step += 1
         observed, packed_at = self._window, self._clock()
         for r in observed:
             r.t_packed = packed_at
         self._window, self._window_groups, self._window_counts = [], [], FilterCounts()
+        self._cut_fates = Counter()
         return TrainBatch(step=step, micro_batches=micro_batches, group_ids=group_ids, window=window,
                           rollouts=observed)
 
@@ -262,6 +271,7 @@ class BatchBuilder:
         window = self._window
         ok = [r for r in window if r.ok]
         versions = np.array([r.policy_version_start for r in window], dtype=np.int64)
+        oldest = np.array([oldest_policy_version(r) for r in window], dtype=np.int64)
         return {
             "step": step,
             "rollouts": len(window),
@@ -274,7 +284,7 @@ class BatchBuilder:
             "completion_tokens_mean": float(np.mean([r.completion_tokens for r in ok])) if ok else None,
             "policy_version_min": int(versions.min()) if versions.size else None,
             "policy_version_max": int(versions.max()) if versions.size else None,
-            "staleness_max": int((step - 1) - versions.min()) if versions.size else None,
+            "staleness_max": int((step - 1) - oldest.min()) if oldest.size else None,  # by the oldest token
             "samples": len(samples),
             "tokens": int(sum(len(s) for s in samples)),
             "micro_batches": [len(rank) for rank in micro_batches],

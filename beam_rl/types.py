@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from schemas.fields import (
+    DISCARD_FATES,
     ROLLOUT_FIELDS,
     SAMPLE_TOKEN_FIELDS,
     declared,
@@ -106,6 +107,8 @@ class Rollout:
     # Filled by the train sink:
     advantage: float = 0.0
     filtered: str | None = None  # name of the filter that flagged it; None = clean
+    # Tokens generated for it but not in its turns (earlier tries, a cancelled or failed one's), by fate.
+    discarded_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DISCARD_FATES, 0))
     temperature: float = 1.0
     epoch: int = 0
     index: int = 0

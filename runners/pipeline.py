@@ -221,6 +221,7 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
     """Submit the rollout job for a run directory this process then follows (see RolloutJob)."""
     directory = RunDir(run_dir or config.run.dir)
     directory.check_writable()
+    components.check_servers(config, server_urls)  # a refused API key fails here, not rollout by rollout
     lease = RunLease(directory.path).acquire()
     try:
         removed = directory.clean_uncommitted()  # what a killed run left half-written

@@ -109,12 +109,14 @@ class WindowStats(BaseModel):
     completion_tokens_mean: float | None = None
     policy_version_min: int | None = None
     policy_version_max: int | None = None
-    staleness_max: int | None = None  # (step - 1) - policy_version_min
+    staleness_max: int | None = None  # (step - 1) - the oldest token's policy version in the window
     samples: NonNegativeInt = 0
     tokens: NonNegativeInt = 0
     micro_batches: list[NonNegativeInt] = []  # per rank
     group_ids: list[str] = []  # every group seen in the window, trained or not
-    tokens_by_fate: dict[str, NonNegativeInt] = {}  # generated tokens by what became of them (goodput)
+    # Generated tokens by what became of them (goodput, beam_rl/goodput.py): trained, stale, server_failure,
+    # cancelled, errored, reward_error, filtered/<filter>; each counted once, in the step that decided it.
+    tokens_by_fate: dict[str, NonNegativeInt] = {}
 
 
 class CommitRecord(BaseModel):

@@ -139,6 +139,11 @@ TURN_FIELDS: tuple[TurnField, ...] = (
 
 TURNS_TYPE = pa.list_(pa.struct([pa.field(f.name, f.column_type, nullable=f.nullable) for f in TURN_FIELDS]))
 
+# Why tokens generated for a rollout were thrown away (beam_rl/goodput.py): too stale (regenerated or
+# cancelled), lost with a failed server, cancelled at shutdown, lost with an error of the rollout's own.
+DISCARD_FATES = ("stale", "server_failure", "cancelled", "errored")
+DISCARDED_TOKENS_TYPE = pa.struct([pa.field(fate, pa.int32()) for fate in DISCARD_FATES])
+
 ROLLOUT_FIELDS: tuple[RolloutField, ...] = (
     # which rollout
     RolloutField("rollout_id", pa.string(), "`<group_id>/<attempt>`", source="computed"),
@@ -156,6 +161,9 @@ ROLLOUT_FIELDS: tuple[RolloutField, ...] = (
     RolloutField("num_turns", pa.int32(), "model generations in the trajectory", source="computed"),
     RolloutField("completion_tokens", pa.int32(), "tokens the model generated, all turns", source="computed"),
     RolloutField("truncated", pa.bool_(), "the last turn stopped at the token limit", source="computed"),
+    RolloutField("discarded_tokens", DISCARDED_TOKENS_TYPE, "tokens generated for it that are not in its turns "
+                 "(earlier tries, a cancelled or failed one's), by why they were thrown away: "
+                 + ", ".join(DISCARD_FATES)),
     # policy versions
     RolloutField("policy_version_start", pa.int32(), "the policy version when its request was sent"),
     RolloutField("policy_version_end", pa.int32(), "the policy version when it finished"),

@@ -1,15 +1,21 @@
-"""Helpers for tests that talk to the embedded server over loopback HTTP: its metrics, and the
-Server-Sent Events of a streamed completion."""
+"""Helpers for tests that talk to the embedded server over loopback HTTP: its metrics, the Server-Sent
+Events of a streamed completion, and the weights versions it says sampled each token."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from beam_rl.inference import client as client_module
+from beam_rl.inference.inflight import LiveRequest
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -42,3 +48,33 @@ def sse_data(lines: list[str]) -> list[Any]:
         payload = line[len("data: "):]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+@contextlib.contextmanager
+def served_versions() -> Iterator[dict[int, list[int]]]:
+    """What the embedded server says sampled each token it sent (`return_weight_versions`), recorded beside
+    what the client makes of it: keyed by the id of the client's Completion.policy_versions list, which a
+    single-turn rollout's Turn keeps. The product never reads these (real vLLM has no such field)."""
+    served: dict[int, list[int]] = collections.defaultdict(list)
+    pending: collections.deque[list[int]] = collections.deque()  # one entry per choice, in LiveRequest.add order
+    add, add_chunk, parse = LiveRequest.add, LiveRequest.add_chunk, client_module.parse_completions
+
+    def record_add(self, index, token_ids, logprobs, finish_reason):
+        served[id(self.choices[index].policy_versions)].extend(pending.popleft())
+        return add(self, index, token_ids, logprobs, finish_reason)
+
+    def record_chunk(self, chunk, bad):
+        pending.extend(c.get("token_weight_versions") or [] for c in chunk.get("choices") or [])
+        return add_chunk(self, chunk, bad)
+
+    def record_parse(body, url, n):
+        completions = parse(body, url, n)
+        by_index = {c.get("index", 0): c.get("token_weight_versions") or [] for c in body["choices"]}
+        pending.extend(by_index[i] for i in range(n))
+        return completions
+
+    LiveRequest.add, LiveRequest.add_chunk, client_module.parse_completions = record_add, record_chunk, record_parse
+    try:
+        yield served
+    finally:
+        LiveRequest.add, LiveRequest.add_chunk, client_module.parse_completions = add, add_chunk, parse

@@ -10,6 +10,7 @@ import pytest
 from rich.console import Console
 
 from beam_rl import cli
+from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.rundir import RunDir
 from beam_rl.types import TrainBatch
 from step_damage import FILE_DAMAGE, RECORD_DAMAGE
@@ -41,7 +42,8 @@ def three_steps(run: RunDir) -> RunDir:
     for step in (1, 2, 3):
         committed = batch(step)
         committed.window = {"rollouts": 10 * step, "trained_rollouts": step, "reward_mean": 0.25, "errored": 1,
-                            "filtered": {"gibberish": 2}, "staleness_max": 0}
+                            "filtered": {"gibberish": 2}, "staleness_max": 0,
+                            "tokens_by_fate": {"trained": 10 * step, "stale": 10}}
         run.write_step(committed)
     return run
 
@@ -49,14 +51,14 @@ def three_steps(run: RunDir) -> RunDir:
 def step_rows(lines: list[str]) -> list[str]:
     """The step numbers of the table's rows."""
     rows = [_STYLE.sub("", line).split("│") for line in lines]
-    return [row[1].strip() for row in rows if len(row) == 10 and row[1].strip().isdigit()]
+    return [row[1].strip() for row in rows if len(row) == 11 and row[1].strip().isdigit()]
 
 
 def test_inspect_shows_every_committed_step_of_an_intact_run(tmp_path, monkeypatch):
     run = three_steps(RunDir(tmp_path))
     status, lines = run_cli(monkeypatch, "inspect", str(run.path))
     assert status == 0 and step_rows(lines) == ["1", "2", "3"]
-    assert cells(lines, 3) == ["3", "30", "3", "11", "0.250", "1", "gibberish=2", "0"]
+    assert cells(lines, 3) == ["3", "30", "3", "11", "0.250", "1", "gibberish=2", "0", "75%"]  # 30 of 40 trained
     assert coloured(lines, RED) == []
 
 
@@ -103,6 +105,7 @@ def test_report_plots_an_intact_run_and_names_a_damaged_commit_record(tmp_path, 
     status, lines = run_cli(monkeypatch, "report", str(run.path))
     assert status == 0 and step_rows(lines) == ["1", "2", "3"]
     assert (run.path / "report.png").stat().st_size > 0
+    assert not any("weight updates" in line for line in lines)  # none yet
     RECORD_DAMAGE["garbage"][0](run.commit_path(2))
     status, lines = run_cli(monkeypatch, "report", str(run.path))
     red = coloured(lines, RED)
@@ -115,7 +118,7 @@ def test_an_empty_window_step_shows_zeros(tmp_path, monkeypatch):
     run = RunDir(tmp_path)
     run.write_step(TrainBatch(step=1, micro_batches=[], group_ids=[], window={}))
     status, lines = run_cli(monkeypatch, "inspect", str(run.path))
-    assert status == 0 and cells(lines, 1) == ["1", "0", "0", "0", "0.000", "0", "0", ""]
+    assert status == 0 and cells(lines, 1) == ["1", "0", "0", "0", "0.000", "0", "0", "", "-"]
 
 
 _BUSY_CONFIG = """
@@ -174,3 +177,20 @@ def test_resuming_a_complete_run_starts_nothing_and_says_so(tmp_path, monkeypatc
     with run.publish_weights_dir(3) as weights:
         (weights / "model.safetensors").write_bytes(b"")
     assert cli._run_complete(reference, 3)
+
+
+def test_report_says_what_the_weight_updates_cost_each_server(tmp_path, monkeypatch):
+    run = three_steps(RunDir(tmp_path))
+    # As the source records them: keep mode's engine time lost is the pause, reload mode's the load.
+    for version, timings, regenerated in ((1, [("keep", 0.02, 0.01), ("keep", 0.04, 0.03)], 3),
+                                          (2, [("reload", 0.0, 0.03), ("reload", 0.0, 0.05)], 2)):
+        run.append_metrics({"weight_update": {
+            "t": 1.0, "shard": 0, "version": version, "seconds": 0.1, "regenerated_rollouts": regenerated,
+            "cancelled_stale_rollouts": 1, "servers": [UpdateTiming(f"http://127.0.0.1:{port}", mode, version,
+                                                                    paused, load).as_dict()
+                                                       for port, (mode, paused, load) in enumerate(timings)]}})
+    status, lines = run_cli(monkeypatch, "report", str(run.path))
+    assert status == 0
+    assert [_STYLE.sub("", line) for line in lines if "weight updates" in line] == [
+        "weight updates: 2 (keep/reload); engine time lost per update and server: mean 0.035 s, max 0.050 s; "
+        "stale rollouts regenerated 5, cancelled 2"]

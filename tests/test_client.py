@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -12,7 +13,10 @@ import pytest
 from aiohttp import web
 
 from beam_rl.envs.base import SamplingParams
+from beam_rl.envs.base import Completion
 from beam_rl.inference.client import (
+    InferenceAborted,
+    InferenceAuthError,
     InferenceBadResponse,
     InferenceClient,
     InferenceConnectionError,
@@ -22,6 +26,7 @@ from beam_rl.inference.client import (
     parse_completions,
     parse_server_load,
 )
+from beam_rl.inference.inflight import Progress
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,6 +67,7 @@ class StubVLLM:
     def __init__(self) -> None:
         self.plan: list[str | int] = []
         self.completions: list[dict[str, Any]] = []  # request bodies, in arrival order
+        self.headers: list[dict[str, str]] = []
         self.posts: list[
             tuple[str, dict[str, Any], dict[str, str]]
         ] = []  # (path, body, query) of control calls
@@ -84,7 +90,15 @@ class StubVLLM:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.completions.append(body)
+        self.headers.append(dict(request.headers))
         step = self.plan.pop(0) if self.plan else "ok"
+        if step == 401:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        if body.get("stream"):
+            return await self._stream(request, body, step)
+        if step == "abort":
+            choice = {"index": 0, "token_ids": [4], "logprobs": {"token_logprobs": [-0.4]}, "finish_reason": "abort"}
+            return web.json_response({"choices": [choice]})
         if step == "drop":
             request.transport.close()
             return web.Response()
@@ -126,6 +140,23 @@ class StubVLLM:
             for i in reversed(range(body["n"]))
         ]
         return web.json_response({"id": "cmpl-1", "choices": choices})
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], step: str | int) -> web.StreamResponse:
+        """vLLM's server-sent events: one chunk per token of choice 0 ([30 + i], logprob -i/10), then one
+        with its finish_reason, then [DONE]; "cut" drops the connection after two tokens."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(body["max_tokens"]):
+            if step == "cut" and i == 2:
+                request.transport.close()
+                return response
+            chunk = {"choices": [{"index": 0, "token_ids": [30 + i], "logprobs": {"token_logprobs": [-i / 10]},
+                                  "finish_reason": None}]}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        end = {"choices": [{"index": 0, "token_ids": [], "logprobs": {"token_logprobs": []}, "finish_reason": "length"}]}
+        await response.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics, content_type="text/plain")
@@ -185,6 +216,7 @@ def test_complete_sends_token_in_token_out_request_and_orders_choices_by_index()
         "return_token_ids": True,
         "skip_special_tokens": False,
         "stop_token_ids": [2, 99],
+        "cache_salt": "policy-v0",  # the prefix cache is salted per policy version
         "seed": 1234,
     }
 
@@ -350,3 +382,92 @@ def test_well_formed_ids_and_logprobs_are_taken_as_parsed():
     for token_ids, lps in (([1, "x"], [-1.0, -1.0]), ([1, None], [-1.0, -1.0]), ([1, 2], [-1.0, "y"])):
         with pytest.raises(InferenceBadResponse, match="non-numeric token id or logprob"):
             parse_completions(_answer(token_ids, lps), "http://s", 1)
+
+
+# -- streaming, partial completions, continuation ---------------------------------------------------------
+
+
+def test_a_streamed_completion_is_assembled_token_by_token_with_its_versions_and_progress():
+    async def test(stub: StubVLLM, url: str) -> None:
+        progress = Progress()
+        async with InferenceClient(url, stream=True, version=4) as client:
+            (completion,) = await client.complete([1, 2], SAMPLING, progress=progress)
+        assert completion.token_ids == [30, 31, 32, 33, 34, 35, 36] and completion.finish_reason == "length"
+        assert completion.logprobs == [-i / 10 for i in range(7)] and completion.policy_versions == [4] * 7
+        assert progress.tokens == [7] and progress.oldest_version == 4 and progress.first_token_at > 0
+
+    (body,) = run_with_stub(test).completions
+    assert body["stream"] is True and body["cache_salt"] == "policy-v4"
+
+
+def test_a_stream_cut_mid_way_fails_with_its_tokens_and_continues_from_them():
+    async def test(stub: StubVLLM, url: str) -> None:
+        stub.plan = ["cut"]
+        async with InferenceClient(url, stream=True, max_retries=0) as client:
+            with pytest.raises(InferenceConnectionError, match="mid-stream") as info:
+                await client.complete([1, 2], SAMPLING)
+            (partial,) = info.value.partial
+            assert partial.token_ids == [30, 31] and partial.finish_reason is None
+            assert info.value.server_fault  # a dead server: the dispatcher moves the rollout elsewhere
+            # Here or on another server: the prompt grows by what came, and max_tokens shrinks by as much.
+            (completion,) = await client.complete([1, 2], SAMPLING, partial=info.value.partial)
+        assert completion.token_ids == [30, 31, 30, 31, 32, 33, 34] and completion.finish_reason == "length"
+        assert completion.logprobs[:3] == [0.0, -0.1, 0.0]
+
+    first, second = run_with_stub(test).completions
+    assert (first["prompt"], first["max_tokens"]) == ([1, 2], 7)
+    assert (second["prompt"], second["max_tokens"]) == ([1, 2, 30, 31], 5)
+
+
+def test_retries_continue_from_the_tokens_already_streamed():
+    async def test(stub: StubVLLM, url: str) -> None:
+        stub.plan = ["cut"]
+        async with InferenceClient(url, stream=True, max_retries=1, backoff_s=0.001) as client:
+            (completion,) = await client.complete([1, 2], SAMPLING)
+        assert completion.token_ids == [30, 31, 30, 31, 32, 33, 34] and completion.finish_reason == "length"
+
+    first, second = run_with_stub(test).completions
+    assert (second["prompt"], second["max_tokens"]) == ([1, 2, 30, 31], 5)
+
+
+def test_an_abort_this_client_did_not_cause_is_continued_then_raised_with_its_tokens():
+    async def test(stub: StubVLLM, url: str) -> None:
+        stub.plan = ["abort", "abort"]
+        async with InferenceClient(url, max_retries=1, backoff_s=0.001) as client:
+            with pytest.raises(InferenceAborted, match="not paused by this client") as info:
+                await client.complete([1], SAMPLING)
+        assert info.value.partial[0].token_ids == [4, 4] and not info.value.server_fault
+
+    first, second = run_with_stub(test).completions
+    assert (second["prompt"], second["max_tokens"]) == ([1, 4], 6)
+
+
+def test_group_choices_are_continued_one_request_each_with_their_own_seed():
+    async def test(stub: StubVLLM, url: str) -> None:
+        partial = [Completion([5], [-0.1], None, [0]), Completion([6, 7], [-0.1, -0.2], "stop", [0, 0]),
+                   Completion([], [], None, [])]
+        async with InferenceClient(url) as client:
+            done = await client.complete([1], SAMPLING, n=3, partial=partial)
+        assert [c.token_ids for c in done] == [[5, 1, 2], [6, 7], [1, 2]]  # the finished one is kept as it was
+        assert [c.policy_versions for c in done] == [[0, 0, 0], [0, 0], [0, 0]]
+
+    bodies = run_with_stub(test).completions
+    assert sorted((b["prompt"], b["n"], b["max_tokens"], b["seed"]) for b in bodies) == [
+        ([1], 1, 7, 1234 + 2), ([1, 5], 1, 6, 1234)]
+
+
+# -- API keys --------------------------------------------------------------------------------------------
+
+
+def test_the_api_key_goes_in_the_authorization_header_and_never_in_a_message():
+    async def test(stub: StubVLLM, url: str) -> None:
+        async with InferenceClient(url, api_key="s3cret-key") as client:
+            await client.complete([1], SAMPLING)
+            stub.plan = [401]
+            with pytest.raises(InferenceAuthError) as info:
+                await client.complete([1], SAMPLING)
+            assert "s3cret-key" not in str(info.value) + repr(client)
+            assert not info.value.retryable  # one refused key is not worth a stream of retries
+
+    stub = run_with_stub(test)
+    assert stub.headers[0]["Authorization"] == "Bearer s3cret-key" and len(stub.completions) == 2

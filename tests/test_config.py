@@ -62,7 +62,8 @@ def test_example_config_is_valid_and_spells_out_every_section():
     # Every key but the optional ones (left commented out, with their meaning) is written out.
     optional = {"batch.token_budget", "runner.flink_master", "runner.checkpointing_interval_ms",
                 "runner.state_backend", "runner.state_backend_storage_path",
-                "runner.environment", "runner.worker_pool", "runner.worker_command", "runner.flink_local_heap_mb"}
+                "runner.environment", "runner.worker_pool", "runner.worker_command", "runner.flink_local_heap_mb",
+                "inference.api_key_env", "inference.ca_bundle"}
     assert _keys(dumped) - optional <= _keys({k: v for k, v in written.items() if k != "envs"})
     assert env_keys - {"limit", "args", "kind"} <= set(written["envs"][0])
 
@@ -216,3 +217,18 @@ def test_trainer_section_defaults_and_ratio_clip_bounds(tmp_path):
     assert (trainer.clip_eps_low, trainer.clip_eps_high) == (0.2, 0.2)
     err = problems_of(tmp_path, MINIMAL + "[trainer]\nclip_eps_low = 1.0\nmax_grad_norm = 0.0\n")
     assert [path for path, _ in err.problems] == ["trainer.clip_eps_low", "trainer.max_grad_norm"]
+
+
+def test_weight_update_modes_and_secured_server_settings_are_checked(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL))
+    assert (cfg.weights.update_mode, cfg.inference.stream, cfg.inference.max_redispatches) == ("keep", True, 3)
+    assert cfg.off_policy.max_regenerations == 2 and cfg.inference.api_key_env is None
+    err = problems_of(tmp_path, MINIMAL + '[weights]\nupdate_mode = "pause"\n')
+    assert "weights.update_mode" in str(err) and "'reload', 'keep' or 'continue'" in str(err)
+    err = problems_of(tmp_path, MINIMAL + f'[inference]\nca_bundle = "{tmp_path}/missing.pem"\n')
+    assert "inference.ca_bundle" in str(err) and "is not a file" in str(err)
+    (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    cfg = load_config(write(tmp_path, MINIMAL + f'[inference]\nca_bundle = "{tmp_path}/ca.pem"\n'
+                                                'api_key_env = "VLLM_API_KEY"\n'))
+    assert cfg.inference.ca_bundle == tmp_path / "ca.pem"
+    assert "VLLM_API_KEY" in json.dumps(cfg.model_dump(mode="json"))  # the variable's name, never a key

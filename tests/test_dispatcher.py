@@ -24,7 +24,7 @@ from beam_rl.inference.client import (
     InferenceHTTPError,
     ServerLoad,
 )
-from beam_rl.types import GroupRequest, Rollout, RolloutStatus, make_group_id
+from beam_rl.types import GroupRequest, Rollout, RolloutStatus, Turn, make_group_id
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,6 +37,8 @@ class Call:
     prompt_ids: list[int]
     sampling: SamplingParams
     n: int
+    partial: list[Completion] | None = None  # what a failed server had streamed, passed on by a re-dispatch
+    progress: Any = None  # the launch's Progress, which a real client updates as tokens arrive
     release: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: bool = False
 
@@ -64,8 +66,9 @@ class FakeClient:
         self.behave = behave
         self.healthy = True
 
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
-        call = Call(self.base_url, list(prompt_ids), sampling, n)
+    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1, *,
+                       partial: list[Completion] | None = None, progress: Any = None) -> list[Completion]:
+        call = Call(self.base_url, list(prompt_ids), sampling, n, partial, progress)
         self.tracker.calls.append(call)
         self.tracker.active += n
         self.tracker.peak = max(self.tracker.peak, self.tracker.active)
@@ -136,6 +139,8 @@ def make(
     modes: dict[str, str] | None = None,
     version: list[int] | None = None,
     seed: int = 0,
+    max_redispatches: int = 3,
+    max_regenerations: int = 2,
     **pool_kwargs: Any,
 ) -> tuple[Dispatcher, Tracker]:
     tracker = Tracker()
@@ -151,6 +156,8 @@ def make(
         lambda: version[0],
         outbox.append,
         seed=seed,
+        max_redispatches=max_redispatches,
+        max_regenerations=max_regenerations,
     )
     dispatcher.outbox = outbox
     dispatcher.add(requests)
@@ -416,15 +423,47 @@ def test_cancel_stale_cancels_groups_started_on_an_old_policy():
 def test_rollouts_are_stamped_with_start_and_end_policy_versions():
     async def main() -> None:
         version = [3]
-        dispatcher, tracker = make(1, 4, groups(1, 1), gated, version=version)
+        dispatcher, tracker = make(1, 4, groups(2, 1), gated, version=version)
         dispatcher.fill()
         await settle()
-        version[0] = 5
         tracker.calls[0].release.set()
+        (steady,) = await collect(dispatcher, 1)
+        version[0] = 5
+        tracker.calls[1].release.set()
+        (updated,) = await collect(dispatcher, 1)
+        assert (steady.policy_version_start, steady.policy_version_end) == (3, 3)
+        assert (updated.policy_version_start, updated.policy_version_end) == (3, 5)
+        # A client that reports no version per token: exact only when no update happened during the launch.
+        assert [t.policy_versions for t in steady.turns] == [[3, 3, 3]]
+        assert [t.policy_versions for t in updated.turns] == [[-1, -1, -1]]
+
+    asyncio.run(main())
+
+
+def test_token_versions_the_client_reports_reach_turns_an_environment_built_itself():
+    class TwoTurns(FakeEnv):
+        """Builds its turns from copies of the completions' tokens and never passes their versions on,
+        as a plug-in environment may."""
+
+        async def run(self, client, row, prompt_ids, sampling):
+            turns = []
+            for _ in range(2):
+                (c,) = await client.complete(prompt_ids, sampling)
+                turns.append(Turn(list(c.token_ids), list(c.logprobs), c.finish_reason))
+            return Trajectory(turns)
+
+    replies = iter([[4, 5], [6, 7, 8]])
+
+    async def versioned(call: Call) -> list[Completion]:
+        ids = next(replies)
+        return [Completion(ids, [-0.5] * len(ids), "stop", [2] * (len(ids) - 1) + [3])]
+
+    async def main() -> None:
+        dispatcher, _ = make(1, 1, groups(1, 1), versioned, version=[2])
+        dispatcher.envs["math"] = TwoTurns()
         (rollout,) = await collect(dispatcher, 1)
-        assert (rollout.policy_version_start, rollout.policy_version_end) == (3, 5)
-        # The client reports no version per token yet: each generated token gets the start version.
-        assert [t.policy_versions for t in rollout.turns] == [[3, 3, 3]]
+        assert [t.policy_versions for t in rollout.turns] == [[2, 3], [2, 2, 3]]
+        assert (rollout.token_version_min, rollout.token_version_max) == (2, 3)
 
     asyncio.run(main())
 
@@ -533,7 +572,7 @@ def test_group_mode_failure_emits_one_errored_placeholder_per_permit():
         raise InferenceConnectionError("http://s0/v1/completions: connection failed", "http://s0")
 
     async def main() -> None:
-        dispatcher, _ = make(1, 4, groups(1, 3), fail, modes={"math": "group"})
+        dispatcher, _ = make(1, 4, groups(1, 3), fail, modes={"math": "group"}, max_redispatches=0)
         rollouts = await collect(dispatcher, 3)
         assert sorted(r.attempt for r in rollouts) == [0, 1, 2]
         assert all(r.status is RolloutStatus.ERROR and "connection failed" in r.errors[0] for r in rollouts)
@@ -589,7 +628,7 @@ def test_failing_server_is_marked_unhealthy_skipped_and_reprobed():
 
     async def main() -> None:
         source = groups(5, 1)
-        dispatcher, _ = make(2, 1, source, s0_down, unhealthy_after=2, reprobe_s=0.0)
+        dispatcher, _ = make(2, 1, source, s0_down, unhealthy_after=2, reprobe_s=0.0, max_redispatches=0)
         rollouts = await collect(dispatcher, 5)
         assert [(r.server, r.status) for r in rollouts] == [
             ("http://s0", RolloutStatus.ERROR),
@@ -621,7 +660,7 @@ def test_a_refused_connection_takes_a_server_out_at_once():
             raise InferenceConnectionError("http://s0: cannot connect", "http://s0", refused=True)
 
     async def main() -> None:
-        dispatcher, _ = make(2, 1, groups(4, 1), s0_gone, unhealthy_after=3, reprobe_s=60.0)
+        dispatcher, _ = make(2, 1, groups(4, 1), s0_gone, unhealthy_after=3, reprobe_s=60.0, max_redispatches=0)
         rollouts = await collect(dispatcher, 4)
         assert [(r.server, r.ok) for r in rollouts] == [
             ("http://s0", False), ("http://s1", True), ("http://s1", True), ("http://s1", True)]
@@ -636,7 +675,7 @@ def test_group_moves_off_its_pinned_server_when_that_server_turns_unhealthy():
             raise InferenceConnectionError("http://s0: connection refused", "http://s0")
 
     async def main() -> None:
-        dispatcher, _ = make(2, 1, groups(1, 3), s0_down, unhealthy_after=1)
+        dispatcher, _ = make(2, 1, groups(1, 3), s0_down, unhealthy_after=1, max_redispatches=0)
         rollouts = await collect(dispatcher, 3)
         assert [(r.attempt, r.server, r.ok) for r in rollouts] == [
             (0, "http://s0", False),
@@ -656,6 +695,177 @@ def test_request_errors_do_not_count_against_a_servers_health():
         rollouts = await collect(dispatcher, 3)
         assert all(r.status is RolloutStatus.ERROR for r in rollouts)
         assert dispatcher.pool.servers[0].healthy
+
+    asyncio.run(main())
+
+
+# -- re-dispatch on a failed server ------------------------------------------------------------------
+
+
+def _streamed_then_failed(ids: list[int], version: int) -> InferenceConnectionError:
+    """What InferenceClient raises when its server dies mid-stream: the error with the tokens it had."""
+    error = InferenceConnectionError("http://s0/v1/completions: connection failed mid-stream", "http://s0")
+    error.partial = [Completion(list(ids), [-0.1] * len(ids), None, [version] * len(ids))]
+    return error
+
+
+def test_a_rollout_whose_server_dies_continues_on_another_from_the_tokens_it_streamed():
+    async def s0_dies(call: Call) -> list[Completion] | None:
+        if call.server == "http://s0":
+            call.progress.received(0, 2, 0)
+            raise _streamed_then_failed([7, 8], version=0)
+        if call.partial:  # continued from the dead server's tokens, as a real client does
+            (before,) = call.partial
+            return [Completion(before.token_ids + [9, 2], before.logprobs + [-0.3, -0.4], "stop",
+                               before.policy_versions + [0, 0])]
+        return None
+
+    async def main() -> None:
+        dispatcher, tracker = make(2, 1, groups(1, 3), s0_dies, unhealthy_after=1)
+        got = by_attempt(await collect(dispatcher, 3))
+        first = got[make_group_id(0, 0), 0]
+        assert first.ok and first.server == "http://s1" and first.errors == []
+        assert first.turns[0].completion_ids == [7, 8, 9, 2] and first.turns[0].policy_versions == [0, 0, 0, 0]
+        assert first.discarded_tokens["server_failure"] == 0  # nothing streamed was thrown away
+        # The group's affinity moved with it: the later attempts went straight to s1.
+        assert [c.server for c in tracker.calls] == ["http://s0", "http://s1", "http://s1", "http://s1"]
+        assert tracker.calls[1].partial[0].token_ids == [7, 8]
+        assert all(r.ok and r.server == "http://s1" for r in got.values())
+        assert dispatcher.counters.redispatched == 1 and dispatcher.pool.servers[0].inflight == 0
+        assert dispatcher.pool.servers[1].inflight == 0 and dispatcher.inflight == 0
+
+    asyncio.run(main())
+
+
+def test_re_dispatch_is_bounded_then_the_rollout_is_an_error_counting_the_tokens_lost():
+    async def always_dies(call: Call) -> None:
+        call.progress.received(0, 1, 0)
+        raise _streamed_then_failed([7] * (len(call.partial[0].token_ids) + 1 if call.partial else 1), 0)
+
+    async def main() -> None:
+        dispatcher, tracker = make(3, 1, groups(1, 1), always_dies, max_redispatches=2)
+        (rollout,) = await collect(dispatcher, 1)
+        assert rollout.status is RolloutStatus.ERROR and "connection failed mid-stream" in rollout.errors[0]
+        assert len(tracker.calls) == 3  # the first server and two re-dispatches
+        servers = [c.server for c in tracker.calls]
+        assert all(a != b for a, b in zip(servers, servers[1:]))  # each time off the server that failed
+        assert rollout.discarded_tokens == {"stale": 0, "server_failure": 3, "cancelled": 0, "errored": 0}
+        assert dispatcher.counters.redispatched == 2
+
+    asyncio.run(main())
+
+
+def test_a_bad_request_is_not_re_dispatched():
+    async def bad_request(call: Call) -> None:
+        raise InferenceHTTPError("http://s0/v1/completions: HTTP 400: prompt too long", "http://s0", 400)
+
+    async def main() -> None:
+        dispatcher, tracker = make(2, 1, groups(1, 1), bad_request)
+        (rollout,) = await collect(dispatcher, 1)
+        assert rollout.status is RolloutStatus.ERROR and len(tracker.calls) == 1
+        assert dispatcher.counters.redispatched == 0
+
+    asyncio.run(main())
+
+
+def test_with_every_server_down_a_re_dispatch_waits_for_one_to_come_back():
+    down = {"http://s0", "http://s1"}
+
+    async def while_down(call: Call) -> None:
+        if call.server in down:
+            raise InferenceConnectionError(f"{call.server}: cannot connect", call.server, refused=True)
+
+    async def main() -> None:
+        dispatcher, tracker = make(2, 2, groups(1, 1), while_down, reprobe_s=0.0)
+        dispatcher.fill()
+        await asyncio.sleep(0.1)
+        assert [c.server for c in tracker.calls] == ["http://s0", "http://s1"] and dispatcher.inflight == 1
+        assert not any(s.healthy for s in dispatcher.pool.servers)  # the launch waits, holding its permit
+        down.discard("http://s1")
+        dispatcher.pool.servers[0].client.healthy = False  # what s0's /health still says
+        await dispatcher.pool.refresh()  # the thread host's re-probe
+        (rollout,) = await collect(dispatcher, 1)
+        assert rollout.ok and rollout.server == "http://s1" and dispatcher.counters.redispatched == 2
+
+    asyncio.run(main())
+
+
+# -- regeneration of too-stale rollouts ---------------------------------------------------------------
+
+
+def test_a_rollout_made_too_stale_by_new_weights_is_generated_again_and_its_group_still_trains():
+    async def streams_three_then_waits(call: Call) -> None:
+        call.progress.received(0, 3, version[0])  # tokens of the policy serving now
+        await call.release.wait()
+
+    version = [0]
+
+    async def main() -> None:
+        dispatcher, tracker = make(1, 4, groups(1, 2), streams_three_then_waits, version=version)
+        dispatcher.fill()
+        await settle()
+        tracker.calls[0].release.set()
+        (finished,) = await completed(dispatcher, 5)  # attempt 0 is done before the update
+        version[0] = 3  # new weights: with max_off_policy_steps 1, tokens older than version 2 cannot train
+        assert dispatcher.regenerate_stale(3 - 1) == (1, 0)
+        await settle()
+        assert [c.cancelled for c in tracker.calls] == [False, True]
+        assert dispatcher.open_groups == [make_group_id(0, 0)] and dispatcher.counters.regenerated == 1
+        dispatcher.fill()
+        await settle()
+        again = tracker.calls[2]
+        assert again.sampling.seed == tracker.calls[1].sampling.seed  # the same attempt, started again
+        again.release.set()
+        (regenerated,) = await collect(dispatcher, 1)
+        assert (finished.attempt, regenerated.attempt) == (0, 1) and finished.ok and regenerated.ok
+        assert regenerated.policy_version_start == 3 and regenerated.discarded_tokens["stale"] == 3
+        assert finished.discarded_tokens["stale"] == 0 and dispatcher.open_groups == []
+        assert dispatcher.counters.cancelled == 0
+
+    asyncio.run(main())
+
+
+def test_a_rollout_still_too_stale_after_its_regenerations_is_cancelled_and_counted():
+    version = [0]
+
+    async def streams_then_waits(call: Call) -> None:
+        call.progress.received(0, 2, version[0])
+        await call.release.wait()
+
+    async def main() -> None:
+        dispatcher, tracker = make(1, 1, groups(1, 1), streams_then_waits, version=version, max_regenerations=1)
+        dispatcher.fill()
+        await settle()
+        version[0] = 2
+        assert dispatcher.regenerate_stale(2) == (1, 0)
+        await settle()
+        dispatcher.fill()
+        await settle()
+        assert len(tracker.calls) == 2
+        assert dispatcher.regenerate_stale(2) == (0, 0)  # its new tokens are version 2's: inside the bound
+        version[0] = 4
+        assert dispatcher.regenerate_stale(4) == (0, 1)
+        (rollout,) = await collect(dispatcher, 1)
+        assert rollout.status is RolloutStatus.CANCELLED and len(tracker.calls) == 2
+        assert rollout.discarded_tokens == {"stale": 4, "server_failure": 0, "cancelled": 0, "errored": 0}
+        assert dispatcher.counters.cancelled_stale == 1 and dispatcher.counters.regenerated == 1
+
+    asyncio.run(main())
+
+
+def test_cancelled_rollouts_count_their_streamed_tokens_as_cancelled():
+    async def streams_then_waits(call: Call) -> None:
+        call.progress.received(0, 5, 0)
+        await call.release.wait()
+
+    async def main() -> None:
+        dispatcher, _ = make(1, 2, groups(1, 3), streams_then_waits)
+        dispatcher.fill()
+        await settle()
+        dispatcher.cancel_groups([make_group_id(0, 0)])
+        got = by_attempt(await collect(dispatcher, 3))
+        assert [got[make_group_id(0, 0), a].discarded_tokens["cancelled"] for a in range(3)] == [5, 5, 0]
+        assert all(r.status is RolloutStatus.CANCELLED for r in got.values())
 
     asyncio.run(main())
 
@@ -727,6 +937,9 @@ def test_thread_host_runs_the_dispatcher_for_synchronous_callers():
             "errored": 0,
             "cancelled": 6,
             "groups_admitted": 6,
+            "redispatched": 0,
+            "regenerated": 0,
+            "cancelled_stale": 0,
             "inflight": 0,
             "healthy_servers": 2,
         }

@@ -12,6 +12,7 @@ from beam_rl.filters import (
     OverlongFilter,
     RepetitionFilter,
     StaleFilter,
+    oldest_policy_version,
     ZeroAdvantageFilter,
     apply_filters,
     make_filter,
@@ -92,6 +93,24 @@ def test_stale_is_always_enforced_and_needs_the_step():
     assert (old.filtered, ok.filtered) == ("stale", None)
     with pytest.raises(ValueError, match="needs the step"):
         apply_filters([f], [ok])
+
+
+def test_staleness_is_the_oldest_tokens_not_the_start_versions():
+    f = StaleFilter(max_off_policy_steps=1)
+    # Sent under version 2, but it waited through an update (or continued under new weights): its tokens
+    # are versions 3 and 4, inside the bound of step 5 (oldest allowed 3).
+    younger = _rollout(0, policy_version_start=2)
+    younger.turns[0].policy_versions = [3] * (len(younger.turns[0].completion_ids) - 1) + [4]
+    # Its start version was 3, but an unknown version among its tokens is judged by the start.
+    unknown = _rollout(1, policy_version_start=3)
+    unknown.turns[0].policy_versions = [-1] * len(unknown.turns[0].completion_ids)
+    # A token of version 2 makes it stale, whatever its start says.
+    older = _rollout(2, policy_version_start=3)
+    older.turns[0].policy_versions = [2] + [3] * (len(older.turns[0].completion_ids) - 1)
+    assert [oldest_policy_version(r) for r in (younger, unknown, older)] == [3, 3, 2]
+    assert oldest_policy_version(older.record()) == 2  # the same from the record's arrays
+    apply_filters([f], [younger, unknown, older], step=5)
+    assert [r.filtered for r in (younger, unknown, older)] == [None, None, "stale"]
 
 
 def test_off_mode_is_skipped_and_errored_rollouts_are_not_inspected():

@@ -15,7 +15,8 @@ from beam_rl.types import TrainBatch
 def commit(run: RunDir, step: int) -> float:
     run.write_step(TrainBatch(step=step, micro_batches=[], group_ids=[], window={
         "rollouts": 8 + step, "trained_rollouts": step, "reward_mean": step / 10, "errored": step % 2,
-        "filtered": {"zero_advantage": step % 3}, "policy_version_min": step - 1, "staleness_max": 1}))
+        "filtered": {"zero_advantage": step % 3}, "policy_version_min": step - 1, "staleness_max": 1,
+        "tokens_by_fate": {"trained": 100 * step, "filtered/zero_advantage": 7 * (step % 3), "stale": step % 2}}))
     return run.read_commit(step).committed_at
 
 

@@ -6,6 +6,7 @@ import collections
 import gc
 import os
 import shutil
+import threading
 
 import pyarrow as pa
 import pytest
@@ -102,11 +103,12 @@ def test_the_window_holds_each_rollouts_tokens_versions_and_timeline(finished_ru
         trained = pa.ipc.open_file(pa.memory_map(str(finished_run.rank_path(step, 0)))).read_all()
         samples = dict(zip(trained.column("rollout_id").to_pylist(), trained.column("input_ids").to_pylist()))
         for row in window.to_pylist():
-            stamps = [row[t] for t in ("t_admitted", "t_sent", "t_finished", "t_scored", "t_packed", "t_committed")]
-            assert stamps == sorted(stamps) and row["t_first_token"] is None, row["rollout_id"]
+            stamps = [row[t] for t in ("t_admitted", "t_sent", "t_first_token", "t_finished", "t_scored", "t_packed",
+                                       "t_committed")]
+            assert stamps == sorted(stamps), row["rollout_id"]  # the first token as it streamed back
             if row["status"] != "ok":
                 continue
-            # Until the client reports them, every generated token has the version its rollout started on.
+            # No trainer, no update: the client stamps every token with the one version the servers hold.
             versions = {v for turn in row["turns"] for v in turn["policy_versions"]}
             assert versions == {row["policy_version_start"]} == {row["token_version_min"], row["token_version_max"]}
             tokens = row["prompt_ids"] + [t for turn in row["turns"] for t in turn["env_ids"] + turn["completion_ids"]]
@@ -157,6 +159,87 @@ def test_two_dispatch_shards_share_the_work_and_keep_every_group_exactly_once(se
     workers = {w for s in run_dir.committed_steps() for ws in run_dir.read_commit(s).extra["workers"].values() for w in ws}
     in_this_process = {f"{os.uname().nodename}:{os.getpid()}"}
     assert workers == in_this_process if runner == "direct" else (workers and not workers & in_this_process), workers
+
+
+class _PublishEveryStep(threading.Thread):
+    """A stand-in trainer: publishes weights (the tiny model's own tensors) as soon as each step commits."""
+
+    def __init__(self, run_dir: RunDir) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.stop = run_dir, threading.Event()
+
+    def run(self) -> None:
+        published = 0
+        while not self.stop.wait(0.02):
+            for step in range(published + 1, (self.run_dir.last_committed_step() or 0) + 1):
+                with self.run_dir.publish_weights_dir(step) as directory:
+                    for file in tiny_model_dir().iterdir():
+                        if file.is_file():
+                            shutil.copy(file, directory)
+                published = step
+
+
+def run_publishing_every_step(config, urls: list[str]) -> tuple[RunDir, list[dict]]:
+    """The rollout pipeline beside a stand-in trainer that publishes weights after every step: the run
+    directory and its weight-update records."""
+    run_dir = RunDir(config.run.dir)
+    trainer = _PublishEveryStep(run_dir)
+    trainer.start()
+    try:
+        run_rollouts(config, urls, with_trainer=True)
+    finally:
+        trainer.stop.set()
+        trainer.join(10)
+    return run_dir, [m["weight_update"] for m in run_dir.read_metrics() if "weight_update" in m]
+
+
+def trained_token_versions(run_dir: RunDir, step: int) -> list[list[int]]:
+    """The policy version of every generated token of each of the step's rank-0 samples."""
+    table = pa.ipc.open_file(pa.memory_map(str(run_dir.rank_path(step, 0)))).read_all()
+    columns = zip(table.column("policy_versions").to_pylist(), table.column("loss_mask").to_pylist())
+    return [[v for v, m in zip(versions, mask) if m] for versions, mask in columns]
+
+
+@pytest.mark.parametrize("update_mode", ["keep", "continue", "reload"])
+def test_weights_published_every_step_train_only_tokens_inside_the_bound(tmp_path, update_mode):
+    # Slow decode steps and long completions: updates land while rollouts generate, and some outlive two.
+    servers = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", max_num_seqs=64,
+                              faults=FaultConfig(step_delay_s=0.01)) for _ in range(2)]
+    urls = [s.start() for s in servers]
+    config = config_from_dict({
+        "run": {"dir": str(tmp_path), "max_steps": 6},
+        "envs": [{"name": "reverse_text", "group_size": 4, "limit": 64, "mode": "rollout"}],
+        "batch": {"rollouts_per_step": 16},
+        "inference": {"max_tokens": 24, "max_inflight": 48},
+        "off_policy": {"max_async_level": 1, "max_off_policy_steps": 1},
+        "weights": {"update_mode": update_mode},
+        "filters": {"zero_advantage": {"mode": "monitor"}},
+    })
+    try:
+        run_dir, updates = run_publishing_every_step(config, urls)
+    finally:
+        for s in servers:
+            s.stop()
+    # WeightSync loads the newest weights: steps committed during an update (a loaded machine) are skipped.
+    assert len(updates) >= 3 and {s["mode"] for u in updates for s in u["servers"]} == {update_mode}
+    rows = [r for step in run_dir.committed_steps() for r in run_dir.read_window(step).to_pylist()]
+    # Regenerated or kept, never cancelled as stale: a cancelled rollout is one the run's end stopped.
+    assert not [r for r in rows if r["status"] == "cancelled" and r["discarded_tokens"]["stale"]]
+    for step in run_dir.committed_steps():
+        for generated in trained_token_versions(run_dir, step):
+            if update_mode != "reload":
+                assert min(generated) >= 0, (step, generated)  # keep and continue: every token's version is known
+            known = [v for v in generated if v >= 0]
+            assert not known or min(known) >= step - 1 - 1, (step, generated)  # staleness <= max_off_policy_steps
+        assert run_dir.read_commit(step).window.tokens_by_fate.get("trained", 0) == \
+            run_dir.read_commit(step).counts.trained_tokens
+    generated = sum(r["completion_tokens"] + sum(v or 0 for v in r["discarded_tokens"].values()) for r in rows)
+    counted = sum(sum(run_dir.read_commit(s).window.tokens_by_fate.values()) for s in run_dir.committed_steps())
+    clean_left = sum(r["completion_tokens"] for r in rows if r["status"] == "ok" and not r["filtered"]) - sum(
+        run_dir.read_commit(s).counts.trained_tokens for s in run_dir.committed_steps())
+    assert counted == generated - clean_left  # clean rollouts not cut into a step yet are counted when cut
+    # New weights did make in-flight rollouts too stale, and they were generated again.
+    assert sum(u["regenerated_rollouts"] for u in updates) > 0 and sum(r["discarded_tokens"]["stale"] for r in rows) > 0
 
 
 def test_the_jobs_own_counters_come_from_the_runner(servers, tmp_path):

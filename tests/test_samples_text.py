@@ -48,7 +48,9 @@ def run(tmp_path) -> RunDir:
     run = RunDir(tmp_path / "run")
     run.write_config(config_from_dict({"envs": [{"name": "arithmetic"}]}).model_dump(mode="json"))
     run.write_step(TrainBatch(step=1, micro_batches=[[]], group_ids=[],
-                              window={"rollouts": 3, "group_ids": ["guess/e0-i0", "guess/e0-i1"]}),
+                              window={"rollouts": 3, "group_ids": ["guess/e0-i0", "guess/e0-i1"],
+                                      "tokens_by_fate": {"trained": 8, "server_failure": 5,
+                                                         "filtered/zero_advantage": 7}}),
                    window=_rollouts())
     return run
 
@@ -70,6 +72,8 @@ def test_inspect_shows_a_steps_first_rollouts_as_text(run, monkeypatch):
     assert status == 0
     plain = [_STYLE.sub("", line).strip("│ ") for line in lines]
     assert plain[0] == f"step 1: 2 of the 3 rollouts in its window ({run.window_path(1)})"
+    assert plain[1] == ("tokens by fate: trained 8, filtered/zero_advantage 7, server_failure 5; "
+                        "goodput 0.400 of 20 generated")
     assert sum("guess/e0-i" in line and "(guess)" in line for line in plain) == 2  # two panels, by title
     for expected in (
         "status ok  reward 1  advantage 0.5  clean",

@@ -262,7 +262,8 @@ def test_split_pending_stores_each_token_once_with_its_group_and_restore_gives_t
     # the value (rewritten with every element) holds the four window records without any token array.
     assert [g.group_id for g in pending] == ["g0", "g-flat"]
     value, bag = pickle.dumps(rest), [pickle.dumps(g) for g in pending]
-    assert len(value) < 4 * 102 * 4 and all(len(b) > 2 * 102 * 12 for b in bag)
+    # (One record keeping its three arrays would add 102 * 12 bytes to the records' own fields.)
+    assert len(value) < 4 * 102 * 6 and all(len(b) > 2 * 102 * 12 for b in bag)
     assert all(r.tokens.input_ids is not None for r in builder._window)  # the builder itself keeps them
     restored = pickle.loads(value)
     restored.restore_pending([pickle.loads(b) for b in bag])
@@ -283,3 +284,44 @@ def test_a_builder_pickled_whole_restores_its_window_and_pending_groups_as_one()
     restored = pickle.loads(pickle.dumps(builder))
     (group,) = restored.pending
     assert group.clean[0] is restored._window[0] and group.clean[0].tokens.input_ids is group.samples[0].input_ids
+
+
+def test_every_generated_token_is_counted_once_by_its_fate():
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=4), seq_len=256, next_step=3,
+                       post_filters=[StaleFilter(max_off_policy_steps=0)])
+    trained = _group("g-ok", [1.0, 0.0], completion=5, version=2)
+    trained[1].discarded_tokens["stale"] = 7  # regenerated once in dispatch before these turns
+    flat = _group("g-flat", [1.0, 1.0], completion=4, version=2)
+    broken = _group("g-broken", [1.0, 0.0, 0.0, 1.0], completion=3, version=2)
+    broken[0].capture_error("InferenceConnectionError: server died")
+    broken[0].turns, broken[0].discarded_tokens["server_failure"] = [], 6
+    broken[1].status, broken[1].turns = RolloutStatus.CANCELLED, []
+    broken[1].discarded_tokens["cancelled"] = 2
+    mark_reward_error(broken[2], "judge timed out")
+    stale = _group("g-stale", [1.0, 0.0], completion=9, version=1)  # step 3 trains from version 2 only
+    assert builder.add(score_group(flat, DR_GRPO, [ZeroAdvantageFilter(mode="enforce")], 1.0)) == []
+    assert builder.add(score_group(broken, DR_GRPO, [], 1.0)) == []
+    assert builder.add(score_group(stale, DR_GRPO, [], 1.0)) == []
+    (batch,) = builder.add(score_group(trained, DR_GRPO, [], 1.0))
+    assert batch.group_ids == ["g-broken", "g-ok"]
+    assert batch.window["tokens_by_fate"] == {
+        "trained": 2 * 5 + 3,  # g-ok and the one clean g-broken rollout
+        "stale": 7 + 2 * 9,  # regenerated in dispatch, and g-stale flagged at packing
+        "filtered/zero_advantage": 2 * 4,
+        "server_failure": 6,
+        "cancelled": 2,
+        "reward_error": 3,
+    }
+    generated = sum(r.completion_tokens + sum(r.discarded_tokens.values())
+                    for r in flat + broken + stale + trained)
+    assert sum(batch.window["tokens_by_fate"].values()) == generated
+    assert batch.window["tokens"] == sum(len(s) for rank in batch.micro_batches for mb in rank for s in mb.samples)
+
+
+def test_tokens_of_a_batch_the_post_filters_rejected_whole_are_counted_with_the_next_one():
+    builder = _builder(cutter=BatchCutter(rollouts_per_step=2), seq_len=256, next_step=5,
+                       post_filters=[StaleFilter(max_off_policy_steps=0)])
+    assert builder.add(_scored("g-old", [1.0, 0.0], completion=4, version=1)) == []  # all stale: no step
+    (batch,) = builder.add(_scored("g-new", [1.0, 0.0], completion=3, version=4))
+    assert batch.step == 5 and batch.window["tokens_by_fate"] == {"stale": 8, "trained": 6}
+    assert pickle.loads(pickle.dumps(builder))._cut_fates == {}  # counted once, then forgotten

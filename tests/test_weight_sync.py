@@ -1,5 +1,5 @@
 """WeightSync: published weights reach the inference servers, the policy version advances, and
-in-flight groups the new policy made too stale are cancelled and counted."""
+in-flight rollouts the new policy made too stale are generated again under it, and counted."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
 from beam_rl.training.checkpoint import publish_weights
 from beam_rl.types import RolloutStatus
 from beam_rl.weight_sync import WeightSync
+from tests.server_helpers import metrics
 
 
 def _perturbed_model(seed: int):
@@ -51,7 +52,7 @@ def _drain(source: RolloutSource, expected: int, timeout_s: float = 60.0):
 def test_sync_is_rate_limited_validates_first_and_only_moves_forward(tmp_path):
     run_dir, calls = RunDir(tmp_path), []
     now = [0.0]
-    sync = WeightSync(run_dir, reload=lambda p: calls.append(("reload", p.name)),
+    sync = WeightSync(run_dir, update=lambda p, v: calls.append(("reload", p.name, v)),
                       validate=lambda p: calls.append(("validate", p.name)), poll_s=1.0, clock=lambda: now[0])
     assert sync.poll() is None and sync.version == 0
     for step in (1, 2):
@@ -59,8 +60,9 @@ def test_sync_is_rate_limited_validates_first_and_only_moves_forward(tmp_path):
             (d / "model.safetensors").write_bytes(b"x")
     assert sync.poll() is None  # within poll_s of the last look
     now[0] = 1.5
-    assert sync.poll() == 2 and sync.version == 2
-    assert calls == [("validate", "step_2"), ("reload", "step_2")]  # newest only, validated before loading
+    update = sync.poll()
+    assert update.version == 2 and sync.version == 2 and sync.updates == [update]
+    assert calls == [("validate", "step_2"), ("reload", "step_2", 2)]  # newest only, validated before loading
     now[0] = 3.0
     assert sync.poll() is None
 
@@ -73,7 +75,7 @@ def test_a_bad_checkpoint_is_refused_before_any_server_loads_it(tmp_path):
 
     with run_dir.publish_weights_dir(1) as d:
         (d / "model.safetensors").write_bytes(b"x")
-    sync = WeightSync(run_dir, reload=reloads.append, validate=validate, poll_s=0.0)
+    sync = WeightSync(run_dir, update=lambda p, v: reloads.append(p), validate=validate, poll_s=0.0)
     with pytest.raises(ValueError, match="tensor shapes differ"):
         sync.poll()
     assert reloads == [] and sync.version == 0
@@ -103,23 +105,32 @@ def test_published_weights_change_generations_and_advance_the_version(tmp_path):
     assert before != after  # the server generates with the published weights
 
 
-def test_a_stale_in_flight_group_is_cancelled_and_counted(tmp_path):
+def test_a_rollout_made_too_stale_while_it_generates_is_generated_again_under_the_new_policy(tmp_path):
+    # Slow decode steps: the update lands while the group's rollouts are streaming their tokens.
     with EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny",
-                        faults=FaultConfig(latency_s=30.0)) as server:
+                        faults=FaultConfig(step_delay_s=0.25)) as server:
         source = _source(tmp_path, server.url, max_async_level=1, max_off_policy_steps=1)
         try:
             source.admit(0)
-            deadline = time.monotonic() + 10
-            while source.counters()["started"] < 4 and time.monotonic() < deadline:
+            deadline = time.monotonic() + 20
+            while metrics(server.url)["vllm:generation_tokens_total"] < 4 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            for step in (1, 2):  # version 2 - max_off_policy_steps 1 > version 0 the group started on
+            assert source.poll(0) == []  # none finished: every rollout holds version 0 tokens
+            for step in (1, 2):  # version 2 - max_off_policy_steps 1 > version 0 of their first tokens
                 publish_weights(RunDir(tmp_path), step, load_tiny_model(tiny_model_dir()),
                                 source_dir=tiny_model_dir())
             time.sleep(0.3)
-            source.wants_more()  # the source follows the run: new weights, then stale groups cancelled
-            rollouts = _drain(source, 4, timeout_s=20)
+            source.wants_more()  # the source follows the run: new weights, then stale rollouts regenerated
+            rollouts = _drain(source, 4, timeout_s=60)
             assert source.policy_version() == 2
-            assert {r.status for r in rollouts} == {RolloutStatus.CANCELLED}
-            assert source.cancelled_stale == 1
+            assert all(r.ok and r.policy_version_start == 2 for r in rollouts), [r.errors for r in rollouts]
+            assert {v for r in rollouts for t in r.turns for v in t.policy_versions} == {2}
+            assert all(r.discarded_tokens["stale"] > 0 for r in rollouts)  # what each had generated before
+            counters = source.counters()
+            assert counters["regenerated"] == 4 and counters["cancelled"] == 0 and counters["cancelled_stale"] == 0
         finally:
             source.close()
+    (update,) = [m["weight_update"] for m in RunDir(tmp_path).read_metrics() if "weight_update" in m]
+    assert update["version"] == 2 and update["regenerated_rollouts"] == 4
+    (server_update,) = update["servers"]
+    assert server_update["mode"] == "keep" and server_update["paused_s"] >= server_update["reload_s"] > 0

@@ -8,6 +8,7 @@ import time
 import apache_beam as beam
 
 from beam_rl.failures import record_failure
+from beam_rl.goodput import goodput
 from beam_rl.rundir import RunDir, RunDirError
 from beam_rl.sink import InputExhausted
 from beam_rl.types import TrainBatch
@@ -44,7 +45,8 @@ class _WriteStepFn(beam.DoFn):
         except RunDirError as err:  # a full disk: the CLI names it from the record, not Beam's text
             record_failure(self._run_dir, "write", err)
             raise
-        self._dir.append_metrics({"step": batch.step, "committed_at": time.time(), **batch.window})
+        self._dir.append_metrics({"step": batch.step, "committed_at": time.time(), **batch.window,
+                                  "goodput": goodput(batch.window.get("tokens_by_fate") or {})})
         beam.metrics.Metrics.counter("beam_rl", "steps_committed").inc()
         yield batch.step
 

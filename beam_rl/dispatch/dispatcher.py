@@ -1,9 +1,10 @@
 """The dispatcher: starts rollouts on inference servers under a permit cap and emits each exactly once.
 
-Every rule has one home: permits (`_schedule_group_rollout`), group affinity (`_pin_server`), open
-groups first (`_try_schedule`), version stamps (`_schedule_group_rollout` / `_on_finished`) and
-exactly-once emission (`_on_finished`, `_cancel_group`). Groups come in through `add` (any thread) and
-every finished rollout goes out through the `emit` callback, once, as it finishes.
+Every rule has one home: permits (`_schedule_group_rollout`), group affinity (`_pin_server`, `_moved`),
+open groups first (`_try_schedule`), version stamps (`_schedule_group_rollout` / `_stamp_versions`),
+re-dispatch on a failed server (failover.LaunchClient), regeneration of too-stale rollouts
+(`regenerate_stale`) and exactly-once emission (`_on_finished`, `_cancel_group`). Groups come in through
+`add` (any thread) and every finished rollout goes out through the `emit` callback, once, as it finishes.
 """
 
 from __future__ import annotations
@@ -12,14 +13,17 @@ import asyncio
 import collections
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Literal
 
+from beam_rl.dispatch.failover import LaunchClient
 from beam_rl.dispatch.ledger import DispatchCounters, Launch, OpenGroup, rollout_seed
 from beam_rl.dispatch.permits import Permits
 from beam_rl.dispatch.server_pool import Server, ServerPool
 from beam_rl.envs.base import CompletionClient, Environment, SamplingParams, Trajectory
+from beam_rl.inference.inflight import UNKNOWN_VERSION
 from beam_rl.types import GroupRequest, Rollout, RolloutStatus
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,8 @@ class Dispatcher:
         emit: Callable[[Rollout], None],
         seed: int = 0,
         clock: Callable[[], float] = time.time,
+        max_redispatches: int = 3,
+        max_regenerations: int = 2,
     ) -> None:
         for name, env in envs.items():
             mode = env_modes.get(name, "rollout")
@@ -56,6 +62,10 @@ class Dispatcher:
         self.env_modes = {name: env_modes.get(name, "rollout") for name in envs}
         self.sampling = dict(sampling)
         self.seed = seed
+        if max_redispatches < 0 or max_regenerations < 0:
+            raise ValueError("max_redispatches and max_regenerations must be >= 0")
+        self.max_redispatches = max_redispatches
+        self.max_regenerations = max_regenerations
         self.counters = DispatchCounters()
         self._permits = Permits(max_inflight)
         self._policy_version = policy_version
@@ -179,11 +189,13 @@ class Dispatcher:
         sampling = replace(group.sampling, seed=rollout_seed(self.seed, request.group_id, attempts[0]))
         self._permits.take(needed)
         self.pool.started(server, needed)
+        launch = Launch(group, attempts, server, version, self._clock())
+        client = LaunchClient(launch, self.pool, self.max_redispatches, self._moved)
         task = asyncio.create_task(
-            _run_env(group.env, group.mode, server.client, request.row, group.prompt_ids, sampling, needed),
-            name=f"rollout {request.group_id}/{attempts[0]}",
+            _run_env(group.env, group.mode, client, request.row, group.prompt_ids, sampling, needed),
+            name=f"rollout {launch.name}",
         )
-        self._inflight[task] = Launch(group, attempts, server, version, self._clock())
+        self._inflight[task] = launch
         group.tasks.add(task)
         task.add_done_callback(self._on_finished)
         self.counters.started += needed
@@ -192,10 +204,17 @@ class Dispatcher:
     def _pin_server(self, group: OpenGroup) -> Server | None:
         # Rule: group affinity. The first attempt picks the least-loaded server; later attempts go
         # to the same one so the shared prompt hits its prefix cache. A pinned server that turned
-        # unhealthy has no cache worth keeping, so the group moves.
+        # unhealthy has no cache worth keeping, so the group moves (as it does with a re-dispatch: _moved).
         if group.server is None or not group.server.healthy:
             group.server = self.pool.select()
         return group.server
+
+    def _moved(self, launch: Launch, failed: Server, target: Server) -> None:
+        # Group affinity (_pin_server) follows a re-dispatched launch: the group's later attempts go there too.
+        self.pool.finished(failed, launch.permits)
+        self.pool.started(target, launch.permits)
+        launch.server = launch.group.server = target
+        self.counters.redispatched += launch.permits
 
     # -- collect side -----------------------------------------------------------------------------
 
@@ -209,6 +228,9 @@ class Dispatcher:
         group.tasks.discard(task)
         self._permits.give_back(launch.permits)
         self.pool.finished(launch.server, launch.permits)
+        if launch.regenerate_requested and not (launch.cancel_requested or group.cancelled):
+            self._requeue(launch)
+            return
         # Rule: version stamps (end).
         version_end, t_finished = self._policy_version(), self._clock()
         rollouts = [
@@ -225,33 +247,67 @@ class Dispatcher:
             )
             for a in launch.attempts
         ]
+        received = launch.progress.tokens  # per rollout: what a failure or a cancellation throws away
         if launch.cancel_requested or task.cancelled():
-            for rollout in rollouts:
+            for rollout, tokens in zip(rollouts, received):
                 rollout.status = RolloutStatus.CANCELLED
+                rollout.discarded_tokens["stale" if launch.stale else "cancelled"] += tokens
         elif (error := task.exception()) is not None:
-            if getattr(error, "server_fault", False):
-                self.pool.record_failure(launch.server, error)
-            for rollout in rollouts:
+            fate = "server_failure" if getattr(error, "server_fault", False) else "errored"
+            for rollout, tokens in zip(rollouts, received):
                 rollout.capture_error(error)
+                rollout.discarded_tokens[fate] += tokens
         else:
-            self.pool.record_success(launch.server)
             try:
                 for rollout, trajectory in zip(rollouts, task.result(), strict=True):
                     rollout.turns, rollout.info = list(trajectory.turns), dict(trajectory.info)
-                    for turn in rollout.turns:  # until the client reports them: every token, the start version
-                        turn.policy_versions = turn.policy_versions or [launch.version_start] * len(turn.completion_ids)
+                self._stamp_versions(launch, rollouts, version_end)
             except Exception as exc:  # a malformed trajectory must not lose the rollout
-                for rollout in rollouts:
+                for rollout, tokens in zip(rollouts, received):
                     rollout.turns, rollout.info = [], {}
                     rollout.capture_error(f"BadTrajectory: {type(exc).__name__}: {exc}")
+                    rollout.discarded_tokens["errored"] += tokens
             for rollout in rollouts:
                 if rollout.ok and (rollout.num_turns == 0 or rollout.completion_tokens == 0):
                     rollout.capture_error(
                         f"EmptyTrajectory: {rollout.num_turns} turns, {rollout.completion_tokens} completion tokens"
                     )
         for rollout in rollouts:
+            rollout.t_first_token = launch.progress.first_token_at
+            for fate, tokens in group.discarded.pop(rollout.attempt, Counter()).items():
+                rollout.discarded_tokens[fate] += tokens
             self._emit(rollout)
         self._close_if_finished(group)
+
+    def _stamp_versions(self, launch: Launch, rollouts: list[Rollout], version_end: int) -> None:
+        """Rule: version stamps (per token). A turn the environment built from a completion without passing
+        its versions on (environments are plug-ins) gets them from the completion it came from, matched by
+        its tokens in call order; a turn matching none is the start version's when no update happened
+        during the launch, else unknown."""
+        recorded = [c for c in launch.completions if c.policy_versions]
+        for rollout in rollouts:
+            for turn in rollout.turns:
+                if turn.policy_versions:
+                    continue
+                match = next((c for c in recorded if c.token_ids == turn.completion_ids), None)
+                if match is not None:
+                    recorded.remove(match)
+                    turn.policy_versions = list(match.policy_versions)
+                else:
+                    unchanged = version_end == launch.version_start
+                    turn.policy_versions = [launch.version_start if unchanged else UNKNOWN_VERSION] * len(
+                        turn.completion_ids)
+
+    def _requeue(self, launch: Launch) -> None:
+        """A launch cancelled for regeneration: its attempts go back to the front of their group (open
+        groups first: they start again next), their tokens counted as thrown away as stale."""
+        group = launch.group
+        for attempt, tokens in zip(launch.attempts, launch.progress.tokens):
+            group.discarded.setdefault(attempt, Counter())["stale"] += tokens
+            group.regenerations[attempt] += 1
+        group.attempts.extendleft(reversed(launch.attempts))
+        self.counters.regenerated += launch.permits
+        self._wakeup.set()
 
     def _placeholder(
         self,
@@ -327,14 +383,42 @@ class Dispatcher:
                 cancelled.append(group_id)
         return cancelled
 
+    def regenerate_stale(self, min_version: int) -> tuple[int, int]:
+        """Rule: regenerate, not cancel. Every launch in flight whose oldest token may come from a policy
+        older than `min_version` (new weights put it past the off-policy bound: it could only be dropped)
+        is started again under the current policy; its group's finished rollouts are kept, so the group
+        still trains. A rollout regenerated `max_regenerations` times already (too long to ever finish
+        inside the bound) is cancelled instead. Returns (rollouts regenerated, rollouts cancelled)."""
+        regenerated = cancelled = 0
+        for task, launch in list(self._inflight.items()):
+            oldest = launch.progress.oldest_version
+            if launch.cancel_requested or launch.regenerate_requested or oldest is None or oldest >= min_version:
+                continue
+            if not task.cancel():
+                continue  # already done: its callback emits it, and the stale filter judges it
+            launch.stale = True
+            if all(launch.group.regenerations[a] < self.max_regenerations for a in launch.attempts):
+                launch.regenerate_requested = True
+                regenerated += launch.permits
+            else:
+                launch.cancel_requested = True
+                cancelled += launch.permits
+                self.counters.cancelled_stale += launch.permits
+        return regenerated, cancelled
+
     def cancel_stale(self, min_version: int) -> list[str]:
-        """Cancel groups whose first rollout started on a policy version older than `min_version`."""
+        """Cancel groups whose first rollout started on a policy version older than `min_version`, whole:
+        the behaviour `regenerate_stale` replaced, kept as the baseline bench/goodput.py measures it against."""
         stale = [
-            g.group_id
-            for g in self._groups.values()
+            g for g in self._groups.values()
             if g.version_start is not None and g.version_start < min_version
         ]
-        return self.cancel_groups(stale)
+        for group in stale:
+            for task in group.tasks:
+                self._inflight[task].stale = True
+            self.counters.cancelled_stale += sum(self._inflight[t].permits for t in group.tasks)
+            self.counters.cancelled_stale += group.rollouts_to_schedule
+        return self.cancel_groups([g.group_id for g in stale])
 
     def cancel_waiting(self, group_ids: set[str]) -> list[str]:
         """Emit groups added but never opened as CANCELLED, so they still complete downstream."""
@@ -352,8 +436,10 @@ class Dispatcher:
             self._emit(rollout)
 
     def _cancel_group(self, group: OpenGroup) -> None:
+        group.cancelled = True
         for task in list(group.tasks):
-            # A task already done keeps its real result: its callback is queued and emits it.
+            # A task already done keeps its real result: its callback is queued and emits it. One being
+            # cancelled for regeneration now leaves as cancelled instead of starting again.
             if task.cancel():
                 self._inflight[task].cancel_requested = True
         # Attempts never started leave now, as CANCELLED, so the group still reaches group_size
@@ -367,6 +453,8 @@ class Dispatcher:
                 group.t_admitted,
             )
             rollout.status = RolloutStatus.CANCELLED
+            for fate, tokens in group.discarded.pop(rollout.attempt, Counter()).items():
+                rollout.discarded_tokens[fate] += tokens  # an attempt waiting to be regenerated
             self._emit(rollout)
         self._close_if_finished(group)
 

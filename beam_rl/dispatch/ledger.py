@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+from collections import Counter
 from dataclasses import dataclass, field
 
 from beam_rl.dispatch.server_pool import Server
-from beam_rl.envs.base import Environment, SamplingParams
+from beam_rl.envs.base import Completion, Environment, SamplingParams
+from beam_rl.inference.inflight import Progress
 from beam_rl.types import GroupRequest
 
 
@@ -28,6 +30,9 @@ class DispatchCounters:
     errored: int = 0
     cancelled: int = 0  # launched ones cancelled plus attempts cancelled before they started
     groups_admitted: int = 0
+    redispatched: int = 0  # times a launch moved off a failed server (a group call of n counts n)
+    regenerated: int = 0  # rollouts started again because new weights made them too stale
+    cancelled_stale: int = 0  # rollouts cancelled as too stale once regenerating them could not help
 
     @property
     def emitted(self) -> int:
@@ -48,6 +53,11 @@ class OpenGroup:
     version_start: int | None = None  # policy version its first rollout started on
     t_admitted: float | None = None  # when it was opened
     tasks: set[asyncio.Task] = field(default_factory=set)
+    cancelled: bool = False  # its launches still unwinding leave as cancelled, none starts again
+    # Per attempt, across its launches: times it was regenerated, and the tokens its earlier launches
+    # generated and lost, by fate (schemas/fields.py DISCARD_FATES).
+    regenerations: Counter[int] = field(default_factory=Counter)
+    discarded: dict[int, Counter[str]] = field(default_factory=dict)
 
     @property
     def group_id(self) -> str:
@@ -68,11 +78,24 @@ class Launch:
 
     group: OpenGroup
     attempts: tuple[int, ...]
-    server: Server
+    server: Server  # where it runs now: the pinned server, or where a re-dispatch moved it
     version_start: int
     t_start: float
     cancel_requested: bool = False
+    regenerate_requested: bool = False  # cancelled to run again under the current policy
+    stale: bool = False  # cancelled because it was too stale (a cancellation's tokens are then "stale")
+    redispatches: int = 0
+    progress: Progress = field(default_factory=Progress)  # its tokens as they arrive, over every server
+    completions: list[Completion] = field(default_factory=list)  # what the environment got, in call order
+
+    def __post_init__(self) -> None:
+        if self.progress.choices != len(self.attempts):
+            self.progress = Progress(len(self.attempts))
 
     @property
     def permits(self) -> int:
         return len(self.attempts)
+
+    @property
+    def name(self) -> str:
+        return f"{self.group.group_id}/{self.attempts[0]}" + (f"..{self.attempts[-1]}" if len(self.attempts) > 1 else "")

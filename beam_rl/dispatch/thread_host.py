@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from beam_rl.dispatch.dispatcher import Dispatcher
+from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.types import GroupRequest, Rollout
 
 log = logging.getLogger(__name__)
@@ -135,15 +136,23 @@ class DispatcherThread:
     def cancel_stale(self, min_version: int) -> list[str]:
         return self._call(lambda: self.dispatcher.cancel_stale(min_version))
 
-    def reload_weights(self, path: object, timeout_s: float = 600.0) -> None:
-        """Ask every server in the pool to load the checkpoint at `path`; returns when all have."""
+    def regenerate_stale(self, min_version: int) -> tuple[int, int]:
+        """Dispatcher.regenerate_stale on the loop: (rollouts regenerated, rollouts cancelled)."""
+        return self._call(lambda: self.dispatcher.regenerate_stale(min_version))
+
+    def update_weights(self, path: object, version: int, mode: str = "keep", *, drain_quiet_s: float = 0.02,
+                       timeout_s: float = 600.0) -> list[UpdateTiming]:
+        """Every server in the pool loads the checkpoint at `path` as policy `version`, all at once, in
+        `mode` (InferenceClient.update_weights); returns when all have, with what each update cost."""
         self._raise_if_dead()
         servers = self.dispatcher.pool.servers
 
-        async def reload_all() -> None:
-            await asyncio.gather(*(s.client.reload_weights(str(path)) for s in servers))
+        async def update_all() -> list[UpdateTiming]:
+            return list(await asyncio.gather(*(
+                s.client.update_weights(str(path), version, mode, drain_quiet_s=drain_quiet_s, timeout_s=timeout_s)
+                for s in servers)))
 
-        asyncio.run_coroutine_threadsafe(reload_all(), self._loop).result(timeout_s)
+        return asyncio.run_coroutine_threadsafe(update_all(), self._loop).result(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Cancel in-flight work, close the clients and stop the thread (in-flight groups are dropped)."""
@@ -218,6 +227,9 @@ class DispatcherThread:
             "errored": c.errored,
             "cancelled": c.cancelled,
             "groups_admitted": c.groups_admitted,
+            "redispatched": c.redispatched,
+            "regenerated": c.regenerated,
+            "cancelled_stale": c.cancelled_stale,
             "inflight": self.dispatcher.inflight,
             "healthy_servers": len(self.dispatcher.pool.healthy()),
         }
@@ -230,6 +242,7 @@ class DispatcherThread:
             "running": server.load.running if server.load else None,
             "waiting": server.load.waiting if server.load else None,
             "kv_cache_usage": server.load.kv_cache_usage if server.load else None,
+            "tokens_received": getattr(server.client, "tokens_received", None),
         } for server in self.dispatcher.pool.servers]
 
     def _call(self, fn: Callable[[], T], timeout_s: float = 30.0) -> T:

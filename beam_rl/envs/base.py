@@ -31,11 +31,13 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    """One choice of a completions response, exactly as the server returned it."""
+    """One choice of a completions response, exactly as the server returned it, with the policy version
+    that sampled each token when the client knows it (empty: unknown; -1 for one token: unknown)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
+    policy_versions: list[int] = field(default_factory=list)
 
 
 class CompletionClient(Protocol):
@@ -145,7 +147,8 @@ class Environment(abc.ABC):
         return [self._single_turn(row, c) for c in completions]
 
     def _single_turn(self, row: dict[str, Any], completion: Completion) -> Trajectory:
-        return Trajectory([Turn(completion.token_ids, completion.logprobs, completion.finish_reason)])
+        return Trajectory([Turn(completion.token_ids, completion.logprobs, completion.finish_reason,
+                                policy_versions=completion.policy_versions)])
 
 
 class DatasetEnvironment(Environment):

@@ -1,23 +1,30 @@
-"""Async client of one vLLM server: token-in/token-out completions, load, health and weight reload.
+"""Async client of one vLLM server: token-in/token-out completions (streamed or whole) with the policy
+version that sampled each token, load, health, API keys and TLS, and weight updates in three modes.
 
 Errors are typed (`InferenceError` and subclasses) so the dispatcher can tell a sick server from a
-bad request; transient failures (connection, timeout, HTTP 5xx) are retried with backoff here.
+bad request; transient failures (connection, timeout, HTTP 5xx) are retried with backoff here, and a
+completion that fails carries the tokens it had received (`partial`), so it can be continued elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
+import ssl
+import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.envs.base import Completion, SamplingParams
+from beam_rl.inference.inflight import ABORT, UNKNOWN_VERSION, LiveRequest, Progress, UpdateTiming, copy_completion
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,9 @@ class InferenceError(Exception):
     def __init__(self, message: str, url: str) -> None:
         super().__init__(message)
         self.url = url
+        #: The choices of a failed completion as far as they came (tokens, logprobs, versions), set by
+        #: `InferenceClient.complete`; None when nothing was asked or nothing can be kept.
+        self.partial: list[Completion] | None = None
 
 
 class InferenceHTTPError(InferenceError):
@@ -48,6 +58,18 @@ class InferenceHTTPError(InferenceError):
         self.body = body
         # 503 is what a paused vLLM answers: it is transient, so retry it like any 5xx.
         self.retryable = self.server_fault = status >= 500
+
+
+class InferenceAuthError(InferenceHTTPError):
+    """HTTP 401 or 403: the server wants an API key this client does not have, or refuses the one it has.
+    Never retried: the same key will not work the next time."""
+
+
+class InferenceAborted(InferenceError):
+    """The server ended the request with finish_reason "abort" without this client having paused it for a
+    weight update (another client paused it, or it is shutting down): continued from its tokens."""
+
+    retryable = True
 
 
 class InferenceTimeout(InferenceError):
@@ -181,8 +203,16 @@ def parse_completions(body: Any, url: str, n: int) -> list[Completion]:
     return completions
 
 
+UpdateMode = Literal["reload", "keep", "continue"]
+
+
 class InferenceClient:
-    """One vLLM server. Implements `CompletionClient`; safe to share among hundreds of rollouts."""
+    """One vLLM server. Implements `CompletionClient`; safe to share among hundreds of rollouts.
+
+    `version` is the policy version the server holds as far as this client loaded it (`update_weights`);
+    every token it receives is stamped with the version that sampled it, or UNKNOWN_VERSION where that
+    cannot be seen from outside (docs/weight-updates.md).
+    """
 
     def __init__(
         self,
@@ -192,6 +222,12 @@ class InferenceClient:
         max_retries: int = 2,
         backoff_s: float = 0.2,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        *,
+        stream: bool = False,
+        api_key: str | None = None,
+        ca_bundle: str | Path | None = None,
+        version: int = 0,
+        extra_body: dict[str, Any] | None = None,
     ) -> None:
         if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
             raise ValueError("need max_retries >= 0, timeout_s > 0 and backoff_s >= 0")
@@ -201,18 +237,102 @@ class InferenceClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_connections = max_connections
+        self.stream = stream
+        self.version = version
+        self.extra_body = dict(extra_body or {})  # more fields of every completions request (vLLM's extras)
+        self.tokens_received = 0  # completion tokens that came back from this server, all requests
+        # Kept out of repr, logs and errors: only the header the session sends holds it.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._ssl: ssl.SSLContext | None = (
+            ssl.create_default_context(cafile=str(ca_bundle)) if ca_bundle is not None else None)
         # aiohttp rather than httpx: with hundreds of requests in flight, httpx's pool bookkeeping
         # (linear in open connections per request) was most of the dispatcher's CPU (bench/README.md).
         self._session: aiohttp.ClientSession | None = None  # made on first use, on the loop using it
+        self._live: set[LiveRequest] = set()
+        self._update_lock: asyncio.Lock | None = None
+        # Set once the keep/continue update holding the server is over; None when there is none. No request
+        # is sent meanwhile: it would only queue, and must carry the new version's cache salt.
+        self._update_over: asyncio.Event | None = None
+        self._reloading = 0  # reload-mode updates in flight: requests sent meanwhile get unknown versions
 
     def __repr__(self) -> str:
         return f"InferenceClient({self.base_url!r}, model={self.model!r})"
 
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
+    # -- completions -----------------------------------------------------------------------------
+
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        n: int = 1,
+        *,
+        partial: list[Completion] | None = None,
+        progress: Progress | None = None,
+    ) -> list[Completion]:
+        """`n` completions of `prompt_ids`; with `partial` (the `partial` of an earlier failure, here or on
+        another server), each unfinished choice is continued from its tokens as prompt + tokens so far.
+
+        Transient failures are retried here, continuing from what arrived; a failure that remains is raised
+        with `partial` set. `progress` is updated as tokens arrive."""
+        choices = [copy_completion(c) for c in partial] if partial else [Completion([], [], None) for _ in range(n)]
+        if len(choices) != n:
+            raise ValueError(f"partial holds {len(choices)} choices for n={n}")
+        retries = 0
+        while True:
+            todo = [i for i, c in enumerate(choices) if c.finish_reason in (None, ABORT)]
+            if not todo:
+                return choices
+            try:
+                ours = await self._generate(prompt_ids, sampling, choices, todo, progress)
+                foreign = [i for i in todo if choices[i].finish_reason == ABORT and i not in ours]
+                if foreign:
+                    raise InferenceAborted(f"{self.base_url}: the server aborted choices {foreign} "
+                                           "(not paused by this client)", self.base_url)
+            except InferenceError as exc:
+                exc.partial = choices
+                if exc.retryable and retries < self.max_retries:
+                    delay = self._backoff(retries)
+                    retries += 1
+                    log.warning("%s; continuing in %.2fs (attempt %d of %d)", exc, delay, retries + 1,
+                                self.max_retries + 1)
+                    await asyncio.sleep(delay)
+                    continue
+                if retries:
+                    exc.args = (f"{exc.args[0]} (after {retries + 1} attempts)",)
+                raise
+
+    async def _generate(self, prompt_ids: list[int], sampling: SamplingParams, choices: list[Completion],
+                        todo: list[int], progress: Progress | None) -> set[int]:
+        """Send what `todo`'s choices still need: one request for them all when none has a token yet (the
+        n choices share one prefill), else one per choice, continuing it. Returns the choices this
+        client's own continue-mode update aborted (continued after it)."""
+        await self._update_finished()
+        if len(todo) == len(choices) and not any(choices[i].token_ids for i in todo):
+            sends = [(todo, list(prompt_ids), sampling)]
+        else:
+            sends = []
+            for i in todo:
+                done = len(choices[i].token_ids)
+                if done >= sampling.max_tokens:
+                    choices[i].finish_reason = "length"
+                    continue
+                seed = None if sampling.seed is None else sampling.seed + (i if len(choices) > 1 else 0)
+                sends.append(([i], [*prompt_ids, *choices[i].token_ids],
+                              dataclasses.replace(sampling, max_tokens=sampling.max_tokens - done, seed=seed)))
+        results = await asyncio.gather(*(self._send_completion(prompt, params, choices, targets, progress)
+                                         for targets, prompt, params in sends), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        return {i for r in results for i in r}
+
+    async def _send_completion(self, prompt_ids: list[int], sampling: SamplingParams, choices: list[Completion],
+                               targets: list[int], progress: Progress | None) -> set[int]:
+        await self._update_finished()  # an update may have begun since _generate looked: no await from here on
         payload: dict[str, Any] = {
             "model": self.model,
-            "prompt": list(prompt_ids),
-            "n": n,
+            "prompt": prompt_ids,
+            "n": len(targets),
             "max_tokens": sampling.max_tokens,  # vLLM's default is 16: always say it
             "temperature": sampling.temperature,
             # The sampled tokens' logprobs only: 1 would add an alternative per token to the answer,
@@ -221,11 +341,177 @@ class InferenceClient:
             "return_token_ids": True,
             "skip_special_tokens": False,
             "stop_token_ids": list(sampling.stop_token_ids),
+            # New weights must not reuse KV blocks the old ones computed: the prefix cache is salted
+            # per policy version (a request sent during a reload-mode update shares the old one's).
+            "cache_salt": f"policy-v{self.version}",
         }
         if sampling.seed is not None:
             payload["seed"] = sampling.seed
-        answer = await self._request("POST", "/v1/completions", json=payload)
-        return parse_completions(answer.json(), answer.url, n)
+        payload.update(self.extra_body)
+        if self.stream:
+            payload["stream"] = True
+        request = LiveRequest([choices[i] for i in targets], targets,
+                              UNKNOWN_VERSION if self._reloading else self.version, self.version,
+                              self.stream, progress)
+        self._live.add(request)
+        before = sum(len(c.token_ids) for c in request.choices)
+        try:
+            if self.stream:
+                await self._read_stream(payload, request)
+            else:
+                answer = await self._send_once("POST", "/v1/completions", self.timeout_s, json=payload)
+                for index, c in enumerate(parse_completions(answer.json(), answer.url, len(targets))):
+                    request.add(index, c.token_ids, c.logprobs, c.finish_reason)
+        finally:
+            self._live.discard(request)
+            self.tokens_received += sum(len(c.token_ids) for c in request.choices) - before
+        if not request.aborted_by_us:
+            return set()
+        return {t for t, c in zip(targets, request.choices) if c.finish_reason == ABORT}
+
+    async def _read_stream(self, payload: dict[str, Any], request: LiveRequest) -> None:
+        url = f"{self.base_url}/v1/completions"
+
+        def bad(reason: str) -> InferenceBadResponse:
+            return InferenceBadResponse(f"{url}: bad completions stream: {reason}", url)
+
+        ended = False
+        try:
+            async with self._http().post(url, json=payload, headers=self._headers,
+                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as response:
+                if response.status >= 400:
+                    raise _http_error("POST", url, response.status, await response.read())
+                async for line in response.content:
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, comments, keep-alives
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        ended = True
+                        break
+                    try:
+                        chunk = orjson.loads(data)
+                    except orjson.JSONDecodeError as exc:
+                        raise bad(f"a chunk is not JSON ({exc})") from None
+                    request.add_chunk(chunk, bad)
+        except TimeoutError as exc:  # aiohttp's own timeouts subclass it
+            raise InferenceTimeout(
+                f"POST {url}: not finished within {self.timeout_s:g}s ({type(exc).__name__})", url) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise InferenceConnectionError(f"POST {url}: cannot connect ({type(exc).__name__}: {exc})", url,
+                                           refused=True) from None
+        except aiohttp.ClientError as exc:
+            raise InferenceConnectionError(
+                f"POST {url}: connection failed mid-stream ({type(exc).__name__}: {exc})", url) from None
+        if not ended:
+            raise InferenceConnectionError(f"POST {url}: the stream ended without [DONE]", url)
+        for choice in request.choices:
+            # vLLM streams nothing for a choice aborted before its first token: it ended, like any abort.
+            if choice.finish_reason is None:
+                choice.finish_reason = ABORT
+
+    # -- weight updates ----------------------------------------------------------------------------
+
+    async def update_weights(self, path: str | Path, version: int, mode: UpdateMode = "keep", *,
+                             drain_quiet_s: float = 0.02, timeout_s: float | None = None) -> UpdateTiming:
+        """Have the server load the checkpoint at `path` as policy `version` (docs/weight-updates.md):
+        "reload" loads while requests run; "keep" pauses them frozen, loads, resumes; "continue" aborts
+        them (each keeps its tokens), loads, and `complete` continues them under the new weights. Not
+        retried: a half-applied load can leave vLLM broken, so the caller decides what next."""
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        async with self._update_lock:
+            if mode == "reload":
+                return await self._reload_while_running(path, version, timeout_s)
+            if mode not in ("keep", "continue"):
+                raise ValueError(f"update mode must be reload, keep or continue, not {mode!r}")
+            return await self._paused_update(path, version, mode, drain_quiet_s, timeout_s)
+
+    async def _reload_while_running(self, path: str | Path, version: int, timeout_s: float | None) -> UpdateTiming:
+        # Nothing marks the step at which the server switched: a token arriving from now on may come from
+        # either side of it, so running requests and those sent meanwhile stamp it unknown.
+        self._reloading += 1
+        for request in self._live:
+            request.version = UNKNOWN_VERSION
+        started = time.monotonic()
+        try:
+            await self.reload_weights(str(path), timeout_s)
+        finally:
+            self._reloading -= 1
+        self.version = version
+        return UpdateTiming(self.base_url, "reload", version, 0.0, time.monotonic() - started)
+
+    async def _paused_update(self, path: str | Path, version: int, mode: str, drain_quiet_s: float,
+                             timeout_s: float | None) -> UpdateTiming:
+        self._update_over = asyncio.Event()
+        started = time.monotonic()
+        reload_s = 0.0
+        try:
+            if mode == "continue":
+                for request in self._live:
+                    request.aborted_by_us = True
+                await self.pause("abort")  # each running request ends with its tokens so far
+            else:
+                for request in self._live:
+                    if not request.streamed:
+                        request.version = UNKNOWN_VERSION  # its tokens arrive all at once: no boundary to see
+                await self.pause("keep")
+            loading = time.monotonic()
+            await self.reload_weights(str(path), timeout_s)
+            reload_s = time.monotonic() - loading
+            if mode == "keep":
+                await self._drain(drain_quiet_s)
+            # The server samples nothing until it resumes: every token from here on is the new version's.
+            self.version = version
+            for request in self._live:
+                if request.version != UNKNOWN_VERSION:
+                    request.version = version
+        finally:
+            try:
+                await self.resume()
+            finally:
+                self._update_over.set()
+                self._update_over = None
+        return UpdateTiming(self.base_url, mode, version, time.monotonic() - started, reload_s)
+
+    async def _drain(self, quiet_s: float) -> None:
+        """Wait until no stream has received anything for `quiet_s`: with the engine frozen, the tokens it
+        sampled before the pause are then all in. A stream still busy after the cap gets unknown versions."""
+        deadline = time.monotonic() + max(1.0, 50 * quiet_s)
+        while True:
+            streams = [r for r in self._live if r.streamed and r.version != UNKNOWN_VERSION]
+            wait = max((r.last_data_at for r in streams), default=-math.inf) + quiet_s - time.monotonic()
+            if wait <= 0:
+                return
+            if time.monotonic() >= deadline:
+                busy = [r for r in streams if r.last_data_at + quiet_s > time.monotonic()]
+                log.warning("%s: %d streams still received tokens while paused; their versions are unknown",
+                            self.base_url, len(busy))
+                for request in busy:
+                    request.version = UNKNOWN_VERSION
+                return
+            await asyncio.sleep(wait)
+
+    async def _update_finished(self) -> None:
+        while self._update_over is not None:
+            await self._update_over.wait()
+
+    async def reload_weights(self, path: str, timeout_s: float | None = None) -> None:
+        # Not retried: a half-applied reload can leave vLLM broken, so the caller decides what next.
+        await self._request(
+            "POST",
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+            retry=False,
+            timeout_s=timeout_s,
+        )
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self._request("POST", "/pause", params={"mode": mode}, retry=False)
+
+    async def resume(self) -> None:
+        await self._request("POST", "/resume", retry=False)
+
+    # -- load, health, access --------------------------------------------------------------------
 
     async def load(self) -> ServerLoad:
         answer = await self._request("GET", "/metrics", retry=False)
@@ -244,21 +530,10 @@ class InferenceClient:
             return False
         return True
 
-    async def reload_weights(self, path: str, timeout_s: float | None = None) -> None:
-        # Not retried: a half-applied reload can leave vLLM broken, so the caller decides what next.
-        await self._request(
-            "POST",
-            "/collective_rpc",
-            json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-            retry=False,
-            timeout_s=timeout_s,
-        )
-
-    async def pause(self, mode: str = "keep") -> None:
-        await self._request("POST", "/pause", params={"mode": mode}, retry=False)
-
-    async def resume(self) -> None:
-        await self._request("POST", "/resume", retry=False)
+    async def check_access(self) -> None:
+        """`GET /v1/models`, a route vLLM guards with its API key: InferenceAuthError when the server wants
+        a key this client lacks or refuses the one it has; InferenceError when it cannot be reached."""
+        await self._request("GET", "/v1/models", retry=False, timeout_s=min(self.timeout_s, 30.0))
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -299,8 +574,11 @@ class InferenceClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
+                                               ssl=self._ssl if self._ssl is not None else True),
                 json_serialize=lambda obj: orjson.dumps(obj).decode(),
+                # A stream's lines are read whole; an aborted choice may send many tokens in one chunk.
+                read_bufsize=1 << 20,
             )
         return self._session
 
@@ -312,7 +590,8 @@ class InferenceClient:
             # One deadline for the whole request, waiting for a pooled connection included, so a
             # trickling server cannot hang a rollout.
             async with self._http().request(
-                method, url, json=json, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                method, url, json=json, params=params, headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as response:
                 body = await response.read()
         except TimeoutError as exc:  # aiohttp's own timeouts subclass it
@@ -327,8 +606,14 @@ class InferenceClient:
             raise InferenceConnectionError(
                 f"{method} {url}: connection failed ({type(exc).__name__}: {exc})", url
             ) from None
-        answer = Answer(url, response.status, body)
         if response.status >= 400:
-            text = answer.text[:500]
-            raise InferenceHTTPError(f"{method} {url}: HTTP {response.status}: {text}", url, response.status, text)
-        return answer
+            raise _http_error(method, url, response.status, body)
+        return Answer(url, response.status, body)
+
+
+def _http_error(method: str, url: str, status: int, body: bytes) -> InferenceHTTPError:
+    text = body.decode("utf-8", errors="replace")[:500]
+    if status in (401, 403):
+        return InferenceAuthError(f"{method} {url}: HTTP {status}: the server refuses this client's API key "
+                                  f"(or wants one): {text}", url, status, text)
+    return InferenceHTTPError(f"{method} {url}: HTTP {status}: {text}", url, status, text)

