@@ -137,8 +137,12 @@ class _FlinkJob:
     def cancel_and_wait(self, timeout_s: float = 60.0) -> None:
         self.cancel()
         deadline = time.monotonic() + timeout_s
-        # An embedded Flink shuts down, REST API and all, once its only job has ended.
-        while self.rest.reachable() and self.state() not in TERMINAL and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            try:
+                if self.rest.get(f"/jobs/{self.job_id}", attempts=1)["state"] in TERMINAL:
+                    return
+            except OSError:
+                return  # an embedded Flink shuts down, REST API and all, once its only job has ended
             time.sleep(POLL_S)
 
     def raise_if_failed(self) -> None:
@@ -250,31 +254,39 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
     return RolloutJob(spec, handle, lease, job_server)
 
 
-def _embedded_flink_job(job_server: JobServer, job_name: str, timeout_s: float = 60.0) -> _FlinkJob | None:
-    rest = job_server.embedded_flink_rest(timeout_s)
+def _find_flink_job(rest: FlinkRest, job_name: str, timeout_s: float = 60.0) -> _FlinkJob | None:
+    """The job called `job_name` once Flink lists it (its REST API may answer 503 or nothing at first)."""
     deadline = time.monotonic() + timeout_s
-    while rest is not None and time.monotonic() < deadline:
-        if (job := rest.job_named(job_name)) is not None:
-            return _FlinkJob(rest, job["jid"])
+    while time.monotonic() < deadline:
+        try:
+            if (job := rest.job_named(job_name)) is not None:
+                return _FlinkJob(rest, job["jid"])
+        except OSError:
+            pass
         time.sleep(POLL_S)
-    _LOG.warning("the embedded Flink's job %s is not found: it is ended through the job server only", job_name)
     return None
 
 
-def _record_cluster_job(config: RunConfig, directory: RunDir, job_name: str, timeout_s: float = 60.0) -> _FlinkJob | None:
+def _embedded_flink_job(job_server: JobServer, job_name: str) -> _FlinkJob | None:
+    rest = job_server.embedded_flink_rest()
+    job = _find_flink_job(rest, job_name) if rest is not None else None
+    if job is None:
+        _LOG.warning("the embedded Flink's job %s is not found: it is ended through the job server only", job_name)
+    return job
+
+
+def _record_cluster_job(config: RunConfig, directory: RunDir, job_name: str) -> _FlinkJob | None:
     """Name the submitted job in the run directory's job record, and follow it on the cluster (so it
     can be followed again by another process if this one dies)."""
-    rest = FlinkRest(config.runner.flink_master)
-    deadline = time.monotonic() + timeout_s
-    while (job := rest.job_named(job_name)) is None:
-        if time.monotonic() > deadline:
-            _LOG.warning("job %s is not listed on %s: it is followed through the job server only", job_name, rest.master)
-            return None
-        time.sleep(0.5)
+    job = _find_flink_job(FlinkRest(config.runner.flink_master), job_name)
+    if job is None:
+        _LOG.warning("job %s is not listed on %s: it is followed through the job server only", job_name,
+                     config.runner.flink_master)
+        return None
     write_job_record(directory.path, {"runner": "flink", "flink_master": config.runner.flink_master,
-                                      "job_id": job["jid"], "job_name": job_name, "submitted_at": time.time(),
+                                      "job_id": job.job_id, "job_name": job_name, "submitted_at": time.time(),
                                       "submitted_by": worker_id()})
-    return _FlinkJob(rest, job["jid"])
+    return job
 
 
 def attach_rollouts(config: RunConfig, run_dir: str, with_trainer: bool = True) -> RolloutJob | None:
