@@ -16,14 +16,7 @@ from beam_rl.training.policy_loss import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # A tiny model gains nothing from intra-op threads, and on a busy machine their spin-waits make
-    # each forward/backward hundreds of times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
