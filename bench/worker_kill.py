@@ -5,7 +5,8 @@ flink-local with checkpointing and its Python stages in a separate worker proces
 once a checkpoint has passed, Flink's restore, the run to its end. Tokens lost = tokens the servers
 sampled - tokens of the rollouts in the committed windows (a run without a kill loses 0: the control).
 
-    .venv/bin/python -m bench.worker_kill --runs 3 --out bench/worker_kill.json
+    git worktree add ../before 5c1917a
+    .venv/bin/python -m bench.worker_kill --before-tree ../before --runs 3 --out bench/worker_kill.json
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# A worktree of the release before: git worktree add <path> 5c1917a
-BEFORE_TREE = Path("/work/wt/before")
+BEFORE = "5c1917a"  # the release before: its Dispatch held finished rollouts until their group was done
 GROUP_SIZE = 8
 PROMPTS = 48
 CHECKPOINT_MS = 2000
@@ -185,7 +185,7 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
 
 
-def run_once(variant: str, kill: bool, work: Path, before_tree: Path = BEFORE_TREE) -> RunResult:
+def run_once(variant: str, kill: bool, work: Path, before_tree: Path) -> RunResult:
     from beam_rl.dispatch.ledger import rollout_seed
 
     work.mkdir(parents=True)
@@ -290,10 +290,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=3, help="kills per variant")
     parser.add_argument("--no-control", action="store_true", help="skip the run without a kill per variant")
     parser.add_argument("--out", default=str(REPO / "bench" / "worker_kill.json"))
-    parser.add_argument("--before-tree", type=Path, default=BEFORE_TREE, help="a checkout of commit 5c1917a")
+    parser.add_argument("--before-tree", type=Path, required=True,
+                        help=f"a checkout of the release before: git worktree add <path> {BEFORE}")
     args = parser.parse_args(argv)
+    args.before_tree = args.before_tree.resolve()  # workers resolve PYTHONPATH from their own directory
     if not (args.before_tree / "runners" / "pipeline.py").is_file():
-        sys.exit(f"no checkout of the release before at {args.before_tree} (git worktree add <path> 5c1917a)")
+        sys.exit(f"no checkout of the release before at {args.before_tree} (git worktree add <path> {BEFORE})")
     work = Path(tempfile.mkdtemp(prefix="worker-kill-"))
     variants = ("before", "after")
     controls = {} if args.no_control else {
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         "settings": {"servers": SERVERS, "slots": SLOTS, "permits": PERMITS, "prompts": PROMPTS,
                      "group_size": GROUP_SIZE, "max_tokens": MAX_TOKENS, "simulated": SIM,
                      "checkpointing_interval_ms": CHECKPOINT_MS, "kill_after_share": KILL_AFTER,
-                     "before": f"commit 5c1917a at {args.before_tree}", "work_dir": str(work)},
+                     "before": f"commit {BEFORE}", "work_dir": str(work)},
         "controls": controls,
         "summary": {v: _summary(kills[v]) for v in variants},
         "runs": {v: [asdict(r) for r in kills[v]] for v in variants},
