@@ -125,33 +125,12 @@ def _recording_server(requests: list[_Request], seed: int):
 # -- one run ---------------------------------------------------------------------------------------
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
-
-
 def _workers(driver_pid: int) -> list[int]:
     """The Python SDK workers the embedded Flink started (`runners.workers boot` processes)."""
-    out = []
-    for pid in set(_descendants(driver_pid)):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"boot" in cmdline and any(part.endswith((b"runners.workers", b"workers.py")) for part in cmdline):
-            out.append(pid)
-    return out
+    from bench.procs import cmdline, tree_pids
+
+    return [pid for pid in tree_pids(driver_pid) if "boot" in (argv := cmdline(pid))
+            and any(part.endswith(("runners.workers", "workers.py")) for part in argv)]
 
 
 def _watch_checkpoints(root: Path, started: dict[Path, float]) -> list[tuple[float, float]]:
