@@ -12,6 +12,7 @@ sampled - tokens of the rollouts in the committed windows (a run without a kill 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -133,6 +134,14 @@ def _workers(driver_pid: int) -> list[int]:
             and any(part.endswith(("runners.workers", "workers.py")) for part in argv)]
 
 
+def _kill_tree(root: int) -> None:
+    from bench.procs import tree_pids
+
+    for pid in tree_pids(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _watch_checkpoints(root: Path, started: dict[Path, float]) -> list[tuple[float, float]]:
     """(started, completed) unix times of the completed checkpoints; `started` notes when each chk-N
     folder (made as Flink triggers the checkpoint) was first seen, so call this often."""
@@ -208,8 +217,9 @@ def run_once(variant: str, kill: bool, work: Path, before_tree: Path) -> RunResu
                 killed_at = time.time()
         driver.wait(timeout=RUN_TIMEOUT_S - (time.time() - start))
     finally:
-        if driver.poll() is None:
-            driver.kill()
+        if driver.poll() is None:  # timed out or interrupted: its job server and workers go with it
+            _kill_tree(driver.pid)
+            driver.wait()
         for s in servers:
             s.stop()
     if driver.returncode != 0:
