@@ -44,3 +44,25 @@ def test_small_benchmark_reports_every_figure(tmp_path):
     assert len(memory["rss_mb"]) == 2 and memory["growth_after_warmup"] is not None
     sink = figures["sink"]
     assert sink["tokens"] > 0 and sink["tokens_per_s"] > 0 and sink["arrow_vs_plain"] > 0
+
+
+def test_goodput_benchmark_accounts_for_every_generated_token(tmp_path):
+    # bench/goodput.py at its smoke size: two servers, one killed every 1.5 s, weights published every step.
+    out = tmp_path / "goodput.json"
+    subprocess.run([sys.executable, "-m", "bench.goodput", "--size", "small", "--configs", "cancel,keep",
+                    "--out", str(out)], cwd=ROOT, check=True, timeout=300, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    (results,) = json.loads(out.read_text())["results"].values()
+    assert set(results) == {"cancel", "keep"}
+    for name, r in results.items():
+        assert r["steps"] == 5 and r["weight_updates"] >= 1, name  # steps may commit together
+        # The window stats' fates count every generated token once (but clean ones no step took yet).
+        assert sum(r["tokens_by_fate"].values()) == r["tokens_counted"] == r["tokens_generated"] - r["tokens_clean_not_cut"]
+        assert r["accounting_adds_up"] and r["tokens_by_fate"]["trained"] > 0, name
+        for key in ("goodput", "goodput_excluding_filters", "goodput_excluding_filters_and_shutdown"):
+            assert 0.0 < r[key] <= 1.0, (name, key)
+        assert r["goodput"] <= r["goodput_excluding_filters"] <= r["goodput_excluding_filters_and_shutdown"]
+        assert r["engine_idle_s_per_update"] > 0
+        for death in r["deaths"]:
+            assert death["generated"] >= 0 and death["returned"] >= 0
+    assert sum(r["server_deaths"] for r in results.values()) >= 1  # the chaos schedule ran during dispatch

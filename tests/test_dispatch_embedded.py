@@ -356,3 +356,32 @@ def test_every_group_completes_on_the_remaining_servers_when_one_fails(start_ser
     assert 0 <= lost <= (16 if fault in ("die", "stopped") else 0), (generated, received)
     if fault in ("die", "stopped", "refused"):
         assert not thread.dispatcher.pool.servers[0].healthy
+
+
+def test_a_server_down_during_an_update_is_left_out_and_takes_the_newest_weights_when_back(start_server, env,
+                                                                                           weights_dir):
+    up = start_server(mode="simulated", faults=FaultConfig(step_delay_s=0.005))
+    down = start_server(mode="simulated", faults=FaultConfig(step_delay_s=0.005))
+    port = down.port
+    version = [0]
+    with served_versions() as served, dispatcher_thread(
+            [down.url, up.url], env, "group", max_inflight=16, stream=True, version=lambda: version[0],
+            extra_body={"return_weight_versions": True}, max_tokens=12) as thread:
+        down.stop()
+        # The update goes on without it (no error for the run) and takes it out of service.
+        (timing,) = thread.update_weights(weights_dir, 1, "keep")
+        version[0] = 1
+        assert timing.url == up.url
+        assert not thread.dispatcher.pool.servers[0].healthy
+        # Back on its port with its initial weights (version 0): it loads version 1 before its first request.
+        back = start_server(mode="simulated", port=port, faults=FaultConfig(step_delay_s=0.005))
+        deadline = time.monotonic() + 30
+        while not thread.dispatcher.pool.servers[0].healthy:
+            assert time.monotonic() < deadline, "the restarted server was never used again"
+            time.sleep(0.05)
+        assert back.backend.weights_version == 1
+        rollouts = run_groups(thread, group_requests(env, 8, 4))
+
+    assert all(r.ok for r in rollouts) and {r.server for r in rollouts} == {back.url, up.url}
+    truth = [served[id(t.policy_versions)] for r in rollouts for t in r.turns]
+    assert all(t and set(t) == {1} for t in truth), truth  # every token sampled by version 1, on both servers

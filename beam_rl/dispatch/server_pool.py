@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,9 @@ class ServerPool:
         self.unhealthy_after = unhealthy_after
         self.reprobe_s = reprobe_s
         self._clock = clock
+        # Brings a server that was down to the current policy before it takes requests again: a restarted
+        # server is back on its initial weights (set by the dispatcher's host; None: nothing to restore).
+        self.restore: Callable[[Server], Awaitable[None]] | None = None
 
     def healthy(self) -> list[Server]:
         return [s for s in self.servers if s.healthy]
@@ -86,6 +89,13 @@ class ServerPool:
                 error,
             )
 
+    def mark_down(self, server: Server, error: BaseException) -> None:
+        """Take a server out of selection at once (it failed a weight update) until a health probe succeeds."""
+        if server.healthy:
+            server.healthy = False
+            server.unhealthy_since = self._clock()
+            log.warning("server %s marked unhealthy: %s", server.url, error)
+
     async def refresh(self) -> None:
         """Poll the load of healthy servers and re-probe unhealthy ones whose wait is over."""
         await asyncio.gather(*(self._refresh_one(s) for s in self.servers))
@@ -101,6 +111,13 @@ class ServerPool:
         if self._clock() - server.unhealthy_since < self.reprobe_s or not hasattr(server.client, "health"):
             return
         if await server.client.health():
+            if self.restore is not None:
+                try:
+                    await self.restore(server)
+                except Exception as exc:  # noqa: BLE001  (down a while longer; probed again later)
+                    log.warning("server %s is up but did not take the current weights: %s", server.url, exc)
+                    server.unhealthy_since = self._clock()
+                    return
             server.healthy = True
             server.consecutive_failures = 0
             log.info("server %s is healthy again", server.url)

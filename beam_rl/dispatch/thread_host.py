@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from beam_rl.dispatch.dispatcher import Dispatcher
+from beam_rl.dispatch.server_pool import Server
+from beam_rl.inference.client import InferenceConnectionError, InferenceTimeout
 from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.types import GroupRequest, Rollout
 
@@ -54,6 +56,7 @@ class DispatcherThread:
         self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()  # the one queue from the loop to Beam
         self._error: BaseException | None = None
         self._closed = False
+        self._weights: tuple[str, int] | None = None  # the newest checkpoint (path, version) servers must hold
         self._ready = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -142,17 +145,37 @@ class DispatcherThread:
 
     def update_weights(self, path: object, version: int, mode: str = "keep", *, drain_quiet_s: float = 0.02,
                        timeout_s: float = 600.0) -> list[UpdateTiming]:
-        """Every server in the pool loads the checkpoint at `path` as policy `version`, all at once, in
-        `mode` (InferenceClient.update_weights); returns when all have, with what each update cost."""
+        """Every healthy server in the pool loads the checkpoint at `path` as policy `version`, all at once,
+        in `mode` (InferenceClient.update_weights); returns when all have, with what each update cost. A
+        server unreachable meanwhile is marked unhealthy, and one that was down loads the newest checkpoint
+        when it is back, before any request (`_restore`)."""
         self._raise_if_dead()
-        servers = self.dispatcher.pool.servers
 
         async def update_all() -> list[UpdateTiming]:
-            return list(await asyncio.gather(*(
+            self._weights = (str(path), version)
+            servers = self.dispatcher.pool.healthy()
+            results = await asyncio.gather(*(
                 s.client.update_weights(str(path), version, mode, drain_quiet_s=drain_quiet_s, timeout_s=timeout_s)
-                for s in servers)))
+                for s in servers), return_exceptions=True)
+            timings = []
+            for server, result in zip(servers, results):
+                if isinstance(result, (InferenceConnectionError, InferenceTimeout)):
+                    self.dispatcher.pool.mark_down(server, result)  # died: restored when it is back
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    timings.append(result)
+            return timings
 
         return asyncio.run_coroutine_threadsafe(update_all(), self._loop).result(timeout_s)
+
+    async def _restore(self, server: Server) -> None:
+        """A server back from the dead loads the newest checkpoint (no request runs on it: reload mode)."""
+        loaded = None
+        while self._weights is not None and self._weights != loaded:  # again if an update came meanwhile
+            loaded = self._weights
+            await server.client.update_weights(*loaded, "reload")
+            log.info("server %s is back: loaded policy version %d", server.url, loaded[1])
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Cancel in-flight work, close the clients and stop the thread (in-flight groups are dropped)."""
@@ -185,6 +208,7 @@ class DispatcherThread:
     async def _serve(self) -> None:
         try:
             self.dispatcher = self._build(self._out.put)
+            self.dispatcher.pool.restore = self._restore
             self._stop = asyncio.Event()
         except BaseException as exc:
             self._error = exc
