@@ -19,6 +19,8 @@ def test_a_commit_record_gives_explicit_headline_names_and_flattened_rest(tmp_pa
     assert (figures["rollouts/seen"], figures["rollouts/trained"], figures["rollouts/errored"]) == (67, 56, 4)
     assert figures["filtered/zero_advantage"] == 0 and figures["flagged/monitored/gibberish"] == 1
     assert figures["tokens_by_fate/trained"] == 803 and figures["rollouts/status/ok"] == 63
+    fates = w["tokens_by_fate"]
+    assert figures["goodput/trained_share"] == pytest.approx(803 / sum(fates.values())) and len(fates) > 1
     assert figures["rollouts/completion_tokens_mean"] == 10.5
     assert figures["batch/groups"] == 1 and figures["timings/write_s"] == commit["timings"]["write_s"]
     # Not figures: ids, lists, the step itself, absolute times (extra.last_rollout_finished_at).

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from beam_rl.goodput import goodput
+
 Figures = dict[str, float]
 
 # The three streams of per-step records, each on the trainer-step axis: a committed step's record
@@ -61,6 +63,9 @@ def step_figures(commit: Mapping[str, Any], previous_committed_at: float | None 
             figures["/".join(path)] = value
         else:
             figures["rollouts/" + "/".join(path)] = value
+    share = goodput((commit.get("window") or {}).get("tokens_by_fate") or {})
+    if share is not None:
+        figures["goodput/trained_share"] = share  # of the tokens whose fate the step decided
     for part, section in COMMIT_SECTIONS.items():
         for path, value in numeric_leaves(commit.get(part) or {}):
             figures[f"{section}/{'/'.join(path)}"] = value
