@@ -94,16 +94,26 @@ def only_choice(body: dict) -> dict:
 # -- pause modes ---------------------------------------------------------------------------------
 
 
+def reference_and_base(s) -> tuple[list[int], float]:
+    """The tokens REQUEST gets from an undisturbed server, and the server's generated-token count after."""
+    return only_choice(complete(s, **REQUEST))["token_ids"], generated(s)
+
+
+async def running_request(client: httpx.AsyncClient, s, base: float) -> asyncio.Task:
+    """REQUEST in flight, once the server has sampled 3 of its tokens."""
+    request = asyncio.create_task(client.post(s.url + "/v1/completions", json=REQUEST))
+    await wait_for_metrics(s.url, lambda m: m[GENERATED] >= base + 3)
+    return request
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pause_keep_freezes_running_requests_and_resume_continues_them(start, backend):
     s = start(backend)
-    reference = only_choice(complete(s, **REQUEST))["token_ids"]
-    base = generated(s)
+    reference, base = reference_and_base(s)
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:
-            request = asyncio.create_task(client.post(s.url + "/v1/completions", json=REQUEST))
-            await wait_for_metrics(s.url, lambda m: m[GENERATED] >= base + 3)
+            request = await running_request(client, s, base)
             assert (await client.post(s.url + "/pause?mode=keep")).status_code == 200
             frozen = await generated_async(client, s)
             await asyncio.sleep(10 * STEP_S)  # ten steps' time: a running engine would sample ten tokens
@@ -121,13 +131,11 @@ def test_pause_keep_freezes_running_requests_and_resume_continues_them(start, ba
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pause_wait_returns_once_running_requests_finished_and_queues_new_ones(start, backend):
     s = start(backend)
-    reference = only_choice(complete(s, **REQUEST))["token_ids"]
-    base = generated(s)
+    reference, base = reference_and_base(s)
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:
-            running = asyncio.create_task(client.post(s.url + "/v1/completions", json=REQUEST))
-            await wait_for_metrics(s.url, lambda m: m[GENERATED] >= base + 3)
+            running = await running_request(client, s, base)
             assert (await client.post(s.url + "/pause?mode=wait")).status_code == 200
             at_pause = metrics(s.url)
             queued = asyncio.create_task(client.post(s.url + "/v1/completions", json={**REQUEST, "seed": 8}))
@@ -147,8 +155,7 @@ def test_pause_wait_returns_once_running_requests_finished_and_queues_new_ones(s
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pause_abort_answers_running_and_queued_requests_with_their_tokens_so_far(start, backend):
     s = start(backend, max_num_seqs=1)
-    reference = only_choice(complete(s, **REQUEST))["token_ids"]
-    base = generated(s)
+    reference, base = reference_and_base(s)
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:
@@ -181,13 +188,11 @@ def test_pause_abort_answers_running_and_queued_requests_with_their_tokens_so_fa
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reload_under_pause_keep_splits_a_request_exactly_where_it_was_frozen(start, backend, model_dir, other_weights):
     s = start(backend)
-    reference = only_choice(complete(s, **REQUEST))["token_ids"]
-    base = generated(s)
+    reference, base = reference_and_base(s)
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:
-            request = asyncio.create_task(client.post(s.url + "/v1/completions", json=REQUEST))
-            await wait_for_metrics(s.url, lambda m: m[GENERATED] >= base + 3)
+            request = await running_request(client, s, base)
             await client.post(s.url + "/pause?mode=keep")
             before_reload = await generated_async(client, s) - base
             await asyncio.to_thread(reload, s, other_weights if backend == "model" else model_dir)
@@ -205,13 +210,11 @@ def test_reload_under_pause_keep_splits_a_request_exactly_where_it_was_frozen(st
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reload_lands_between_two_steps_of_a_running_request(start, backend, model_dir, other_weights):
     s = start(backend)
-    reference = only_choice(complete(s, **REQUEST))["token_ids"]
-    base = generated(s)
+    reference, base = reference_and_base(s)
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:
-            request = asyncio.create_task(client.post(s.url + "/v1/completions", json=REQUEST))
-            await wait_for_metrics(s.url, lambda m: m[GENERATED] >= base + 3)
+            request = await running_request(client, s, base)
             before = await generated_async(client, s) - base
             await asyncio.to_thread(reload, s, other_weights if backend == "model" else model_dir)
             after = await generated_async(client, s) - base
@@ -284,8 +287,7 @@ def test_streamed_chunks_reassemble_into_the_non_streamed_answer(start, backend)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_abort_mid_stream_keeps_the_partial_tokens(start, backend):
     s = start(backend, max_num_seqs=1)
-    reference = only_choice(complete(s, **REQUEST))["token_ids"]
-    base = generated(s)
+    reference, base = reference_and_base(s)
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:

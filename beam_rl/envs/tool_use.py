@@ -11,10 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
 
-from beam_rl.datasets import BadRows, PromptText
+from beam_rl.datasets import BadRows
 from beam_rl.envs import register_env
+from beam_rl.envs.arithmetic import ArithmeticRow
 from beam_rl.envs.base import CompletionClient, DatasetEnvironment, SamplingParams, Trajectory, chat_prompt_ids
 from beam_rl.envs.tools import TOOLS, BadToolCall, Tool, ToolCall, ToolError, parse_tool_calls
 from beam_rl.types import Turn
@@ -27,20 +27,6 @@ def last_integer(text: str) -> int | None:
     """The last integer written in `text` ("so 12 * 3 = 36" -> 36), or None if it has none."""
     matches = _INTEGER.findall(text)
     return int(matches[-1].replace(",", "")) if matches else None
-
-
-class ToolArithmeticRow(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    question: PromptText
-    answer: str
-
-    @field_validator("answer")
-    @classmethod
-    def _integer_answer(cls, answer: str) -> str:
-        if not re.fullmatch(r"-?[0-9]+", answer):
-            raise ValueError(f"answer must be an integer written in ASCII digits, got {answer!r}")
-        return answer
 
 
 class ChatTemplateError(ValueError):
@@ -98,7 +84,7 @@ class ToolArithmetic(DatasetEnvironment):
 
     name = "tool_arithmetic"
     multi_turn = True
-    row_model = ToolArithmeticRow
+    row_model = ArithmeticRow  # the same rows: a question and its integer answer
     data_dir = Path(__file__).resolve().parent / "data"
     data_name = "tool_arithmetic"
     PROMPT = "What is {question}? Use a tool to compute it, then reply with just the number."
