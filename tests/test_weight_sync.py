@@ -15,7 +15,6 @@ from beam_rl.source import DispatchRange, RolloutSource, Shard, SourceSpec
 from beam_rl.rundir import RunDir
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
 from beam_rl.training.checkpoint import publish_weights
-from beam_rl.types import RolloutStatus
 from beam_rl.weight_sync import WeightSync
 from tests.server_helpers import metrics
 
