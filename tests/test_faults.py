@@ -2,9 +2,9 @@
 them faulty: 5xx answers, hangs past the request timeout, dropped connections, a server dying
 mid-run, a server coming back, and every server down.
 
-The contract (docs/design.md, "Reliability"): a failing server costs only the rollouts it held, which leave
-Dispatch as errored and are counted in their step's window; the run finishes its steps on the other
-server. Counts are exact where the servers make them so: with `max_retries = 0` and group mode every
+The contract once re-dispatch is spent (`max_redispatches = 0` here; docs/design.md, "Reliability"): a
+failing server costs only the rollouts it held, which leave Dispatch as errored and are counted in their
+step's window; the run finishes its steps on the other server. Counts are exact where the servers make them so: with `max_retries = 0` and group mode every
 completion request a server received is one group of GROUP_SIZE rollouts, and the servers count the
 requests they received (`beam_rl:requests_total`).
 """
@@ -52,8 +52,9 @@ def _config(run_dir, prompts: int = PROMPTS, max_inflight: int = MAX_INFLIGHT, *
         # Flagged, not dropped: which steps the clean groups fill must not depend on random rewards
         # (a zero-advantage group arriving last would meet the bug of test_groups_after_the_last_batch_...).
         "filters": {"zero_advantage": {"mode": "monitor"}},
-        # No retries: every injected fault must surface as errored rollouts, one request per group.
-        "inference": {"max_tokens": 8, "max_inflight": max_inflight, "max_retries": 0,
+        # No retries and no re-dispatch: every injected fault must surface as errored rollouts, one request
+        # per group (re-dispatch, which keeps them, is tests/test_dispatch_embedded.py's).
+        "inference": {"max_tokens": 8, "max_inflight": max_inflight, "max_retries": 0, "max_redispatches": 0,
                       "request_timeout_s": REQUEST_TIMEOUT_S, **inference},
     })
 
@@ -134,7 +135,7 @@ def record_outcome(record_property, run_dir: RunDir, records: list[dict]) -> Non
 
 FAULT_ERRORS = {
     "error": "InferenceHTTPError: POST {url}/v1/completions: HTTP 500",
-    "hang": f"InferenceTimeout: POST {{url}}/v1/completions: no answer within {REQUEST_TIMEOUT_S:g}s",
+    "hang": f"InferenceTimeout: POST {{url}}/v1/completions: not finished within {REQUEST_TIMEOUT_S:g}s",
     "drop": "InferenceConnectionError: POST {url}/v1/completions: connection failed",
 }
 
