@@ -49,6 +49,9 @@ class PromptSchedule:
         """The positions of those offsets this schedule has (a changed dataset may lack some)."""
         return {self._position[tuple(o)] for o in offsets if tuple(o) in self._position}
 
+    def group_size(self, position: int) -> int:
+        return self._envs[self._offsets[position][0]].group_size
+
     def group(self, position: int, attempts: tuple[int, ...] | None = None) -> GroupRequest:
         """The group at `position`: all its attempts, or only `attempts` (a restored group's missing ones)."""
         name, epoch, index = self._offsets[position]

@@ -14,6 +14,7 @@ import pytest
 from beam_rl.config import config_from_dict
 from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.rundir import RunDir
+from beam_rl.source import admission
 from beam_rl.tinymodel import tiny_model_dir
 from runners.pipeline import run_rollouts, runner_settings, start_rollouts
 
@@ -200,9 +201,9 @@ def trained_token_versions(run_dir: RunDir, step: int) -> list[list[int]]:
     return [[v for v, m in zip(versions, mask) if m] for versions, mask in columns]
 
 
-@pytest.mark.parametrize("update_mode", ["keep", "continue", "reload"])
-def test_weights_published_every_step_train_only_tokens_inside_the_bound(tmp_path, update_mode):
-    # Slow decode steps and long completions: updates land while rollouts generate, and some outlive two.
+def _run_slow_servers_publishing_every_step(tmp_path, update_mode: str) -> tuple[RunDir, list[dict], list[dict]]:
+    """Slow decode steps and long completions, weights after every step, bound 1: the run directory, its
+    weight-update records and every window row."""
     servers = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", max_num_seqs=64,
                               faults=FaultConfig(step_delay_s=0.01)) for _ in range(2)]
     urls = [s.start() for s in servers]
@@ -220,9 +221,17 @@ def test_weights_published_every_step_train_only_tokens_inside_the_bound(tmp_pat
     finally:
         for s in servers:
             s.stop()
+    return run_dir, updates, [r for step in run_dir.committed_steps() for r in run_dir.read_window(step).to_pylist()]
+
+
+@pytest.mark.parametrize("update_mode", ["keep", "continue", "reload"])
+def test_weights_published_every_step_train_only_tokens_inside_the_bound(tmp_path, update_mode, monkeypatch):
+    # Admission is blind to the bound here, as it is in effect when rollouts take longer than steps: groups
+    # queue past what the bound can train, so new weights make some stale while they generate.
+    monkeypatch.setattr(admission, "staleness_at_training", lambda *_: 0)
+    run_dir, updates, rows = _run_slow_servers_publishing_every_step(tmp_path, update_mode)
     # WeightSync loads the newest weights: steps committed during an update (a loaded machine) are skipped.
     assert len(updates) >= 3 and {s["mode"] for u in updates for s in u["servers"]} == {update_mode}
-    rows = [r for step in run_dir.committed_steps() for r in run_dir.read_window(step).to_pylist()]
     # Regenerated or kept, never cancelled as stale: a cancelled rollout is one the run's end stopped.
     assert not [r for r in rows if r["status"] == "cancelled" and r["discarded_tokens"]["stale"]]
     for step in run_dir.committed_steps():
@@ -240,6 +249,14 @@ def test_weights_published_every_step_train_only_tokens_inside_the_bound(tmp_pat
     assert counted == generated - clean_left  # clean rollouts not cut into a step yet are counted when cut
     # New weights did make in-flight rollouts too stale, and they were generated again.
     assert sum(u["regenerated_rollouts"] for u in updates) > 0 and sum(r["discarded_tokens"]["stale"] for r in rows) > 0
+
+
+def test_admission_inside_the_bound_generates_nothing_too_stale_to_train(tmp_path):
+    run_dir, updates, rows = _run_slow_servers_publishing_every_step(tmp_path, "keep")
+    fates = collections.Counter()
+    for step in run_dir.committed_steps():
+        fates.update(run_dir.read_commit(step).window.tokens_by_fate)
+    assert len(updates) >= 3 and fates["trained"] > 0 and fates["stale"] == 0, fates
 
 
 def test_the_jobs_own_counters_come_from_the_runner(servers, tmp_path):

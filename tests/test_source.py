@@ -15,10 +15,12 @@ from beam_rl.schedule import EnvSchedule, PromptSchedule
 from beam_rl.source import DispatchRange, InFlight, RolloutSource, Shard, SourceSpec
 from beam_rl.source.admission import AdmissionState, Hold, hold_reason, input_finished, limits_for
 from beam_rl.source.commits import CommittedSteps
+from beam_rl.source.status import StallWatch
 from beam_rl.source.eval_rounds import EvalRounds, first_eval_after
 from beam_rl.types import TrainBatch
 
-LIMITS = limits_for(rollouts_per_step=64, group_size=8, permits=64, max_async_level=1, with_trainer=True)
+LIMITS = limits_for(rollouts_per_step=64, group_size=8, permits=64, max_async_level=1, with_trainer=True,
+                    max_off_policy_steps=2)
 
 
 def _state(**changes) -> AdmissionState:
@@ -39,11 +41,71 @@ def test_limits_follow_the_step_size_and_are_split_over_shards():
     ({"policy_version": 2}, Hold.TRAINER),  # producing step 5 would be 2 steps past policy 2
     ({"policy_version": 3}, None),  # one step ahead: max_async_level 1 allows it
     ({"groups_out": 16}, Hold.GROUPS_OUT),
-    ({"groups_in_transit": 72}, Hold.SINK),
+    # 64 rollouts a step: 160 ahead and half a step's margin put a group admitted now in step 8, training
+    # policy 7 = 3 past policy 4
+    ({"groups_out": 8, "groups_in_transit": 12, "rollouts_ahead": 160}, Hold.OFF_POLICY),
+    ({"groups_out": 8, "groups_in_transit": 11, "rollouts_ahead": 152}, None),
+    ({"policy_version": 3, "groups_out": 1, "groups_in_transit": 15, "rollouts_ahead": 128}, Hold.OFF_POLICY),
+    ({"groups_out": 8, "rollouts_ahead": 192, "room_share": 0.5}, None),  # filtered rollouts take no room
+    ({"groups_out": 8, "rollouts_ahead": 192, "stalled": True}, None),  # a step needs more than is ahead
     ({"groups_waiting": 8}, Hold.BACKLOG),
 ])
 def test_hold_reason_names_the_first_rule_that_holds_admission_back(changes, reason):
     assert hold_reason(_state(**changes), LIMITS) is reason
+
+
+def test_a_slow_sink_holds_admission_where_the_off_policy_bound_allows_that_much_in_transit():
+    loose = limits_for(64, 8, 64, 1, with_trainer=True, max_off_policy_steps=10)
+    assert hold_reason(_state(groups_in_transit=72), loose) is Hold.SINK
+    assert hold_reason(_state(groups_in_transit=72, room_share=0.5), loose) is None  # half take no room
+
+
+def _train_fifo(limits, ticks: int = 400, generate_ticks: int = 3, packed_per_tick: int = 2,
+                trains_every: int = 1) -> tuple[list[int], set]:
+    """A pipeline slower than its servers (groups take `generate_ticks` to generate, the sink packs
+    `packed_per_tick` a tick, in the order they returned; one group in `trains_every` trains, the others are
+    filtered) with a trainer that publishes as each step commits. Returns every trained group's off-policy
+    steps, and the reasons admission was held."""
+    step_groups, committed, packed, admitted = 8, 0, 0, 0
+    out, transit, staleness, held, recent, returned, watch = [], [], [], set(), [], 0, StallWatch(min_quiet_s=5)
+    for tick in range(ticks):
+        returned += sum(done <= tick for done, _ in out)
+        transit += [g for done, g in out if done <= tick]  # returned whole, not yet in a committed step
+        out = [(done, g) for done, g in out if done > tick]
+        packed = min(packed + packed_per_tick, len(transit))
+        trains = [i for i, (_, trained) in enumerate(transit[:packed]) if trained]
+        if len(trains) >= step_groups:  # step committed + 1 trains policy `committed`
+            cut = trains[step_groups - 1] + 1
+            staleness += [committed - v for v, trained in transit[:cut] if trained]
+            recent = [*recent[-3:], (step_groups, cut)]
+            transit, packed, committed = transit[cut:], packed - cut, committed + 1
+        share = sum(t for t, _ in recent) / sum(n for _, n in recent) if recent else 1.0
+        stalled = watch.update(tick, committed, len(out), returned)
+        while (hold := hold_reason(_state(last_committed=committed, policy_version=committed, groups_out=len(out),
+                                          groups_in_transit=len(transit), rollouts_ahead=8 * (len(out) + len(transit)),
+                                          room_share=share, stalled=stalled),
+                                   limits)) is None:
+            out.append((tick + generate_ticks, (committed, admitted % trains_every == 0)))
+            admitted += 1
+        held.add(hold)
+    return staleness, held
+
+
+def test_admission_never_queues_a_group_behind_more_work_than_the_bound_lets_it_wait_for():
+    staleness, held = _train_fifo(LIMITS)
+    assert len(staleness) > 500 and max(staleness) == 2 and Hold.OFF_POLICY in held  # the bound, used whole
+    # The same pipeline without the rule: the sink's backlog ages groups past the bound, for no more steps.
+    loose, _ = _train_fifo(limits_for(64, 8, 64, 1, with_trainer=True, max_off_policy_steps=10))
+    assert max(loose) > 2 and len(loose) == len(staleness)
+
+
+@pytest.mark.parametrize("trains_every", [4, 8])
+def test_admission_counts_only_the_groups_ahead_that_will_take_room_in_a_step(trains_every):
+    # Most groups filtered: the bound's three steps of room hold 3 x 8 x trains_every groups ahead. Before the
+    # first step tells how many train, admission assumes all do; at 1 in 8 no step can come of that, and the
+    # stall watch lets more in.
+    staleness, held = _train_fifo(LIMITS, trains_every=trains_every, packed_per_tick=8)
+    assert len(staleness) > 2000 // trains_every and max(staleness) <= 2 and Hold.OFF_POLICY in held
 
 
 def test_without_a_trainer_the_policy_and_the_groups_out_do_not_hold_back():
@@ -73,18 +135,29 @@ def test_a_shard_owns_every_nth_position_server_and_its_share_of_permits():
 def test_committed_steps_are_read_once_each_as_they_commit(tmp_path):
     run_dir = RunDir(tmp_path)
 
-    def commit(step: int, offsets):
-        run_dir.write_step(TrainBatch(step=step, micro_batches=[], group_ids=[], window={}), offsets=offsets)
+    def commit(step: int, offsets, window=None):
+        run_dir.write_step(TrainBatch(step=step, micro_batches=[], group_ids=[], window=window or {}), offsets=offsets)
 
     commit(1, [("e", 0, 1)])
     now = [0.0]
     commits = CommittedSteps(run_dir, poll_s=1.0, clock=lambda: now[0])
-    assert commits.last_step == 1 and commits.consumed == {("e", 0, 1)}
-    commit(2, [("e", 0, 2)])
-    commit(3, [("e", 0, 3)])
+    assert commits.last_step == 1 and commits.consumed == {("e", 0, 1)} and commits.room_share == 1.0
+    commit(2, [("e", 0, 2)], {"rollouts": 8, "trained_rollouts": 8})
+    commit(3, [("e", 0, 3), ("e", 0, 4)], {"rollouts": 16, "trained_rollouts": 2, "filtered": {"stale": 2, "x": 12}})
     assert commits.refresh() == []  # within poll_s of the last look
     now[0] = 2.0
-    assert commits.refresh() == [{("e", 0, 2)}, {("e", 0, 3)}] and commits.last_step == 3
+    assert commits.refresh() == [{("e", 0, 2)}, {("e", 0, 3), ("e", 0, 4)}] and commits.last_step == 3
+    assert commits.room_share == (8 + 2 + 2) / (8 + 16)  # stale rollouts, fresh, would have taken room
+
+
+def test_the_stall_watch_lets_admission_past_its_limits_only_while_nothing_moves():
+    watch = StallWatch(min_quiet_s=10, quiet_steps=3)
+    assert not watch.update(0, last_committed=0, groups_out=0, groups_returned=0)
+    assert not watch.update(9, 0, 0, 0) and watch.update(11, 0, 0, 0)  # 10 s with nothing out, no step
+    assert watch.update(12, 0, 0, 5) and not watch.update(13, 1, 0, 5)  # until a step commits
+    assert not watch.update(20, 2, 0, 5)  # steps 7 s apart: 21 s of quiet now count
+    assert not watch.update(40, 2, 0, 5) and not watch.update(45, 2, 1, 5)  # a group out: something moves
+    assert watch.update(45, 2, 0, 5)
 
 
 def test_evaluation_rounds_come_every_k_steps_as_this_shards_part_of_the_split():

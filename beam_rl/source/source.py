@@ -24,7 +24,7 @@ from beam_rl.source.commits import CommittedSteps
 from beam_rl.source.eval_rounds import EvalRounds
 from beam_rl.source.restriction import DispatchRange, InFlight
 from beam_rl.source.shard import Shard
-from beam_rl.source.status import AllServersDownError, HeldBack, ServersDownWatch, StatusBoard
+from beam_rl.source.status import AllServersDownError, HeldBack, ServersDownWatch, StallWatch, StatusBoard
 from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.types import Rollout
 from beam_rl.weight_sync import WeightSync
@@ -71,7 +71,8 @@ class RolloutSource:
         permits = shard.permits(config.inference.max_inflight)
         servers = shard.servers(list(spec.server_urls))
         self._limits = limits_for(config.batch.rollouts_per_step, min(e.group_size for e in config.envs), permits,
-                                  config.off_policy.max_async_level, spec.with_trainer, shard.count)
+                                  config.off_policy.max_async_level, spec.with_trainer, shard.count,
+                                  config.off_policy.max_off_policy_steps)
         self._max_inflight = permits
         self._dispatcher = components.dispatcher_thread(config, servers, self.envs, self.policy_version, permits)
         self._weights = WeightSync(self._run_dir, update=self._update_servers,
@@ -81,6 +82,7 @@ class RolloutSource:
         self._evals = EvalRounds(config.eval, eval_schedule, shard, self._commits.last_step)
         self._status = StatusBoard(self._run_dir, shard.index)
         self._held = HeldBack()
+        self._stall = StallWatch()
         self._servers_down = ServersDownWatch(servers, config.inference.all_servers_down_timeout_s)
         self._admitted: dict[str, int] = {}  # training group id -> schedule position, until returned whole
         self._evaluating: set[str] = set()  # evaluation group ids, until returned whole
@@ -106,12 +108,16 @@ class RolloutSource:
     def wants_more(self) -> bool:
         """Backpressure (admission.hold_reason) over what this shard and the run directory say now."""
         self._follow_the_run()
+        now = time.monotonic()
+        stalled = self._stall.update(now, self._commits.last_step, len(self._admitted), self.emitted)
         hold = hold_reason(AdmissionState(
             stopping=self._stopping, last_committed=self._commits.last_step,
             policy_version=self.policy_version(), groups_out=len(self._admitted),
             groups_in_transit=len(self._in_transit), groups_waiting=self._dispatcher.pending_groups(),
+            rollouts_ahead=sum(map(self.schedule.group_size, (*self._admitted.values(), *self._in_transit))),
+            room_share=self._commits.room_share, stalled=stalled,
         ), self._limits)
-        self._held.note(hold, time.monotonic())
+        self._held.note(hold, now)
         return hold is None
 
     def admit(self, offset: int, attempts: tuple[int, ...] | None = None) -> None:

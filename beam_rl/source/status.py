@@ -1,4 +1,5 @@
-"""A shard's live state for people and the report: status files, load history, and the all-servers-down limit."""
+"""A shard's live state for people and the report: status files, load history, the all-servers-down limit
+and the stall watch."""
 
 from __future__ import annotations
 
@@ -33,6 +34,36 @@ class HeldBack:
     @property
     def reason(self) -> Hold | None:
         return self._reason
+
+
+class StallWatch:
+    """Whether the pipeline has stalled: nothing is out, and no step has committed nor a group returned for
+    `quiet_steps` step intervals (and at least `min_quiet_s`). Then the groups in transit cannot fill a step
+    (filters took more of them than `room_share` says) and only admitting more moves the run: OFF_POLICY
+    and SINK stand aside until the next step commits."""
+
+    def __init__(self, min_quiet_s: float = 10.0, quiet_steps: float = 3.0) -> None:
+        self.min_quiet_s, self.quiet_steps = min_quiet_s, quiet_steps
+        self.stalled = False
+        self._step: int | None = None
+        self._returned = -1
+        self._last_news = 0.0  # when a step last committed or a group last returned
+        self._committed_at: float | None = None
+        self._step_s = 0.0  # between the last two commits
+
+    def update(self, now: float, last_committed: int, groups_out: int, groups_returned: int) -> bool:
+        if last_committed != self._step:
+            if self._committed_at is not None:
+                self._step_s = now - self._committed_at
+            self._step, self._committed_at, self._last_news, self.stalled = last_committed, now, now, False
+        if groups_returned != self._returned:
+            self._returned, self._last_news = groups_returned, now
+        quiet_s = max(self.min_quiet_s, self.quiet_steps * self._step_s)
+        if groups_out == 0 and now - self._last_news > quiet_s and not self.stalled:
+            self.stalled = True
+            _LOG.warning("no step in %.0fs with nothing out: filters dropped more groups than expected; "
+                         "admitting past the off-policy and sink limits until a step commits", now - self._last_news)
+        return self.stalled
 
 
 class ServersDownWatch:
