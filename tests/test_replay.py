@@ -20,6 +20,7 @@ from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.replay import ReplayError, _fresh_start, first_table_difference, replay_steps
 from beam_rl.rundir import RunDir
 from beam_rl.sink import score_group
+from beam_rl.source import admission
 from beam_rl.tinymodel import tiny_model_dir
 from beam_rl.types import Rollout, TrainBatch, Turn
 from runners.job import run_job
@@ -61,7 +62,15 @@ def rollouts_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def job_run(tmp_path_factory):
-    """`beam-rl run` with the reference trainer: a bound of one step off-policy drops rollouts as stale."""
+    """`beam-rl run` with the reference trainer: a bound of one step off-policy drops rollouts as stale.
+    Admission is blind to the bound here (as it is in effect when rollouts take longer than steps), so
+    that the stale filter has rollouts to drop and the replay has its cuts to match."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(admission, "staleness_at_training", lambda *_: 0)
+        return _job_run(tmp_path_factory)
+
+
+def _job_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("job-run")
     config = config_from_dict({
         "run": {"dir": str(run_dir), "max_steps": 6},
