@@ -455,11 +455,18 @@ class InferenceClient:
                     if not request.streamed:
                         request.version = UNKNOWN_VERSION  # its tokens arrive all at once: no boundary to see
                 await self.pause("keep")
-            loading = time.monotonic()
-            await self.reload_weights(str(path), timeout_s)
-            reload_s = time.monotonic() - loading
-            if mode == "keep":
-                await self._drain(drain_quiet_s)
+            # Frozen from the pause on, the engine samples nothing: what still arrives during the load was
+            # sampled before it, so the streams drain while the weights load, not after.
+            draining = asyncio.ensure_future(self._drain(drain_quiet_s)) if mode == "keep" else None
+            try:
+                loading = time.monotonic()
+                await self.reload_weights(str(path), timeout_s)
+                reload_s = time.monotonic() - loading
+                if draining is not None:
+                    await draining
+            finally:
+                if draining is not None and not draining.done():
+                    draining.cancel()
             # The server samples nothing until it resumes: every token from here on is the new version's.
             self.version = version
             for request in self._live:
