@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,13 +28,17 @@ from beam_rl.dispatch.thread_host import DispatcherThread
 from beam_rl.inference.launch import start_subprocess_server
 from beam_rl.processes import stop_processes
 from beam_rl.rundir import RunDir
+from beam_rl.source import admission
 from beam_rl.tinymodel import tiny_model_dir
 
-# "cancel" is the behaviour before weight-update modes: reload under running requests, no streaming, a failed
-# server's rollouts errored (no re-dispatch), and a group past the bound cancelled whole (the dispatcher's
-# `cancel_stale`, which the source no longer calls: `_cancel_whole_groups` puts it back for this run).
+# "cancel" is the behaviour before issue 13: reload under running requests, no streaming, a failed server's
+# rollouts errored (no re-dispatch), a group past the bound cancelled whole (the dispatcher's `cancel_stale`,
+# which the source no longer calls: `_cancel_whole_groups` puts it back for this run), and admission blind to
+# the off-policy bound (`_admission_blind_to_the_bound`). "keep-blind" is keep with that admission alone.
 CONFIGS: dict[str, dict[str, Any]] = {
-    "cancel": {"update_mode": "reload", "stream": False, "max_redispatches": 0, "max_regenerations": 0},
+    "cancel": {"update_mode": "reload", "stream": False, "max_redispatches": 0, "max_regenerations": 0,
+               "blind_admission": True, "cancel_whole_groups": True},
+    "keep-blind": {"update_mode": "keep", "blind_admission": True},
     "reload": {"update_mode": "reload"},
     "keep": {"update_mode": "keep"},
     "continue": {"update_mode": "continue"},
@@ -69,11 +73,11 @@ class PublishEveryStep(threading.Thread):
                 published = step
 
 
-def _generation_tokens(url: str) -> int:
-    """The server's own count of tokens it sampled (vllm:generation_tokens), since it started."""
+def _server_counter(url: str, name: str) -> float:
+    """One of the server's own counters since it started: vllm:generation_tokens_total (tokens it sampled)
+    or beam_rl:paused_seconds_total (from each pause call to its resume call, as the server saw them)."""
     text = httpx.get(f"{url}/metrics", timeout=5).text
-    return int(next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                    if s.name == "vllm:generation_tokens_total"))
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def _tokens_received(run_dir: RunDir) -> dict[str, int]:
@@ -124,6 +128,7 @@ class Chaos(threading.Thread):
         self.stop = threading.Event()
         self.running = threading.Event()  # set while the pipeline runs: deaths outside it are no one's
         self.deaths: list[dict[str, Any]] = []
+        self.paused_s_before_deaths = 0.0  # the killed servers' beam_rl:paused_seconds, summed
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -142,7 +147,8 @@ class Chaos(threading.Thread):
             if not self.running.is_set():
                 continue
             url = self.fleet.urls[victim]
-            generated = _generation_tokens(url)
+            generated = int(_server_counter(url, "vllm:generation_tokens_total"))
+            self.paused_s_before_deaths += _server_counter(url, "beam_rl:paused_seconds_total")
             scraped_at = time.time()
             self.fleet.kill(victim)
             killed_at = time.time()
@@ -176,6 +182,17 @@ def _cancel_whole_groups() -> Iterator[None]:
         DispatcherThread.regenerate_stale = regenerate  # type: ignore[method-assign]
 
 
+@contextmanager
+def _admission_blind_to_the_bound() -> Iterator[None]:
+    """Admission as it was: no Hold.OFF_POLICY, however much work is queued ahead of a new group."""
+    rule = admission.staleness_at_training
+    admission.staleness_at_training = lambda *_: 0  # never past any bound
+    try:
+        yield
+    finally:
+        admission.staleness_at_training = rule
+
+
 def run_config(name: str, bound: int, size: dict[str, Any], max_async_level: int = 1) -> dict[str, Any]:
     from runners.pipeline import run_rollouts  # Beam: only where a pipeline runs
 
@@ -203,12 +220,18 @@ def run_config(name: str, bound: int, size: dict[str, Any], max_async_level: int
             chaos.start()
             t0 = time.time()
             chaos.running.set()
-            if name == "cancel":
-                with _cancel_whole_groups():
-                    run_rollouts(config, fleet.urls, with_trainer=True)
-            else:
+            with ExitStack() as old_rules:
+                if overrides.get("cancel_whole_groups"):
+                    old_rules.enter_context(_cancel_whole_groups())
+                if overrides.get("blind_admission"):
+                    old_rules.enter_context(_admission_blind_to_the_bound())
                 run_rollouts(config, fleet.urls, with_trainer=True)
             wall = time.time() - t0
+            chaos.running.clear()
+            chaos.stop.set()
+            chaos.join(60)
+            paused_s = chaos.paused_s_before_deaths + sum(
+                _server_counter(url, "beam_rl:paused_seconds_total") for url in fleet.urls)
         finally:
             if chaos is not None:
                 chaos.running.clear()
@@ -220,10 +243,11 @@ def run_config(name: str, bound: int, size: dict[str, Any], max_async_level: int
             fleet.stop()
         if chaos.error is not None:
             raise RuntimeError(f"chaos schedule failed in {name}") from chaos.error
-        return _summary(run_dir, size, wall, chaos.deaths)
+        return _summary(run_dir, size, wall, chaos.deaths, paused_s)
 
 
-def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[dict[str, Any]],
+             server_paused_s: float) -> dict[str, Any]:
     steps = run_dir.committed_steps()
     commits = [run_dir.read_commit(s) for s in steps]
     by_fate: dict[str, int] = {}
@@ -241,6 +265,9 @@ def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[di
     step_s = (commits[-1].committed_at - commits[0].committed_at) / (len(commits) - 1) if len(commits) > 1 else None
     idle = [s["reload_s"] if s["mode"] == "reload" else s["paused_s"] for u in updates for s in u["servers"]]
     idle_mean = sum(idle) / len(idle) if idle else 0.0
+    # The servers' own pause time over every paused update of every server (none in reload mode).
+    paused_updates = sum(1 for u in updates for s in u["servers"] if s["mode"] != "reload")
+    server_paused_mean = server_paused_s / paused_updates if paused_updates else None
     counted = sum(by_fate.values())
     no_shutdown = {f: n for f, n in by_fate.items() if f != fates.CANCELLED}
     lost_returned = by_fate.get(fates.SERVER_FAILURE, 0) + by_fate.get(fates.ERRORED, 0)
@@ -253,6 +280,8 @@ def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[di
         "tokens_generated": generated,
         "tokens_clean_not_cut": uncut,
         "accounting_adds_up": counted == generated - uncut,
+        # Side by side in one invocation only: wall time includes the runner's start-up.
+        "trained_tokens_per_s": round(by_fate.get(fates.TRAINED, 0) / wall),
         "goodput": _round(fates.goodput(by_fate)),
         "goodput_excluding_filters": _round(fates.goodput(by_fate, exclude_filtered=True)),
         "goodput_excluding_filters_and_shutdown": _round(fates.goodput(no_shutdown, exclude_filtered=True)),
@@ -265,6 +294,11 @@ def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[di
         "step_s": _round(step_s),
         "engine_idle_s_per_update": _round(idle_mean, 5),
         "engine_idle_per_update_share_of_step": _round(idle_mean / step_s, 5) if step_s else None,
+        "server_paused_s_per_update": _round(server_paused_mean, 5),
+        "server_paused_per_update_share_of_step": _round(server_paused_mean / step_s, 5)
+        if step_s and server_paused_mean is not None else None,
+        # Seconds the source held admission back, by reason (admission.Hold), over the whole run.
+        "held_back_s": run_dir.read_status().get("held_back_s"),
         "deaths": deaths,
         "server_deaths": len(deaths),
         "unreturned_tokens_per_death": _round(sum(d["unreturned"] for d in deaths) / len(deaths)) if deaths else None,
@@ -314,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
 
     bounds = tuple(int(b) for b in args.bounds.split(",")) if args.bounds else None
     result = measure(args.size, configs, write, bounds, args.max_async_level)
-    print(json.dumps({k: {c: {m: r[m] for m in ("goodput_excluding_filters", "engine_idle_per_update_share_of_step",
+    print(json.dumps({k: {c: {m: r[m] for m in ("goodput_excluding_filters", "trained_tokens_per_s",
+                                               "engine_idle_per_update_share_of_step",
                                                "unreturned_tokens_per_death", "returned_tokens_lost_per_death")}
                           for c, r in v.items()} for k, v in result["results"].items()}, indent=1))
 

@@ -66,3 +66,7 @@ def test_goodput_benchmark_accounts_for_every_generated_token(tmp_path):
         for death in r["deaths"]:
             assert death["generated"] >= 0 and death["returned"] >= 0
     assert sum(r["server_deaths"] for r in results.values()) >= 1  # the chaos schedule ran during dispatch
+    # The servers count each pause from their pause call to their resume call, inside the client's window.
+    keep = results["keep"]
+    assert 0 < keep["server_paused_s_per_update"] <= keep["engine_idle_s_per_update"]
+    assert results["cancel"]["server_paused_s_per_update"] is None  # reload mode never pauses

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 
 import httpx
 import pytest
 import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
-from server_helpers import metrics, sse_data, wait_for_metrics
+from server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
 
 from beam_rl.inference.faults import add_fault_args, fault_config_from_args
 from beam_rl.inference.responses import visible_text
@@ -331,6 +332,7 @@ def test_pause_queues_new_requests_until_resume(make_server, mode):
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:
+            before = time.monotonic()
             assert (await client.post(s.url + f"/pause?mode={mode}")).json() == {"status": "paused"}
             assert (await client.get(s.url + "/health")).status_code == 200
             assert (await client.get(s.url + "/is_paused")).json() == {"is_paused": True}
@@ -339,11 +341,15 @@ def test_pause_queues_new_requests_until_resume(make_server, mode):
             during = await wait_for_metrics(s.url, lambda m: m["vllm:num_requests_waiting"] == 1)
             assert not queued.done()
             assert (await client.post(s.url + "/resume")).json() == {"status": "resumed"}
+            wall_s = time.monotonic() - before
             assert (await client.get(s.url + "/is_paused")).json() == {"is_paused": False}
-            return during, await queued
+            after = parse_metrics((await client.get(s.url + "/metrics")).text)
+            return during, after, wall_s, await queued
 
-    during, response = asyncio.run(scenario())
+    during, after, wall_s, response = asyncio.run(scenario())
     assert during["vllm:num_requests_running"] == 0 and during["beam_rl:paused"] == 1
+    # The server's own count of the pause: from its pause call to its resume call, inside the client's.
+    assert 0 < during["beam_rl:paused_seconds_total"] <= after["beam_rl:paused_seconds_total"] <= wall_s
     assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 2
 
 

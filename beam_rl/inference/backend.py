@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -27,6 +28,8 @@ class PauseGate:
         self.state = PauseState.UNPAUSED
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[], None]] = []
+        self._paused_s = 0.0
+        self._paused_since: float | None = None
 
     @property
     def admits(self) -> bool:
@@ -38,7 +41,18 @@ class PauseGate:
         """May running requests take another step?"""
         return self.state != PauseState.PAUSED_ALL
 
+    @property
+    def paused_seconds(self) -> float:
+        """Seconds spent paused, as the server saw them (from the pause call to the resume call)."""
+        open_interval = time.monotonic() - self._paused_since if self._paused_since is not None else 0.0
+        return self._paused_s + open_interval
+
     def set(self, state: PauseState) -> None:
+        if state != PauseState.UNPAUSED and self._paused_since is None:
+            self._paused_since = time.monotonic()
+        elif state == PauseState.UNPAUSED and self._paused_since is not None:
+            self._paused_s += time.monotonic() - self._paused_since
+            self._paused_since = None
         self.state = state
         self.notify()
 

@@ -86,3 +86,5 @@ class ServerMetrics:
         yield family(counter, "beam_rl:busy_seconds", "Seconds with at least one sequence running.", b.busy_seconds)
         yield family(gauge, "beam_rl:weights_version", "Successful weight reloads so far.", b.weights_version)
         yield family(gauge, "beam_rl:paused", "1 while paused.", float(s.gate.state != PauseState.UNPAUSED))
+        yield family(counter, "beam_rl:paused_seconds", "Seconds paused, from the pause call to the resume call.",
+                     s.gate.paused_seconds)
