@@ -60,6 +60,16 @@ def test_a_slow_sink_holds_admission_where_the_off_policy_bound_allows_that_much
     assert hold_reason(_state(groups_in_transit=72, room_share=0.5), loose) is None  # half take no room
 
 
+def test_the_step_the_trainer_waits_for_is_always_admitted_without_the_margin():
+    on_policy = limits_for(64, 8, 64, 0, with_trainer=True, max_off_policy_steps=0)
+    assert hold_reason(_state(groups_out=7, rollouts_ahead=56), on_policy) is None  # step 5 still needs a group
+    assert hold_reason(_state(groups_out=4, groups_in_transit=4, rollouts_ahead=64), on_policy) is Hold.OFF_POLICY
+    # A trainer with a step to train will publish: the margin holds a group that could slip into step 6.
+    one_step = limits_for(64, 8, 64, 1, with_trainer=True, max_off_policy_steps=1)
+    assert hold_reason(_state(policy_version=3, groups_out=5, rollouts_ahead=40), one_step) is Hold.OFF_POLICY
+    assert hold_reason(_state(policy_version=3, groups_out=3, rollouts_ahead=24), one_step) is None
+
+
 def _train_fifo(limits, ticks: int = 400, generate_ticks: int = 3, packed_per_tick: int = 2,
                 trains_every: int = 1) -> tuple[list[int], set]:
     """A pipeline slower than its servers (groups take `generate_ticks` to generate, the sink packs

@@ -77,11 +77,15 @@ def staleness_at_training(state: AdmissionState, rollouts_per_step: int) -> int:
     (rollouts ahead of it that will train) // rollouts_per_step, which trains that step's previous policy;
     its oldest token is at best today's policy. Filtered rollouts take no room in a step: of those ahead,
     `room_share` are counted. Groups that finish together reach the packer in any order, so a group may slip
-    behind some admitted after it: ADMISSION_MARGIN of a step is kept for that.
+    behind some admitted after it: ADMISSION_MARGIN of a step is kept for that, but for the step being filled
+    while the trainer has nothing else to train.
 
     Admitting past the bound only buys work the stale filter will throw away (bench/goodput.py measured
     a quarter of all tokens lost that way when the pipeline, not the engines, set the pace)."""
-    ahead = int(state.rollouts_ahead * state.room_share + ADMISSION_MARGIN * rollouts_per_step)
+    ahead = int(state.rollouts_ahead * state.room_share)
+    # Not for the step being filled while the trainer waits for it: nothing else would bring that step.
+    if ahead >= rollouts_per_step or state.last_committed > state.policy_version:
+        ahead += int(ADMISSION_MARGIN * rollouts_per_step)
     return state.last_committed + ahead // rollouts_per_step - state.policy_version
 
 

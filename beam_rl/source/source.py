@@ -19,7 +19,7 @@ from beam_rl.config import RunConfig
 from beam_rl.failures import record_failure
 from beam_rl.processes import worker_id
 from beam_rl.rundir import RunDir
-from beam_rl.source.admission import AdmissionState, hold_reason, input_finished, limits_for
+from beam_rl.source.admission import AdmissionState, Hold, hold_reason, input_finished, limits_for
 from beam_rl.source.commits import CommittedSteps
 from beam_rl.source.eval_rounds import EvalRounds
 from beam_rl.source.restriction import DispatchRange, InFlight
@@ -109,7 +109,8 @@ class RolloutSource:
         """Backpressure (admission.hold_reason) over what this shard and the run directory say now."""
         self._follow_the_run()
         now = time.monotonic()
-        stalled = self._stall.update(now, self._commits.last_step, len(self._admitted), self.emitted)
+        stalled = self._stall.update(now, self._commits.last_step, len(self._admitted), self.emitted,
+                                     waiting_for_trainer=self._held.reason is Hold.TRAINER)
         hold = hold_reason(AdmissionState(
             stopping=self._stopping, last_committed=self._commits.last_step,
             policy_version=self.policy_version(), groups_out=len(self._admitted),

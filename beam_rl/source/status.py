@@ -38,27 +38,30 @@ class HeldBack:
 
 class StallWatch:
     """Whether the pipeline has stalled: nothing is out, and no step has committed nor a group returned for
-    `quiet_steps` step intervals (and at least `min_quiet_s`). Then the groups in transit cannot fill a step
-    (filters took more of them than `room_share` says) and only admitting more moves the run: OFF_POLICY
-    and SINK stand aside until the next step commits."""
+    `quiet_steps` step intervals (at least `min_quiet_s`; `first_quiet_s` before a step interval is known).
+    Then the groups in transit cannot fill a step (filters took more of them than `room_share` says) and only
+    admitting more moves the run: OFF_POLICY and SINK stand aside until the next step commits."""
 
-    def __init__(self, min_quiet_s: float = 10.0, quiet_steps: float = 3.0) -> None:
-        self.min_quiet_s, self.quiet_steps = min_quiet_s, quiet_steps
+    def __init__(self, min_quiet_s: float = 2.0, quiet_steps: float = 3.0, first_quiet_s: float = 10.0) -> None:
+        self.min_quiet_s, self.quiet_steps, self.first_quiet_s = min_quiet_s, quiet_steps, first_quiet_s
         self.stalled = False
         self._step: int | None = None
         self._returned = -1
         self._last_news = 0.0  # when a step last committed or a group last returned
         self._committed_at: float | None = None
-        self._step_s = 0.0  # between the last two commits
+        self._step_s: float | None = None  # between the last two commits that no stall held up
 
-    def update(self, now: float, last_committed: int, groups_out: int, groups_returned: int) -> bool:
+    def update(self, now: float, last_committed: int, groups_out: int, groups_returned: int,
+               waiting_for_trainer: bool = False) -> bool:
+        if waiting_for_trainer:  # no step comes until the trainer publishes: that is no stall
+            self._last_news = now
         if last_committed != self._step:
-            if self._committed_at is not None:
+            if self._committed_at is not None and not self.stalled:  # a stall's wait is no step's length
                 self._step_s = now - self._committed_at
             self._step, self._committed_at, self._last_news, self.stalled = last_committed, now, now, False
         if groups_returned != self._returned:
             self._returned, self._last_news = groups_returned, now
-        quiet_s = max(self.min_quiet_s, self.quiet_steps * self._step_s)
+        quiet_s = self.first_quiet_s if self._step_s is None else max(self.min_quiet_s, self.quiet_steps * self._step_s)
         if groups_out == 0 and now - self._last_news > quiet_s and not self.stalled:
             self.stalled = True
             _LOG.warning("no step in %.0fs with nothing out: filters dropped more groups than expected; "
