@@ -102,10 +102,11 @@ def dispatcher_thread(
 
 
 def run_groups(
-    thread: DispatcherThread, requests: list[GroupRequest], deadline_s: float = 60.0, expected_before: int = 0
+    thread: DispatcherThread, requests: list[GroupRequest], deadline_s: float = 60.0, expected_before: int = 0,
+    started_again: Callable[[dict[str, int]], int] = lambda counters: 0,
 ) -> list[Rollout]:
     """Every rollout of `requests` (and of the `expected_before` rollouts added earlier), checked to leave
-    the dispatcher exactly once."""
+    the dispatcher exactly once; `started_again` says how many launches the counters show were relaunched."""
     expected = sum(r.group_size for r in requests) + expected_before
     thread.add_groups(requests)
     out: list[Rollout] = []
@@ -118,7 +119,8 @@ def run_groups(
     assert [i for i, k in ids.items() if k > 1] == []
     assert {f"{r.group_id}/{a}" for r in requests for a in range(r.group_size)} <= set(ids)
     counters = thread.counters()
-    assert counters["started"] == expected and counters["inflight"] == 0 and counters["cancelled"] == 0
+    relaunched = started_again(counters)
+    assert counters["started"] == expected + relaunched and counters["inflight"] == 0 and counters["cancelled"] == 0
     assert counters["ok"] + counters["errored"] == expected
     assert thread.inflight_groups() == [] and thread.pending_groups() == 0
     return out
@@ -385,3 +387,92 @@ def test_a_server_down_during_an_update_is_left_out_and_takes_the_newest_weights
     assert all(r.ok for r in rollouts) and {r.server for r in rollouts} == {back.url, up.url}
     truth = [served[id(t.policy_versions)] for r in rollouts for t in r.turns]
     assert all(t and set(t) == {1} for t in truth), truth  # every token sampled by version 1, on both servers
+
+
+def test_a_server_restarted_between_updates_is_found_and_loads_the_newest_weights_before_more_work(
+        start_server, env, weights_dir):
+    first = start_server(mode="simulated", faults=FaultConfig(step_delay_s=0.005))
+    other = start_server(mode="simulated", faults=FaultConfig(step_delay_s=0.005))
+    version = [0]
+    with served_versions() as served, dispatcher_thread(
+            [first.url, other.url], env, "group", max_inflight=16, stream=True, version=lambda: version[0],
+            extra_body={"return_weight_versions": True}, max_tokens=12) as thread:
+        assert len(thread.update_weights(weights_dir, 1, "keep")) == 2
+        version[0] = 1
+        assert httpx.get(first.url + "/weight_info", timeout=10).json() == {"weight_version": "1"}
+        # Restarted while idle: no request failed, nothing refused, so only its weights can give it away.
+        port = first.port
+        first.stop()
+        back = start_server(mode="simulated", port=port, faults=FaultConfig(step_delay_s=0.005))
+        assert back.backend.weights_version == 0
+        deadline = time.monotonic() + 30
+        while back.backend.weights_version != 1:
+            assert time.monotonic() < deadline, "the restarted server never loaded the newest weights"
+            time.sleep(0.05)
+        rollouts = run_groups(thread, group_requests(env, 8, 4))
+
+    assert all(r.ok for r in rollouts) and back.url in {r.server for r in rollouts}
+    truth = [served[id(t.policy_versions)] for r in rollouts for t in r.turns]
+    assert all(t and set(t) == {1} for t in truth), truth  # every token sampled by version 1, on both servers
+
+
+def test_a_server_restarted_under_load_runs_nothing_on_its_initial_weights(start_server, env, weights_dir):
+    """Killed and back on its port at once while it runs rollouts: whichever way the dispatcher learns of it
+    (a dropped stream, a refused connection, its weights at a refresh), the rollouts it runs on its initial
+    weights start again, it loads the newest before it takes more, and every group still completes once."""
+    slow = FaultConfig(step_delay_s=0.02)
+    first, other = start_server(mode="simulated", faults=slow), start_server(mode="simulated", faults=slow)
+    version = [0]
+    with served_versions() as served, dispatcher_thread(
+            [first.url, other.url], env, "group", max_inflight=16, stream=True, version=lambda: version[0],
+            extra_body={"return_weight_versions": True}, max_tokens=40, max_redispatches=3) as thread:
+        assert len(thread.update_weights(weights_dir, 1, "keep")) == 2
+        version[0] = 1
+        requests = group_requests(env, 12, 4)
+        thread.add_groups(requests[:4])
+        deadline = time.monotonic() + 30
+        while metrics(first.url)["vllm:num_requests_running"] == 0:
+            assert time.monotonic() < deadline, "nothing ever ran on the first server"
+            time.sleep(0.01)
+        port = first.port
+        first.stop()
+        back = start_server(mode="simulated", port=port, faults=slow)
+        rollouts = run_groups(thread, requests[4:], expected_before=16,
+                              started_again=lambda c: c["redone_on_restart"])
+        assert back.backend.weights_version == 1
+
+    assert all(r.ok for r in rollouts) and back.url in {r.server for r in rollouts}
+    truth = [served[id(t.policy_versions)] for r in rollouts for t in r.turns]
+    stamped = [list(t.policy_versions) for r in rollouts for t in r.turns]
+    assert truth == stamped and all(set(t) == {1} for t in truth), truth
+
+
+def test_rollouts_a_restarted_server_ran_on_its_initial_weights_start_again(start_server, env, weights_dir):
+    """Found restarted while it runs rollouts (sent to it before anything noticed): they start again from
+    their prompts, their tokens counted as lost to a server failure, and the server reloads the weights."""
+    slow = FaultConfig(step_delay_s=0.02)
+    first, other = start_server(mode="simulated", faults=slow), start_server(mode="simulated", faults=slow)
+    version = [0]
+    with dispatcher_thread(
+            [first.url, other.url], env, "group", max_inflight=16, stream=True, version=lambda: version[0],
+            max_tokens=40) as thread:
+        assert len(thread.update_weights(weights_dir, 1, "keep")) == 2
+        version[0] = 1
+        requests = group_requests(env, 8, 4)
+        thread.add_groups(requests[:4])
+        deadline = time.monotonic() + 30
+        while metrics(first.url)["vllm:num_requests_running"] == 0:
+            assert time.monotonic() < deadline, "nothing ever ran on the first server"
+            time.sleep(0.01)
+        # What a restart nothing saw shows at a refresh: the label of its initial weights (only the label here,
+        # so the launches it finds in flight are known to be there when it is found).
+        httpx.post(first.url + "/update_weight_version", json={"new_version": "default"}, timeout=10)
+        rollouts = run_groups(thread, requests[4:], expected_before=16,
+                              started_again=lambda c: c["redone_on_restart"])
+        counters = thread.counters()
+
+    assert all(r.ok for r in rollouts)
+    assert all(set(t.policy_versions) == {1} for r in rollouts for t in r.turns)
+    redone = sum(r.discarded_tokens["server_failure"] for r in rollouts)
+    assert counters["redone_on_restart"] > 0 and redone > 0, (counters, redone)
+    assert first.backend.weights_version == 2  # loaded again when found

@@ -940,6 +940,7 @@ def test_thread_host_runs_the_dispatcher_for_synchronous_callers():
             "redispatched": 0,
             "regenerated": 0,
             "cancelled_stale": 0,
+            "redone_on_restart": 0,
             "inflight": 0,
             "healthy_servers": 2,
         }

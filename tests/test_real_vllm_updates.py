@@ -226,3 +226,27 @@ def test_a_run_whose_trainer_publishes_every_step_trains_only_tokens_inside_the_
         for generated in trained_token_versions(run_dir, step):
             assert min(generated) >= step - 2, (step, generated)  # known, and inside max_off_policy_steps
         assert run_dir.read_commit(step).window.tokens_by_fate["trained"] == run_dir.read_commit(step).counts.trained_tokens
+
+
+def test_a_restarted_server_is_told_by_the_weight_version_it_reports(vllm, new_weights):
+    """After an update vLLM reports the version the client gave it (/weight_info); restarted, it is back on
+    its initial weights and its initial label, and the client sees it. Restarts the module's server: last."""
+    client = _client(vllm, version=OLD)
+
+    async def before_restart() -> None:
+        async with client:
+            assert not await client.restarted()  # nothing loaded yet: nothing to compare with
+            await client.update_weights(new_weights, NEW, "keep")
+            assert await client.weight_version() == str(NEW)
+            assert not await client.restarted()
+
+    async def after_restart() -> None:
+        async with client:
+            assert await client.weight_version() == "default"
+            assert await client.restarted()
+
+    asyncio.run(before_restart())
+    vllm.stop()
+    vllm.start()
+    print(f"vLLM restarted in {vllm.wait_ready():.1f}s")
+    asyncio.run(after_restart())

@@ -287,6 +287,17 @@ def test_reload_weights_changes_generations(make_server, cache_dir):
     assert metrics(s.url)["beam_rl:weights_version"] == 1
 
 
+def test_weight_version_label_is_reported_as_set_and_refused_when_malformed(make_server):
+    s = make_server(mode="instant")
+    assert httpx.get(s.url + "/weight_info").json() == {"weight_version": "default"}  # vLLM's initial label
+    answer = httpx.post(s.url + "/update_weight_version", json={"new_version": "7"})
+    assert answer.status_code == 200 and answer.json() == {"success": True, "new_version": "7"}
+    assert httpx.get(s.url + "/weight_info").json() == {"weight_version": "7"}
+    for body in ({}, {"new_version": 7}, {"version": "8"}):
+        assert httpx.post(s.url + "/update_weight_version", json=body).status_code == 400
+    assert httpx.get(s.url + "/weight_info").json() == {"weight_version": "7"}
+
+
 def test_bad_checkpoints_are_refused_and_model_untouched(make_server, model_dir, tmp_path):
     s = make_server()
     sampled = {"temperature": 1.0, "seed": 3, "max_tokens": 6, "ignore_eos": True}

@@ -3,7 +3,7 @@
 Every rule has one home: permits (`_schedule_group_rollout`), group affinity (`_pin_server`, `_moved`),
 open groups first (`_try_schedule`), version stamps (`_schedule_group_rollout` / `_stamp_versions`),
 re-dispatch on a failed server (failover.LaunchClient), regeneration of too-stale rollouts
-(`regenerate_stale`) and exactly-once emission (`_on_finished`, `_cancel_group`). Groups come in through
+(`regenerate_stale`) and of those a restarted server ran (`redo_on_restarted`), and exactly-once emission (`_on_finished`, `_cancel_group`). Groups come in through
 `add` (any thread) and every finished rollout goes out through the `emit` callback, once, as it finishes.
 """
 
@@ -77,6 +77,7 @@ class Dispatcher:
         self._groups: dict[str, OpenGroup] = {}  # insertion order = admission order
         self._inflight: dict[asyncio.Task, Launch] = {}
         self._wakeup = asyncio.Event()
+        pool.on_restart = self.redo_on_restarted
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -298,15 +299,36 @@ class Dispatcher:
                     turn.policy_versions = [launch.version_start if unchanged else UNKNOWN_VERSION] * len(
                         turn.completion_ids)
 
+    def redo_on_restarted(self, server: Server) -> int:
+        """Every launch in flight on `server`, which restarted since its last weight update, starts again
+        from its prompt: tokens it sampled on its initial weights carry the wrong version, and which of a
+        launch's tokens came before the restart cannot be told. Their tokens count as lost to a server
+        failure; the rollouts count as `redone_on_restart`, not against `max_regenerations`. Returns how many."""
+        redone = 0
+        for task, launch in list(self._inflight.items()):
+            if launch.server is not server or launch.cancel_requested or launch.regenerate_requested:
+                continue
+            if task.cancel():
+                launch.regenerate_requested = True
+                launch.regenerate_fate = "server_failure"
+                redone += launch.permits
+        if redone:
+            log.warning("%d rollouts in flight on %s start again: it restarted under them", redone, server.url)
+        return redone
+
     def _requeue(self, launch: Launch) -> None:
-        """A launch cancelled for regeneration: its attempts go back to the front of their group (open
-        groups first: they start again next), their tokens counted as thrown away as stale."""
+        """A launch cancelled to run again: its attempts go back to the front of their group (open groups
+        first: they start again next), their tokens counted as thrown away (stale, or to its server's restart)."""
         group = launch.group
+        stale = launch.regenerate_fate == "stale"
         for attempt, tokens in zip(launch.attempts, launch.progress.tokens):
-            group.discarded.setdefault(attempt, Counter())["stale"] += tokens
-            group.regenerations[attempt] += 1
+            group.discarded.setdefault(attempt, Counter())[launch.regenerate_fate] += tokens
+            group.regenerations[attempt] += stale
         group.attempts.extendleft(reversed(launch.attempts))
-        self.counters.regenerated += launch.permits
+        if stale:
+            self.counters.regenerated += launch.permits
+        else:
+            self.counters.redone_on_restart += launch.permits
         self._wakeup.set()
 
     def _placeholder(

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from beam_rl.dispatch.ledger import Launch
 from beam_rl.dispatch.server_pool import Server, ServerPool
 from beam_rl.envs.base import Completion, SamplingParams
-from beam_rl.inference.client import InferenceError
+from beam_rl.inference.client import InferenceConnectionError, InferenceError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class LaunchClient:
                 if not exc.server_fault:
                     raise
                 self._pool.record_failure(server, exc)
+                if isinstance(exc, InferenceConnectionError):
+                    await self._pool.confirm_weights(server)  # a dropped connection may be a restart
                 if launch.redispatches >= self._max_redispatches:
                     raise
                 launch.redispatches += 1

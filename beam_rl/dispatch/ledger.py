@@ -33,6 +33,7 @@ class DispatchCounters:
     redispatched: int = 0  # times a launch moved off a failed server (a group call of n counts n)
     regenerated: int = 0  # rollouts started again because new weights made them too stale
     cancelled_stale: int = 0  # rollouts cancelled as too stale once regenerating them could not help
+    redone_on_restart: int = 0  # rollouts started again from their prompt: their server restarted under them
 
     @property
     def emitted(self) -> int:
@@ -84,6 +85,9 @@ class Launch:
     cancel_requested: bool = False
     regenerate_requested: bool = False  # cancelled to run again under the current policy
     stale: bool = False  # cancelled because it was too stale (a cancellation's tokens are then "stale")
+    # Why its tokens were thrown away when it runs again: "stale", or "server_failure" when its server
+    # restarted under it and sampled them with the wrong weights.
+    regenerate_fate: str = "stale"
     redispatches: int = 0
     progress: Progress = field(default_factory=Progress)  # its tokens as they arrive, over every server
     completions: list[Completion] = field(default_factory=list)  # what the environment got, in call order

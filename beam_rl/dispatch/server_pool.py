@@ -26,6 +26,7 @@ class Server:
     healthy: bool = True
     unhealthy_since: float = 0.0
     load: ServerLoad | None = None  # last polled /metrics; None until polled
+    checking: asyncio.Future[None] | None = None  # the weight check under way (ServerPool.confirm_weights)
 
     def load_key(self) -> tuple[float, float, int]:
         # Our own in-flight count is exact and current; the polled queue also sees other
@@ -57,6 +58,9 @@ class ServerPool:
         # Brings a server that was down to the current policy before it takes requests again: a restarted
         # server is back on its initial weights (set by the dispatcher's host; None: nothing to restore).
         self.restore: Callable[[Server], Awaitable[None]] | None = None
+        # Told of a server found restarted since its last weight update, before it is restored (set by the
+        # dispatcher: what runs on it now was sampled with the wrong weights).
+        self.on_restart: Callable[[Server], object] | None = None
 
     def healthy(self) -> list[Server]:
         return [s for s in self.servers if s.healthy]
@@ -89,8 +93,9 @@ class ServerPool:
                 error,
             )
 
-    def mark_down(self, server: Server, error: BaseException) -> None:
-        """Take a server out of selection at once (it failed a weight update) until a health probe succeeds."""
+    def mark_down(self, server: Server, error: BaseException | str) -> None:
+        """Take a server out of selection at once (it failed a weight update, or restarted) until it is
+        brought back."""
         if server.healthy:
             server.healthy = False
             server.unhealthy_since = self._clock()
@@ -107,22 +112,50 @@ class ServerPool:
                     server.load = await server.client.load()
                 except Exception as exc:  # load is advisory: a failed scrape changes nothing
                     log.debug("polling load of %s failed: %s", server.url, exc)
+            await self.confirm_weights(server)
             return
         if self._clock() - server.unhealthy_since < self.reprobe_s or not hasattr(server.client, "health"):
             return
         if await server.client.health():
-            if self.restore is not None:
-                try:
-                    await self.restore(server)
-                except Exception as exc:  # noqa: BLE001  (down a while longer; probed again later)
-                    log.warning("server %s is up but did not take the current weights: %s", server.url, exc)
-                    server.unhealthy_since = self._clock()
-                    return
-            server.healthy = True
-            server.consecutive_failures = 0
-            log.info("server %s is healthy again", server.url)
+            await self._bring_back(server)
         else:
             server.unhealthy_since = self._clock()
+
+    async def confirm_weights(self, server: Server) -> None:
+        """Take a server that restarted since its last weight update (it reports other weights than it
+        was given: its initial ones) out of selection, and bring it back on the current weights. Checked
+        at every refresh and after a connection failure, the sign of a restart under load."""
+        if not server.healthy or not hasattr(server.client, "restarted"):
+            return
+        if server.checking is None:  # one check at a time: a restart fails many requests together
+            server.checking = asyncio.ensure_future(self._check_weights(server))
+            server.checking.add_done_callback(lambda _: setattr(server, "checking", None))
+        # Shielded: the check redoes the launches on a restarted server, perhaps the one waiting here.
+        await asyncio.shield(server.checking)
+
+    async def _check_weights(self, server: Server) -> None:
+        try:
+            restarted = await server.client.restarted()
+        except Exception as exc:  # noqa: BLE001  (unreachable: its requests' failures will say so)
+            log.debug("asking %s for its weights failed: %s", server.url, exc)
+            return
+        if restarted and server.healthy:
+            self.mark_down(server, "it restarted since its last weight update and serves its initial weights")
+            if self.on_restart is not None:
+                self.on_restart(server)
+            await self._bring_back(server)
+
+    async def _bring_back(self, server: Server) -> None:
+        if self.restore is not None:
+            try:
+                await self.restore(server)
+            except Exception as exc:  # noqa: BLE001  (down a while longer; probed again later)
+                log.warning("server %s is up but did not take the current weights: %s", server.url, exc)
+                server.unhealthy_since = self._clock()
+                return
+        server.healthy = True
+        server.consecutive_failures = 0
+        log.info("server %s is healthy again", server.url)
 
     async def aclose(self) -> None:
         for server in self.servers:

@@ -254,6 +254,7 @@ class DispatcherThread:
             "redispatched": c.redispatched,
             "regenerated": c.regenerated,
             "cancelled_stale": c.cancelled_stale,
+            "redone_on_restart": c.redone_on_restart,
             "inflight": self.dispatcher.inflight,
             "healthy_servers": len(self.dispatcher.pool.healthy()),
         }

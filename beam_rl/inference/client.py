@@ -254,6 +254,11 @@ class InferenceClient:
         # is sent meanwhile: it would only queue, and must carry the new version's cache salt.
         self._update_over: asyncio.Event | None = None
         self._reloading = 0  # reload-mode updates in flight: requests sent meanwhile get unknown versions
+        # The version this client last loaded and told the server to report (vLLM's /update_weight_version):
+        # a server that reports another has restarted since, on its initial weights. None: nothing to check
+        # (no update yet, or a server without the route).
+        self._labelled: int | None = None
+        self._labels_supported = True
 
     def __repr__(self) -> str:
         return f"InferenceClient({self.base_url!r}, model={self.model!r})"
@@ -419,12 +424,16 @@ class InferenceClient:
         retried: a half-applied load can leave vLLM broken, so the caller decides what next."""
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
+        if mode not in ("reload", "keep", "continue"):
+            raise ValueError(f"update mode must be reload, keep or continue, not {mode!r}")
         async with self._update_lock:
+            self._labelled = None
             if mode == "reload":
-                return await self._reload_while_running(path, version, timeout_s)
-            if mode not in ("keep", "continue"):
-                raise ValueError(f"update mode must be reload, keep or continue, not {mode!r}")
-            return await self._paused_update(path, version, mode, drain_quiet_s, timeout_s)
+                timing = await self._reload_while_running(path, version, timeout_s)
+            else:
+                timing = await self._paused_update(path, version, mode, drain_quiet_s, timeout_s)
+            await self._label_weights(version)  # after the resume: the engine need not wait for it
+            return timing
 
     async def _reload_while_running(self, path: str | Path, version: int, timeout_s: float | None) -> UpdateTiming:
         # Nothing marks the step at which the server switched: a token arriving from now on may come from
@@ -511,6 +520,40 @@ class InferenceClient:
             retry=False,
             timeout_s=timeout_s,
         )
+
+    async def _label_weights(self, version: int) -> None:
+        if not self._labels_supported:
+            return
+        try:
+            await self._request("POST", "/update_weight_version", json={"new_version": str(version)}, retry=False)
+        except InferenceHTTPError as exc:
+            if exc.status not in (404, 405):
+                raise
+            self._labels_supported = False  # a server without vLLM's RL routes: restarts go unnoticed
+            log.warning("%s has no /update_weight_version: a restart between updates will not be noticed",
+                        self.base_url)
+            return
+        self._labelled = version
+
+    async def weight_version(self) -> str:
+        """The weight version the server reports (vLLM's `GET /weight_info`; "default" until one is set)."""
+        answer = await self._request("GET", "/weight_info", retry=False, timeout_s=min(self.timeout_s, 10.0))
+        try:
+            return str(orjson.loads(answer.text)["weight_version"])
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            raise InferenceBadResponse(f"{self.base_url}/weight_info: unexpected answer ({exc})",
+                                       self.base_url) from None
+
+    async def restarted(self) -> bool:
+        """True when the server reports weights other than the version this client last loaded into it:
+        it restarted since and serves its initial weights. False when it reports them, or cannot say (no
+        update yet, one under way, a server without the route); raises InferenceError if unreachable."""
+        expected = self._labelled
+        if expected is None or self._update_over is not None or self._reloading:
+            return False
+        served = await self.weight_version()
+        # An update that started meanwhile relabels the server: only a check it did not overlap counts.
+        return self._labelled == expected and served != str(expected)
 
     async def pause(self, mode: str = "keep") -> None:
         await self._request("POST", "/pause", params={"mode": mode}, retry=False)

@@ -98,6 +98,9 @@ class EmbeddedServer:
         self._middlewares = [api_key_middleware(keys)] if keys else []
         self._ssl = server_ssl_context(str(ssl_certfile), ssl_keyfile and str(ssl_keyfile)) if ssl_certfile else None
         self._metrics_collector = ServerMetrics(self)
+        # What /weight_info reports: a label the client sets after each update, "default" until then, as in
+        # vLLM (the backend's weights_version counts the loads instead).
+        self.weight_version_label = "default"
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -129,6 +132,8 @@ class EmbeddedServer:
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
                 web.post("/collective_rpc", self._collective_rpc),
+                web.post("/update_weight_version", self._update_weight_version),
+                web.get("/weight_info", self._weight_info),
                 web.post("/pause", self._pause),
                 web.post("/resume", self._resume),
                 web.get("/is_paused", self._is_paused),
@@ -374,6 +379,19 @@ class EmbeddedServer:
         except WeightsError as exc:
             return _error_response(400, str(exc), "BadRequestError")
         return web.json_response({"results": [{"weights_version": self.backend.weights_version}]})
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            new_version = (await request.json())["new_version"]
+        except (ValueError, KeyError, TypeError):
+            return _error_response(400, 'expected {"new_version": "..."}', "BadRequestError")
+        if not isinstance(new_version, str):
+            return _error_response(400, "new_version must be a string", "BadRequestError")
+        self.weight_version_label = new_version
+        return web.json_response({"success": True, "new_version": new_version})
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version_label})
 
     async def _pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
