@@ -31,7 +31,7 @@ def _state(**changes) -> AdmissionState:
 
 def test_limits_follow_the_step_size_and_are_split_over_shards():
     assert (LIMITS.max_groups_out, LIMITS.max_groups_in_transit, LIMITS.backlog_groups) == (16, 8 + 64, 8)
-    half = limits_for(64, 8, 32, 1, True, shards=2)
+    half = limits_for(64, 8, 32, 1, True, shards=2, max_off_policy_steps=2)
     assert (half.max_groups_out, half.max_groups_in_transit, half.backlog_groups) == (8, 36, 4)
 
 
@@ -119,7 +119,7 @@ def test_admission_counts_only_the_groups_ahead_that_will_take_room_in_a_step(tr
 
 
 def test_without_a_trainer_the_policy_and_the_groups_out_do_not_hold_back():
-    free = limits_for(64, 8, 64, 1, with_trainer=False)
+    free = limits_for(64, 8, 64, 1, with_trainer=False, max_off_policy_steps=2)
     assert hold_reason(_state(policy_version=0, groups_out=1000), free) is None
 
 

@@ -72,7 +72,7 @@ class RolloutSource:
         servers = shard.servers(list(spec.server_urls))
         self._limits = limits_for(config.batch.rollouts_per_step, min(e.group_size for e in config.envs), permits,
                                   config.off_policy.max_async_level, spec.with_trainer, shard.count,
-                                  config.off_policy.max_off_policy_steps)
+                                  max_off_policy_steps=config.off_policy.max_off_policy_steps)
         self._max_inflight = permits
         self._dispatcher = components.dispatcher_thread(config, servers, self.envs, self.policy_version, permits)
         self._weights = WeightSync(self._run_dir, update=self._update_servers,
@@ -87,6 +87,7 @@ class RolloutSource:
         self._admitted: dict[str, int] = {}  # training group id -> schedule position, until returned whole
         self._evaluating: set[str] = set()  # evaluation group ids, until returned whole
         self._in_transit: set[int] = set()  # positions returned whole, not yet in a committed step
+        self._rollouts_ahead = 0  # the rollouts of the groups admitted or in transit: what a new group queues behind
         self._stopping = False
         self._worker = worker_id()
         for offset, attempts in restored.in_flight.redo:
@@ -115,7 +116,7 @@ class RolloutSource:
             stopping=self._stopping, last_committed=self._commits.last_step,
             policy_version=self.policy_version(), groups_out=len(self._admitted),
             groups_in_transit=len(self._in_transit), groups_waiting=self._dispatcher.pending_groups(),
-            rollouts_ahead=sum(map(self.schedule.group_size, (*self._admitted.values(), *self._in_transit))),
+            rollouts_ahead=self._rollouts_ahead,
             room_share=self._commits.room_share, stalled=stalled,
         ), self._limits)
         self._held.note(hold, now)
@@ -129,6 +130,7 @@ class RolloutSource:
             return
         group = self.schedule.group(position, attempts)
         self._admitted[group.group_id] = position
+        self._rollouts_ahead += self.schedule.group_size(position)
         self._dispatcher.add_groups([group])
 
     # -- work -------------------------------------------------------------------------------------
@@ -178,7 +180,9 @@ class RolloutSource:
     def _follow_the_run(self) -> None:
         """New commits, new weights, stop, and evaluation rounds due."""
         for consumed in self._commits.refresh():
-            self._in_transit -= self.schedule.positions_of(consumed)
+            trained = self._in_transit & self.schedule.positions_of(consumed)
+            self._in_transit -= trained
+            self._rollouts_ahead -= sum(map(self.schedule.group_size, trained))
         if not self._stopping and self._commits.last_step >= self.spec.config.run.max_steps:
             self._stopping = True
             cancelled = self._dispatcher.cancel_groups(list(self._admitted))
