@@ -135,6 +135,13 @@ def requests_received(server: EmbeddedServer) -> int:
     return int(metrics(server.url)["beam_rl:requests_total"])
 
 
+def wait_until_running(server: EmbeddedServer, deadline_s: float = 30.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while metrics(server.url)["vllm:num_requests_running"] == 0:
+        assert time.monotonic() < deadline, f"nothing ever ran on {server.url}"
+        time.sleep(0.01)
+
+
 def injected(kind: str, rate: float, seed: int, requests: int) -> int:
     """How many of a server's first `requests` were given fault `kind`: its seeded sequence, replayed."""
     injector = FaultInjector(FaultConfig(**{f"{kind}_rate": rate}, seed=seed))
@@ -430,10 +437,7 @@ def test_a_server_restarted_under_load_runs_nothing_on_its_initial_weights(start
         version[0] = 1
         requests = group_requests(env, 12, 4)
         thread.add_groups(requests[:4])
-        deadline = time.monotonic() + 30
-        while metrics(first.url)["vllm:num_requests_running"] == 0:
-            assert time.monotonic() < deadline, "nothing ever ran on the first server"
-            time.sleep(0.01)
+        wait_until_running(first)
         port = first.port
         first.stop()
         back = start_server(mode="simulated", port=port, faults=slow)
@@ -460,10 +464,7 @@ def test_rollouts_a_restarted_server_ran_on_its_initial_weights_start_again(star
         version[0] = 1
         requests = group_requests(env, 8, 4)
         thread.add_groups(requests[:4])
-        deadline = time.monotonic() + 30
-        while metrics(first.url)["vllm:num_requests_running"] == 0:
-            assert time.monotonic() < deadline, "nothing ever ran on the first server"
-            time.sleep(0.01)
+        wait_until_running(first)
         # What a restart nothing saw shows at a refresh: the label of its initial weights (only the label here,
         # so the launches it finds in flight are known to be there when it is found).
         httpx.post(first.url + "/update_weight_version", json={"new_version": "default"}, timeout=10)
