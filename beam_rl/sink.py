@@ -78,6 +78,12 @@ class ScoredGroup:
         share_sample_tokens([*self.rollouts, *self.clean], self.samples)
 
 
+def _oldest_version(group: ScoredGroup) -> float:
+    """The policy version of the oldest token a group would train (its deadline: the stale filter judges
+    each rollout by it); a group with nothing to train has none."""
+    return min((oldest_policy_version(r) for r in group.clean), default=float("inf"))
+
+
 def score_group(
     rollouts: Sequence[Rollout],
     algorithm: AdvantageAlgorithm,
@@ -152,7 +158,7 @@ class BatchBuilder:
 
     @property
     def pending(self) -> list[ScoredGroup]:
-        """Groups held until the next batch is cut, oldest first: those with clean rollouts wait to be
+        """Groups held until the next batch is cut, in the order they will be cut: those with clean rollouts wait to be
         trained, the others for their records to leave with the window."""
         return list(self._pending)
 
@@ -219,6 +225,14 @@ class BatchBuilder:
             if batch is not None:
                 batches.append(batch)
                 self._pending = [g for g in self._pending if g.clean]  # the others' records left with it
+        return batches
+
+    def add_all(self, groups: Sequence[ScoredGroup]) -> list[TrainBatch]:
+        """Take groups that arrived together, the one whose oldest token is oldest first: when they
+        overfill a batch, those that would go stale waiting for the next one train in this one."""
+        batches = []
+        for group in sorted(groups, key=_oldest_version):
+            batches += self.add(group)
         return batches
 
     def flush(self) -> TrainBatch | None:

@@ -1,5 +1,5 @@
-"""The packer's Beam state, its only copy: read back for every element, it cuts the batches an
-uninterrupted packer cuts whatever the elements' sizes; each pending group is stored once, with its
+"""The packer's Beam state, its only copy: read back for every element, it cuts the batches a packer
+kept in memory cuts from the same elements (the groups of one element oldest token first); each pending group is stored once, with its
 tokens, rather than rewritten with every element; a copy restored from an older checkpoint skips what
 was committed since; and the end of input waits for every shard."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 
+from beam_rl import components
 from beam_rl.advantages import get_algorithm
 from beam_rl.filters import ZeroAdvantageFilter
 from beam_rl.config import config_from_dict
@@ -93,14 +94,40 @@ def _summary(batches):
              [[s.rollout_id for s in mb.samples] for rank in b.micro_batches for mb in rank]) for b in batches]
 
 
-def test_a_packer_read_back_from_beam_state_cuts_the_same_batches_whatever_the_elements(tmp_path):
-    one_by_one, _, _ = _pack(tmp_path / "a")
-    chunked, _, _ = _pack(tmp_path / "b", chunks=(3, 1, 4))
-    assert _summary(chunked) == _summary(one_by_one)
-    uninterrupted = one_by_one
-    assert [b.step for b in uninterrupted] == [1, 2, 3, 4, 5]
-    stale = {rid for _, _, window, _ in _summary(uninterrupted) for rid, why in window if why == "stale"}
+def _in_memory(run_dir, chunks: tuple[int, ...]):
+    """What one BatchBuilder that never leaves memory cuts from the same elements."""
+    builder = components.batch_builder(_packer(run_dir)._config, 1, True)
+    groups, out, i = _elements()[:-1], [], 0
+    while groups:
+        size = chunks[i % len(chunks)]
+        element, groups, i = groups[:size], groups[size:], i + 1
+        out += builder.add_all(element)
+    final = builder.flush()
+    return out + ([final] if final is not None else [])
+
+
+def test_a_packer_read_back_from_beam_state_cuts_what_one_kept_in_memory_cuts(tmp_path):
+    for name, chunks in (("one", (1,)), ("chunked", (3, 1, 4))):
+        from_state, _, _ = _pack(tmp_path / name, chunks=chunks)
+        assert _summary(from_state) == _summary(_in_memory(tmp_path / f"{name}-memory", chunks))
+    one_by_one, _, _ = _pack(tmp_path / "again")
+    assert [b.step for b in one_by_one] == [1, 2, 3, 4, 5]
+    stale = {rid for _, _, window, _ in _summary(one_by_one) for rid, why in window if why == "stale"}
     assert stale == {f"g6/{a}" for a in range(GROUP_SIZE)}  # the flag reached the window records
+
+
+def test_groups_of_one_element_are_packed_oldest_token_first(tmp_path):
+    fn, state, pending = _packer(tmp_path), _Value(), _Bag()
+    for element in ([_scored(0, 0), _scored(1, 0)], [_scored(2, 1), _scored(3, 1)]):
+        list(fn.process(("packer", element), state=state, pending=pending))  # steps 1 and 2
+    # Step 3 takes tokens of version 1 or later, step 4 of version 2 or later. g6 (version 1) arrives
+    # behind g4 and g5 (version 2): packed first, it trains in step 3, where in arrival order it would
+    # have waited for step 4 and gone stale there.
+    (batch,) = fn.process(("packer", [_scored(4, 2), _scored(5, 2), _scored(6, 1)]), state=state, pending=pending)
+    assert batch.step == 3 and batch.group_ids == ["g6", "g4"]
+    (batch, _) = fn.process(("packer", [EndOfInput(shard=0, groups=7)]), state=state, pending=pending)
+    assert batch.step == 4 and batch.group_ids == ["g5"]
+    assert not any(r.filtered == "stale" for r in batch.rollouts)
 
 
 def test_each_pending_group_is_stored_once_and_the_value_holds_none_of_its_tokens(tmp_path):

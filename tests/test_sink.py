@@ -162,6 +162,21 @@ def test_post_filters_get_the_step_and_a_fully_filtered_batch_takes_no_step():
     assert batch.window["group_ids"] == ["old", "fresh"] and batch.window["staleness_max"] == 1
 
 
+def test_groups_arriving_together_train_the_one_that_would_go_stale_first():
+    def steps(add) -> list[tuple[int, list[str], dict]]:
+        builder = _builder(cutter=BatchCutter(rollouts_per_step=2), next_step=3,
+                           post_filters=[StaleFilter(max_off_policy_steps=1)])
+        batches = add(builder, [_scored("fresh", [1.0, 0.0], version=2), _scored("old", [1.0, 0.0], version=1)])
+        batches.append(builder.flush())
+        return [(b.step, b.group_ids, b.window["filtered"]) for b in batches if b is not None]
+
+    # Step 3 trains policy 2 and takes tokens of version 1 or later; step 4 only of version 2 or later.
+    assert steps(lambda builder, groups: builder.add_all(groups)) == [(3, ["old"], {}), (4, ["fresh"], {})]
+    # One at a time in arrival order, "old" waits for step 4 and is dropped there as stale.
+    assert steps(lambda builder, groups: [b for g in groups for b in builder.add(g)]) == [
+        (3, ["fresh"], {}), (4, [], {"stale": 2})]
+
+
 def test_reinforce_pp_is_whitened_over_the_batch():
     algorithm = get_algorithm("reinforce_plus_plus_baseline")
     builder = _builder(cutter=BatchCutter(rollouts_per_step=4))

@@ -46,7 +46,7 @@ class _PackerState:
 
 class _PackFn(beam.DoFn):
     STATE = userstate.ReadModifyWriteStateSpec("packer", PickleCoder())  # _PackerState, no pending groups
-    PENDING = userstate.BagStateSpec("pending", PickleCoder())  # its pending groups, oldest first
+    PENDING = userstate.BagStateSpec("pending", PickleCoder())  # its pending groups, in packing order
 
     def __init__(self, config: RunConfig, first_step: int, check_staleness: bool, run_dir: str) -> None:
         self._config = config
@@ -63,12 +63,11 @@ class _PackFn(beam.DoFn):
         packer, rewrite = self._current(state.read(), pending)
         before = packer.builder.pending
         out: list[PackerOutput] = []
-        for item in items:
-            if isinstance(item, EndOfInput):
-                packer.ended[item.shard] = item.groups
-            else:
-                packer.groups_seen += 1
-                out += packer.builder.add(item)
+        groups = [item for item in items if not isinstance(item, EndOfInput)]
+        for end in (item for item in items if isinstance(item, EndOfInput)):
+            packer.ended[end.shard] = end.groups
+        packer.groups_seen += len(groups)
+        out += packer.builder.add_all(groups)
         exhausted = packer.input_exhausted(self._config.dispatch.shards) and not packer.flushed
         if exhausted:
             final = packer.builder.flush()
