@@ -158,8 +158,8 @@ class BatchBuilder:
 
     @property
     def pending(self) -> list[ScoredGroup]:
-        """Groups held until the next batch is cut, in the order they will be cut: those with clean rollouts wait to be
-        trained, the others for their records to leave with the window."""
+        """Groups held until the next batch is cut, in the order they will be cut: those with clean
+        rollouts wait to be trained, the others for their records to leave with the window."""
         return list(self._pending)
 
     def split_pending(self) -> tuple[BatchBuilder, list[ScoredGroup]]:

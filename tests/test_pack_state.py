@@ -1,7 +1,7 @@
 """The packer's Beam state, its only copy: read back for every element, it cuts the batches a packer
-kept in memory cuts from the same elements (the groups of one element oldest token first); each pending group is stored once, with its
-tokens, rather than rewritten with every element; a copy restored from an older checkpoint skips what
-was committed since; and the end of input waits for every shard."""
+kept in memory cuts from the same elements (the groups of one element oldest token first); each pending
+group is stored once, with its tokens, rather than rewritten with every element; a copy restored from an
+older checkpoint skips what was committed since; and the end of input waits for every shard."""
 
 from __future__ import annotations
 

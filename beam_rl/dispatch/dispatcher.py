@@ -3,8 +3,9 @@
 Every rule has one home: permits (`_schedule_group_rollout`), group affinity (`_pin_server`, `_moved`),
 open groups first (`_try_schedule`), version stamps (`_schedule_group_rollout` / `_stamp_versions`),
 re-dispatch on a failed server (failover.LaunchClient), regeneration of too-stale rollouts
-(`regenerate_stale`) and of those a restarted server ran (`redo_on_restarted`), and exactly-once emission (`_on_finished`, `_cancel_group`). Groups come in through
-`add` (any thread) and every finished rollout goes out through the `emit` callback, once, as it finishes.
+(`regenerate_stale`) and of those a restarted server ran (`redo_on_restarted`), and exactly-once
+emission (`_on_finished`, `_cancel_group`). Groups come in through `add` (any thread) and every finished
+rollout goes out through the `emit` callback, once, as it finishes.
 """
 
 from __future__ import annotations
@@ -303,7 +304,8 @@ class Dispatcher:
         """Every launch in flight on `server`, which restarted since its last weight update, starts again
         from its prompt: tokens it sampled on its initial weights carry the wrong version, and which of a
         launch's tokens came before the restart cannot be told. Their tokens count as lost to a server
-        failure; the rollouts count as `redone_on_restart`, not against `max_regenerations`. Returns how many."""
+        failure; the rollouts count as `redone_on_restart`, not against `max_regenerations`. Returns how
+        many."""
         redone = 0
         for task, launch in list(self._inflight.items()):
             if launch.server is not server or launch.cancel_requested or launch.regenerate_requested:
