@@ -131,6 +131,12 @@ class Chaos(threading.Thread):
         self.paused_s_before_deaths = 0.0  # the killed servers' beam_rl:paused_seconds, summed
         self.error: BaseException | None = None
 
+    def halt(self) -> None:
+        """No more kills; returns once the thread is done (a server it had killed is back)."""
+        self.running.clear()
+        self.stop.set()
+        self.join(60)
+
     def run(self) -> None:
         try:
             self._run()
@@ -227,18 +233,13 @@ def run_config(name: str, bound: int, size: dict[str, Any], max_async_level: int
                     old_rules.enter_context(_admission_blind_to_the_bound())
                 run_rollouts(config, fleet.urls, with_trainer=True)
             wall = time.time() - t0
-            chaos.running.clear()
-            chaos.stop.set()
-            chaos.join(60)
+            chaos.halt()
             paused_s = chaos.paused_s_before_deaths + sum(
                 _server_counter(url, "beam_rl:paused_seconds_total") for url in fleet.urls)
         finally:
             if chaos is not None:
-                chaos.running.clear()
+                chaos.halt()
             trainer.stop.set()
-            if chaos is not None:
-                chaos.stop.set()
-                chaos.join(60)
             trainer.join(10)
             fleet.stop()
         if chaos.error is not None:

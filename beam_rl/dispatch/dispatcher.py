@@ -253,7 +253,7 @@ class Dispatcher:
         if launch.cancel_requested or task.cancelled():
             for rollout, tokens in zip(rollouts, received):
                 rollout.status = RolloutStatus.CANCELLED
-                rollout.discarded_tokens["stale" if launch.stale else "cancelled"] += tokens
+                rollout.discarded_tokens[launch.discard_fate] += tokens
         elif (error := task.exception()) is not None:
             fate = "server_failure" if getattr(error, "server_fault", False) else "errored"
             for rollout, tokens in zip(rollouts, received):
@@ -312,7 +312,7 @@ class Dispatcher:
                 continue
             if task.cancel():
                 launch.regenerate_requested = True
-                launch.regenerate_fate = "server_failure"
+                launch.discard_fate = "server_failure"
                 redone += launch.permits
         if redone:
             log.warning("%d rollouts in flight on %s start again: it restarted under them", redone, server.url)
@@ -322,10 +322,11 @@ class Dispatcher:
         """A launch cancelled to run again: its attempts go back to the front of their group (open groups
         first: they start again next), their tokens counted as thrown away (stale, or to its server's restart)."""
         group = launch.group
-        stale = launch.regenerate_fate == "stale"
+        stale = launch.discard_fate == "stale"
         for attempt, tokens in zip(launch.attempts, launch.progress.tokens):
-            group.discarded.setdefault(attempt, Counter())[launch.regenerate_fate] += tokens
-            group.regenerations[attempt] += stale
+            group.discarded.setdefault(attempt, Counter())[launch.discard_fate] += tokens
+            if stale:
+                group.regenerations[attempt] += 1
         group.attempts.extendleft(reversed(launch.attempts))
         if stale:
             self.counters.regenerated += launch.permits
@@ -420,7 +421,7 @@ class Dispatcher:
                 continue
             if not task.cancel():
                 continue  # already done: its callback emits it, and the stale filter judges it
-            launch.stale = True
+            launch.discard_fate = "stale"
             if all(launch.group.regenerations[a] < self.max_regenerations for a in launch.attempts):
                 launch.regenerate_requested = True
                 regenerated += launch.permits
@@ -439,7 +440,7 @@ class Dispatcher:
         ]
         for group in stale:
             for task in group.tasks:
-                self._inflight[task].stale = True
+                self._inflight[task].discard_fate = "stale"
             self.counters.cancelled_stale += sum(self._inflight[t].permits for t in group.tasks)
             self.counters.cancelled_stale += group.rollouts_to_schedule
         return self.cancel_groups([g.group_id for g in stale])

@@ -84,10 +84,9 @@ class Launch:
     t_start: float
     cancel_requested: bool = False
     regenerate_requested: bool = False  # cancelled to run again under the current policy
-    stale: bool = False  # cancelled because it was too stale (a cancellation's tokens are then "stale")
-    # Why its tokens were thrown away when it runs again: "stale", or "server_failure" when its server
-    # restarted under it and sampled them with the wrong weights.
-    regenerate_fate: str = "stale"
+    # What its tokens count as if it is cancelled or run again: "cancelled" (a shutdown), "stale" (new weights
+    # put it past the bound), or "server_failure" (its server restarted under it, on the wrong weights).
+    discard_fate: str = "cancelled"
     redispatches: int = 0
     progress: Progress = field(default_factory=Progress)  # its tokens as they arrive, over every server
     completions: list[Completion] = field(default_factory=list)  # what the environment got, in call order

@@ -548,8 +548,8 @@ class InferenceClient:
         """True when the server reports weights other than the version this client last loaded into it:
         it restarted since and serves its initial weights. False when it reports them, or cannot say (no
         update yet, one under way, a server without the route); raises InferenceError if unreachable."""
-        expected = self._labelled
-        if expected is None or self._update_over is not None or self._reloading:
+        expected = self._labelled  # None from the start of an update until its label is set
+        if expected is None:
             return False
         served = await self.weight_version()
         # An update that started meanwhile relabels the server: only a check it did not overlap counts.
