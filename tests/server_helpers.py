@@ -57,10 +57,16 @@ def served_versions() -> Iterator[dict[int, list[int]]]:
     single-turn rollout's Turn keeps. The product never reads these (real vLLM has no such field)."""
     served: dict[int, list[int]] = collections.defaultdict(list)
     pending: collections.deque[list[int]] = collections.deque()  # one entry per choice, in LiveRequest.add order
+    # Every list recorded is held here: one a discarded rollout dropped would otherwise free its id for
+    # another's, and the two rollouts' tokens would be recorded as one.
+    recorded: list[list[int]] = []
     add, add_chunk, parse = LiveRequest.add, LiveRequest.add_chunk, client_module.parse_completions
 
     def record_add(self, index, token_ids, logprobs, finish_reason):
-        served[id(self.choices[index].policy_versions)].extend(pending.popleft())
+        versions = self.choices[index].policy_versions
+        if id(versions) not in served:
+            recorded.append(versions)
+        served[id(versions)].extend(pending.popleft())
         return add(self, index, token_ids, logprobs, finish_reason)
 
     def record_chunk(self, chunk, bad):
