@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -74,10 +75,23 @@ class PublishEveryStep(threading.Thread):
 
 
 def _server_counter(url: str, name: str) -> float:
-    """One of the server's own counters since it started: vllm:generation_tokens_total (tokens it sampled)
-    or beam_rl:paused_seconds_total (from each pause call to its resume call, as the server saw them)."""
+    """One of the server's own counters since it started: vllm:generation_tokens_total (tokens it sampled),
+    beam_rl:paused_seconds_total (from each pause call to its resume call, as the server saw them) or
+    beam_rl:stalled_seconds_total (the part of those pauses its engine had sequences to step)."""
     text = httpx.get(f"{url}/metrics", timeout=5).text
     return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+@dataclass
+class _PauseSeconds:
+    """The servers' pause counters, summed over servers and over each server's lives."""
+
+    paused_s: float = 0.0
+    stalled_s: float = 0.0
+
+    def add(self, url: str) -> None:
+        self.paused_s += _server_counter(url, "beam_rl:paused_seconds_total")
+        self.stalled_s += _server_counter(url, "beam_rl:stalled_seconds_total")
 
 
 def _tokens_received(run_dir: RunDir) -> dict[str, int]:
@@ -128,7 +142,7 @@ class Chaos(threading.Thread):
         self.stop = threading.Event()
         self.running = threading.Event()  # set while the pipeline runs: deaths outside it are no one's
         self.deaths: list[dict[str, Any]] = []
-        self.paused_s_before_deaths = 0.0  # the killed servers' beam_rl:paused_seconds, summed
+        self.pauses_before_deaths = _PauseSeconds()  # the killed servers' lives before their deaths
         self.error: BaseException | None = None
 
     def halt(self) -> None:
@@ -154,7 +168,7 @@ class Chaos(threading.Thread):
                 continue
             url = self.fleet.urls[victim]
             generated = int(_server_counter(url, "vllm:generation_tokens_total"))
-            self.paused_s_before_deaths += _server_counter(url, "beam_rl:paused_seconds_total")
+            self.pauses_before_deaths.add(url)
             scraped_at = time.time()
             self.fleet.kill(victim)
             killed_at = time.time()
@@ -234,8 +248,9 @@ def run_config(name: str, bound: int, size: dict[str, Any], max_async_level: int
                 run_rollouts(config, fleet.urls, with_trainer=True)
             wall = time.time() - t0
             chaos.halt()
-            paused_s = chaos.paused_s_before_deaths + sum(
-                _server_counter(url, "beam_rl:paused_seconds_total") for url in fleet.urls)
+            pauses = chaos.pauses_before_deaths
+            for url in fleet.urls:
+                pauses.add(url)
         finally:
             if chaos is not None:
                 chaos.halt()
@@ -244,11 +259,11 @@ def run_config(name: str, bound: int, size: dict[str, Any], max_async_level: int
             fleet.stop()
         if chaos.error is not None:
             raise RuntimeError(f"chaos schedule failed in {name}") from chaos.error
-        return _summary(run_dir, size, wall, chaos.deaths, paused_s)
+        return _summary(run_dir, size, wall, chaos.deaths, pauses)
 
 
 def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[dict[str, Any]],
-             server_paused_s: float) -> dict[str, Any]:
+             pauses: _PauseSeconds) -> dict[str, Any]:
     steps = run_dir.committed_steps()
     commits = [run_dir.read_commit(s) for s in steps]
     by_fate: dict[str, int] = {}
@@ -266,9 +281,11 @@ def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[di
     step_s = (commits[-1].committed_at - commits[0].committed_at) / (len(commits) - 1) if len(commits) > 1 else None
     idle = [s["reload_s"] if s["mode"] == "reload" else s["paused_s"] for u in updates for s in u["servers"]]
     idle_mean = sum(idle) / len(idle) if idle else 0.0
-    # The servers' own pause time over every paused update of every server (none in reload mode).
+    # The servers' own pause time over every paused update of every server (none in reload mode), and
+    # the part of it their engines had sequences to step: the engine time the updates cost.
     paused_updates = sum(1 for u in updates for s in u["servers"] if s["mode"] != "reload")
-    server_paused_mean = server_paused_s / paused_updates if paused_updates else None
+    server_paused_mean = pauses.paused_s / paused_updates if paused_updates else None
+    server_stalled_mean = pauses.stalled_s / paused_updates if paused_updates else None
     counted = sum(by_fate.values())
     no_shutdown = {f: n for f, n in by_fate.items() if f != fates.CANCELLED}
     lost_returned = by_fate.get(fates.SERVER_FAILURE, 0) + by_fate.get(fates.ERRORED, 0)
@@ -298,6 +315,9 @@ def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[di
         "server_paused_s_per_update": _round(server_paused_mean, 5),
         "server_paused_per_update_share_of_step": _round(server_paused_mean / step_s, 5)
         if step_s and server_paused_mean is not None else None,
+        "engine_stalled_s_per_update": _round(server_stalled_mean, 5),
+        "engine_stalled_per_update_share_of_step": _round(server_stalled_mean / step_s, 5)
+        if step_s and server_stalled_mean is not None else None,
         # Seconds the source held admission back, by reason (admission.Hold), over the whole run.
         "held_back_s": run_dir.read_status().get("held_back_s"),
         "deaths": deaths,
@@ -351,6 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     result = measure(args.size, configs, write, bounds, args.max_async_level)
     print(json.dumps({k: {c: {m: r[m] for m in ("goodput_excluding_filters", "trained_tokens_per_s",
                                                "engine_idle_per_update_share_of_step",
+                                               "engine_stalled_per_update_share_of_step",
                                                "unreturned_tokens_per_death", "returned_tokens_lost_per_death")}
                           for c, r in v.items()} for k, v in result["results"].items()}, indent=1))
 

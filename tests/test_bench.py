@@ -69,4 +69,6 @@ def test_goodput_benchmark_accounts_for_every_generated_token(tmp_path):
     # The servers count each pause from their pause call to their resume call, inside the client's window.
     keep = results["keep"]
     assert 0 < keep["server_paused_s_per_update"] <= keep["engine_idle_s_per_update"]
+    # Stalled: the part of those pauses the engine had sequences to step.
+    assert 0 <= keep["engine_stalled_s_per_update"] <= keep["server_paused_s_per_update"]
     assert results["cancel"]["server_paused_s_per_update"] is None  # reload mode never pauses

@@ -134,3 +134,44 @@ def test_each_token_carries_the_weights_version_of_its_step(tmp_path):
     assert first == reloaded_after[0] and first + second == reloaded_after[1]
     with pytest.raises(WeightsError, match="no \\*.safetensors"):
         asyncio.run(_engine().load_weights(str(tmp_path / "nowhere")))
+
+
+def test_a_pause_stalls_the_engine_only_while_it_holds_work_back():
+    from beam_rl.inference.backend import PauseGate, PauseState
+
+    async def main():
+        gate = PauseGate()
+        engine = SimulatedEngine(SimulatedParams(decode_base_s=0.002, decode_s_per_seq=0.0, length_median=1000),
+                                 4, vocab_size=100, special_ids={0, 1}, eos_token_ids=frozenset({1}), gate=gate)
+        # Paused with nothing to run: no engine time lost.
+        gate.set(PauseState.PAUSED_ALL)
+        await asyncio.sleep(0.2)
+        gate.set(PauseState.UNPAUSED)
+        idle_pause = engine.stalled_seconds
+        running = asyncio.ensure_future(_complete(engine, GenerationParams(prompt_ids=(5,), max_tokens=900, seed=1)))
+        await asyncio.sleep(0.05)
+        # "keep" freezes the running sequence: all of the pause is lost.
+        gate.set(PauseState.PAUSED_ALL)
+        await engine.quiesce()
+        await asyncio.sleep(0.3)
+        gate.set(PauseState.UNPAUSED)
+        frozen = engine.stalled_seconds - idle_pause
+        # A pause that only holds new requests back while the running one steps costs nothing...
+        gate.set(PauseState.PAUSED_NEW)
+        await asyncio.sleep(0.2)
+        stepping = engine.stalled_seconds - idle_pause - frozen
+        # ...until everything it runs is aborted and a new request waits behind the gate.
+        await engine.abort_all()
+        await asyncio.gather(running)
+        queued = asyncio.ensure_future(_complete(engine, GenerationParams(prompt_ids=(5,), max_tokens=3, seed=2)))
+        await asyncio.sleep(0.2)
+        gate.set(PauseState.UNPAUSED)
+        await asyncio.wait_for(queued, 5)
+        held = engine.stalled_seconds - idle_pause - frozen - stepping
+        await engine.aclose()
+        return idle_pause, frozen, stepping, held
+
+    idle_pause, frozen, stepping, held = asyncio.run(main())
+    assert idle_pause == 0.0 and stepping < 0.01, stepping
+    assert 0.25 <= frozen <= 0.5, frozen
+    assert 0.15 <= held <= 0.4, held

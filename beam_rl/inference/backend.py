@@ -108,6 +108,12 @@ class Backend(Protocol):
         ...
 
     @property
+    def stalled_seconds(self) -> float | None:
+        """Seconds a pause kept the engine from stepping while it had sequences running or waiting: the
+        engine time weight updates cost. None for a backend that does not measure it."""
+        ...
+
+    @property
     def prompt_tokens(self) -> int:
         """Prompt tokens of the requests admitted so far."""
         ...

@@ -88,3 +88,7 @@ class ServerMetrics:
         yield family(gauge, "beam_rl:paused", "1 while paused.", float(s.gate.state != PauseState.UNPAUSED))
         yield family(counter, "beam_rl:paused_seconds", "Seconds paused, from the pause call to the resume call.",
                      s.gate.paused_seconds)
+        if b.stalled_seconds is not None:
+            yield family(counter, "beam_rl:stalled_seconds",
+                         "Seconds a pause kept the engine from stepping while sequences ran or waited.",
+                         b.stalled_seconds)

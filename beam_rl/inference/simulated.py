@@ -164,6 +164,8 @@ class SimulatedEngine:
         self.prefix_cache = BlockPrefixCache(params.prefix_cache_blocks)
         self.max_running = 0
         self.busy_seconds = 0.0  # engine time spent on steps with sequences running
+        self._stalled_s = 0.0  # closed intervals of `stalled_seconds`
+        self._stalled_since: float | None = None
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.steps = 0
@@ -196,6 +198,12 @@ class SimulatedEngine:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def stalled_seconds(self) -> float:
+        """Engine time pauses took from generation: waiting with sequences frozen, or queued behind the gate."""
+        open_interval = time.monotonic() - self._stalled_since if self._stalled_since is not None else 0.0
+        return self._stalled_s + open_interval
 
     def kv_cache_usage(self) -> float:
         tokens = sum(len(s.request.params.prompt_ids) + self._revealed(s) for _, _, s in self._running)
@@ -340,6 +348,7 @@ class SimulatedEngine:
                 self._finish(sequence, self._revealed(sequence), "abort")
             self._running, self._waiting = [], collections.deque()
             self._signal_changed()
+            self._poke()  # nothing is held any more: a pause from now on stalls nothing
 
         await self._at_step_boundary(abort)
 
@@ -410,14 +419,23 @@ class SimulatedEngine:
             return False  # pause "keep": the batch is frozen
         return bool(self._running) or (bool(self._waiting) and self._gate.admits)
 
+    def _held_by_pause(self) -> bool:
+        """Is there work only the pause keeps from stepping?"""
+        return bool(self._running) or (bool(self._waiting) and not self._gate.admits)
+
     async def _run(self) -> None:
         assert self._work is not None
         p = self.params
         next_at = self._clock()
         while True:
             if not self._can_step():
+                if self._held_by_pause():
+                    self._stalled_since = time.monotonic()
                 self._work.clear()
-                await self._work.wait()
+                await self._work.wait()  # every arrival, abort and gate change pokes it
+                if self._stalled_since is not None:
+                    self._stalled_s += time.monotonic() - self._stalled_since
+                    self._stalled_since = None
                 next_at = self._clock()
                 continue
             prefill = self._admit() if self._gate.admits else 0

@@ -69,6 +69,10 @@ class _SteppedBackend:
     def busy_seconds(self) -> float:
         return self.admission.busy_seconds
 
+    @property
+    def stalled_seconds(self) -> float | None:
+        return None  # measured by the simulated engine, for benchmarks
+
     def kv_cache_usage(self) -> float:
         return kv_cache_usage([live for live in self._live if live.state is not None], self._kv_blocks)
 
