@@ -20,7 +20,7 @@ from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
 from beam_rl.envs import env_class, make_env
 from beam_rl.envs.base import Environment, SamplingParams
 from beam_rl.filters import RolloutFilter, make_filter
-from beam_rl.inference.client import InferenceAuthError, InferenceClient, InferenceError
+from beam_rl.inference.client import InferenceAuthError, InferenceClient, InferenceError, InferenceHTTPError
 from beam_rl.packing import BatchCutter
 from beam_rl.schedule import EnvSchedule, PromptSchedule
 from beam_rl.sink import BatchBuilder
@@ -152,7 +152,7 @@ def inference_client(config: RunConfig, url: str, key: str | None, version: int 
     inf = config.inference
     return InferenceClient(url, model=config.model.name, timeout_s=inf.request_timeout_s,
                            max_retries=inf.max_retries, backoff_s=inf.retry_backoff_s, stream=inf.stream,
-                           api_key=key, ca_bundle=inf.ca_bundle, version=version)
+                           api_key=key, ca_bundle=inf.ca_bundle, version=version, route=inf.route)
 
 
 def check_servers(config: RunConfig, server_urls: list[str]) -> None:
@@ -171,6 +171,16 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
             except InferenceError as err:
                 if "certificate" in str(err).lower():
                     return f"{url}: TLS failed ({err}); set inference.ca_bundle to the CA that signed it"
+                return None
+            if config.inference.route == "generate":
+                try:
+                    await client.check_generate_route()
+                except InferenceHTTPError as err:  # the key passed above: a 403 is vLLM's disabled route
+                    if err.status in (403, 404, 405):
+                        return (f"{url} does not serve /inference/v1/generate (HTTP {err.status}): start vLLM 0.32"
+                                " or later with --enable-scale-out, or set inference.route = \"completions\"")
+                except InferenceError:
+                    pass  # unreachable now: left to the dispatcher's re-probes
         return None
 
     async def check_all() -> list[str | None]:

@@ -60,6 +60,10 @@ class InferenceSection(_Section):
     # Tokens come back as they are sampled (server-sent events): a failed server's rollouts continue from
     # them elsewhere, and "keep" updates know which tokens each policy version sampled (docs/weight-updates.md).
     stream: bool = True
+    # completions: OpenAI's /v1/completions, served by any vLLM. generate: vLLM 0.32's token-in/token-out
+    # /inference/v1/generate (`vllm serve --enable-scale-out`), whose answers name the weights that sampled
+    # every token: "keep" updates need no drain, and unstreamed requests know their versions too.
+    route: Literal["completions", "generate"] = "completions"
     # A rollout whose server fails (refused, reset, 5xx after retries, timeout, death mid-request) moves to
     # another healthy server this many times, with its group; then it is an errored rollout.
     max_redispatches: int = Field(3, ge=0)

@@ -43,6 +43,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "reload": {"update_mode": "reload"},
     "keep": {"update_mode": "keep"},
     "continue": {"update_mode": "continue"},
+    # keep on vLLM's generate route, whose spans name each token's weights: no drain in the pause.
+    "keep-generate": {"update_mode": "keep", "route": "generate"},
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -227,7 +229,7 @@ def run_config(name: str, bound: int, size: dict[str, Any], max_async_level: int
             "batch": {"rollouts_per_step": size["rollouts_per_step"]},
             "inference": {"max_tokens": size["max_tokens"], "max_inflight": size["permits"],
                           "request_timeout_s": 30.0, "all_servers_down_timeout_s": 120.0,
-                          **{k: overrides[k] for k in ("stream", "max_redispatches") if k in overrides}},
+                          **{k: overrides[k] for k in ("stream", "max_redispatches", "route") if k in overrides}},
             "off_policy": {"max_async_level": max_async_level, "max_off_policy_steps": bound,
                            **{k: overrides[k] for k in ("max_regenerations",) if k in overrides}},
             "weights": {"update_mode": overrides["update_mode"]},

@@ -26,7 +26,7 @@ from beam_rl.inference.client import (
     parse_completions,
     parse_server_load,
 )
-from beam_rl.inference.inflight import Progress
+from beam_rl.inference.inflight import UNKNOWN_VERSION, LiveRequest, Progress
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -471,3 +471,30 @@ def test_the_api_key_goes_in_the_authorization_header_and_never_in_a_message():
 
     stub = run_with_stub(test)
     assert stub.headers[0]["Authorization"] == "Bearer s3cret-key" and len(stub.completions) == 2
+
+
+def test_weight_version_spans_replace_the_stamps_of_the_tokens_this_request_brought():
+    # Two tokens came from an earlier request; this one (a continuation, its tokens stamped unknown while
+    # it ran) ends with vLLM's spans, which count from its own first token.
+    choice = Completion([7, 8], [-0.1, -0.2], None, [3, 3])
+    labels = {"default": 0, "4": 4}
+    request = LiveRequest([choice], [0], UNKNOWN_VERSION, 3, True, label_version=labels.__getitem__)
+
+    def bad(reason: str) -> InferenceBadResponse:
+        return InferenceBadResponse(reason, "http://server")
+
+    def chunk(tokens: list[int], **fields) -> dict:
+        content = [{"token_id": t, "logprob": -1.0, "top_logprobs": []} for t in tokens]
+        return {"choices": [{"index": 0, "token_ids": tokens, "logprobs": {"content": content}, **fields}]}
+
+    request.add_chunk(chunk([1, 2]), bad)
+    assert choice.policy_versions == [3, 3, UNKNOWN_VERSION, UNKNOWN_VERSION]
+    spans = [{"version": "default", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]
+    request.add_chunk(chunk([5], finish_reason="length", weight_versions=spans), bad)
+    assert choice.token_ids == [7, 8, 1, 2, 5] and choice.logprobs == [-0.1, -0.2, -1.0, -1.0, -1.0]
+    assert choice.policy_versions == [3, 3, 0, 4, 4] and choice.finish_reason == "length"
+    # A span past the tokens it came with is a broken answer, not a guess.
+    with pytest.raises(InferenceBadResponse, match="outside its 1 tokens"):
+        other = LiveRequest([Completion([], [], None)], [0], 0, 0, True, label_version=labels.__getitem__)
+        other.add_chunk(chunk([9], finish_reason="stop", weight_versions=[{"version": "4", "start": 0, "end": 2}]),
+                        bad)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from aiohttp import web
 
 from beam_rl import components
 from beam_rl.config import config_from_dict
@@ -59,3 +60,25 @@ def test_https_servers_with_a_self_signed_certificate_need_its_ca_bundle(self_si
 
         (completion,) = asyncio.run(complete())
         assert len(completion.token_ids) == 4 and completion.policy_versions == [0] * 4
+
+
+class _WithoutScaleOut(EmbeddedServer):
+    """Answers the generate route as vLLM 0.32 does when started without --enable-scale-out."""
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+        return web.json_response({"error": {"message": message, "type": "PermissionDeniedError", "code": 403}},
+                                 status=403)
+
+
+def test_the_generate_route_is_checked_before_the_run_starts(monkeypatch):
+    monkeypatch.setenv("BEAM_RL_TEST_KEY", KEY)
+    with EmbeddedServer(mode="instant", api_key=KEY) as server:
+        components.check_servers(_config([server.url], api_key_env="BEAM_RL_TEST_KEY", route="generate"), [server.url])
+    # Its 403 is told apart from a refused key: the key passed on /v1/models first.
+    with _WithoutScaleOut(mode="instant", api_key=KEY) as server:
+        config = _config([server.url], api_key_env="BEAM_RL_TEST_KEY", route="generate")
+        with pytest.raises(ValueError, match=rf"{server.url} does not serve /inference/v1/generate \(HTTP 403\): "
+                                             "start vLLM 0.32 or later with --enable-scale-out"):
+            components.check_servers(config, [server.url])
+        components.check_servers(_config([server.url], api_key_env="BEAM_RL_TEST_KEY"), [server.url])

@@ -79,6 +79,7 @@ def dispatcher_thread(
     version: Callable[[], int] = lambda: 0,
     extra_body: dict | None = None,
     max_tokens: int = MAX_TOKENS,
+    route: str = "completions",
 ) -> DispatcherThread:
     """Built like `beam_rl.components.dispatcher_thread`: clients are made on the dispatcher's loop.
     By default a failed server's rollouts are not re-dispatched, so each fault surfaces on its rollout."""
@@ -88,7 +89,7 @@ def dispatcher_thread(
     def build(next_group: Callable[[], GroupRequest | None]) -> Dispatcher:
         clients = [
             InferenceClient(url, model="tiny", timeout_s=timeout_s, max_retries=max_retries, backoff_s=0.01,
-                            stream=stream, extra_body=extra_body)
+                            stream=stream, extra_body=extra_body, route=route)
             for url in urls
         ]
         # A short re-probe: a server taken out of service by injected faults comes back within the test.
@@ -275,10 +276,14 @@ def weights_dir(model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["model", "simulated"])
-@pytest.mark.parametrize("update_mode, stream", [("keep", True), ("continue", True), ("continue", False),
-                                                 ("reload", True)])
+@pytest.mark.parametrize("update_mode, stream, route", [
+    ("keep", True, "completions"), ("continue", True, "completions"), ("continue", False, "completions"),
+    ("reload", True, "completions"),
+    # vLLM's generate route labels each token's weights: keep needs no drain, and is exact unstreamed too.
+    ("keep", True, "generate"), ("keep", False, "generate"), ("continue", True, "generate"),
+    ("reload", True, "generate")])
 def test_each_tokens_policy_version_is_the_one_the_server_sampled_it_with(start_server, env, weights_dir, backend,
-                                                                           update_mode, stream):
+                                                                           update_mode, stream, route):
     # Slow steps, long completions and an update every ~0.15 s: updates land in the middle of requests.
     server = start_server(mode=backend, faults=FaultConfig(step_delay_s=0.02),
                           **({"simulated": SimulatedParams(length_median=40)} if backend == "simulated" else {}))
@@ -286,7 +291,7 @@ def test_each_tokens_policy_version_is_the_one_the_server_sampled_it_with(start_
     version = [0]
     with served_versions() as served, dispatcher_thread(
             [server.url], env, "group", max_inflight=16, stream=stream, version=lambda: version[0],
-            extra_body={"return_weight_versions": True}, max_tokens=24) as thread:
+            extra_body={"return_weight_versions": True}, max_tokens=24, route=route) as thread:
         thread.add_groups(requests)
         rollouts: list[Rollout] = []
         deadline = time.monotonic() + 90

@@ -78,6 +78,8 @@ class VllmServer:
             # 32: the smallest block vLLM's CPU attention takes (multiples of 32; the default is 128),
             # so a prompt of a few hundred characters spans several cacheable blocks.
             "--enable-prefix-caching", "--block-size", "32",
+            # /inference/v1/generate, whose answers name the weights that sampled each token.
+            "--enable-scale-out",
         ]
         # TORCHDYNAMO_DISABLE: no C++ kernel compile on the first logprobs request (3-20 s);
         # VLLM_SERVER_DEV_MODE: /collective_rpc (reload_weights) and /reset_prefix_cache.
@@ -176,11 +178,12 @@ def _split(row: dict) -> tuple[list[int], list[int], list[float]]:
     return ids[:first], ids[first:], logprobs[first:]
 
 
-def _complete(url: str, prompt: list[int], n: int, seed: int, config) -> list:
+def _complete(url: str, prompt: list[int], n: int, seed: int, config, route: str = "completions",
+              stream: bool = False) -> list:
     sampling = components.sampling_params(config, components.build_envs(config))["reverse_text"]
 
     async def call():
-        async with InferenceClient(url, model="tiny", timeout_s=120) as client:
+        async with InferenceClient(url, model="tiny", timeout_s=120, route=route, stream=stream) as client:
             return await client.complete(prompt, replace(sampling, seed=seed), n=n)
 
     return asyncio.run(call())
@@ -217,6 +220,14 @@ def test_vllm_logprobs_are_the_tiny_models_after_temperature(vllm):
         assert np.abs(np.array(completion.logprobs) - raw).max() > 1e-2
     again = _complete(vllm[0].url, prompt, n=4, seed=123, config=config)
     assert [c.token_ids for c in again] == [c.token_ids for c in completions]  # same seed, same tokens
+    # The generate route, whole and streamed, samples the same tokens with the same logprobs, and names the
+    # weights of each: the server's first label, "default", which the client reads as its initial version.
+    for stream in (False, True):
+        generated = _complete(vllm[0].url, prompt, n=4, seed=123, config=config, route="generate", stream=stream)
+        assert [c.token_ids for c in generated] == [c.token_ids for c in completions]
+        for c, g in zip(completions, generated):
+            np.testing.assert_allclose(g.logprobs, c.logprobs, atol=1e-5)
+            assert g.policy_versions == [0] * len(g.token_ids) and g.finish_reason == c.finish_reason
 
 
 def test_every_group_lands_once_with_token_ids_from_the_server(base_run):

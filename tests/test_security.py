@@ -38,7 +38,8 @@ def keyed():
 
 @pytest.mark.parametrize("headers", [{}, bearer("wrong"), {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}])
 def test_v1_routes_refuse_a_missing_or_wrong_key(keyed, headers):
-    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
+    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                         ("POST", "/inference/v1/generate")):
         response = httpx.request(method, keyed.url + path, json=COMPLETION, headers=headers, timeout=10)
         assert response.status_code == 401 and response.json() == {"error": "Unauthorized"}, path
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
 
 from beam_rl.inference.faults import add_fault_args, fault_config_from_args
-from beam_rl.inference.responses import visible_text
+from beam_rl.inference.responses import WeightLabels, visible_text
 from beam_rl.inference.server import EmbeddedServer, FaultConfig, start_subprocess_server
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
 from beam_rl.tokenizer import load_tokenizer
@@ -296,6 +296,59 @@ def test_weight_version_label_is_reported_as_set_and_refused_when_malformed(make
     for body in ({}, {"new_version": 7}, {"version": "8"}):
         assert httpx.post(s.url + "/update_weight_version", json=body).status_code == 400
     assert httpx.get(s.url + "/weight_info").json() == {"weight_version": "7"}
+
+
+def _generate(s: EmbeddedServer, stream: bool = False, **sampling) -> list[dict]:
+    """A generate request's choices, merged from its chunks when streamed (token ids, logprobs, the last
+    finish reason and weight_versions)."""
+    body = {"token_ids": PROMPT, "stream": stream,
+            "sampling_params": {"max_tokens": 8, "logprobs": 0, "seed": 3, "ignore_eos": True, **sampling}}
+    response = httpx.post(s.url + "/inference/v1/generate", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    if not stream:
+        return response.json()["choices"]
+    events = sse_data(response.text.split("\n"))
+    assert events[-1] == "[DONE]"
+    merged: dict[int, dict] = {}
+    for event in events[:-1]:
+        for c in event["choices"]:
+            m = merged.setdefault(c["index"], {"index": c["index"], "token_ids": [], "logprobs": {"content": []}})
+            assert m.get("weight_versions") is None  # spans come once, on a choice's last chunk
+            m["token_ids"] += c["token_ids"]
+            m["logprobs"]["content"] += c["logprobs"]["content"]
+            m["finish_reason"], m["weight_versions"] = c["finish_reason"], c["weight_versions"]
+    return [merged[i] for i in sorted(merged)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_route_samples_as_completions_do_and_names_the_weights_of_every_token(make_server, model_dir,
+                                                                                     stream):
+    s = make_server()
+    (reference,) = complete(s, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)["choices"]
+    (choice,) = _generate(s, stream)
+    assert choice["token_ids"] == reference["token_ids"] and choice["finish_reason"] == "length"
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == reference["logprobs"]["token_logprobs"]
+    assert [e["token_id"] for e in choice["logprobs"]["content"]] == reference["token_ids"]
+    assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": 8}]  # vLLM's first label
+    # Loaded and labelled: the tokens it samples now carry the new label.
+    assert post(s, "/collective_rpc", method="reload_weights", kwargs={"weights_path": str(model_dir)}).status_code == 200
+    assert post(s, "/update_weight_version", new_version="1").status_code == 200
+    (choice,) = _generate(s, stream, n=1)
+    assert choice["weight_versions"] == [{"version": "1", "start": 0, "end": 8}]
+    bad = httpx.post(s.url + "/inference/v1/generate", json={"token_ids": [], "sampling_params": {}})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
+
+
+def test_weight_labels_name_the_weights_each_span_of_tokens_was_sampled_by():
+    labels = WeightLabels()
+    labels.set(1, "1")  # labelled after its first load
+    labels.set(3, "3")  # the second load was never labelled: its tokens carry the label before it
+    labels.set(3, "3b")  # relabelled without a load: the later label counts
+    assert labels.current == "3b"
+    assert labels.spans([0, 0, 1, 1, 2, 3, 3]) == [{"version": "default", "start": 0, "end": 2},
+                                                   {"version": "1", "start": 2, "end": 5},
+                                                   {"version": "3b", "start": 5, "end": 7}]
+    assert labels.spans([]) == []
 
 
 def test_bad_checkpoints_are_refused_and_model_untouched(make_server, model_dir, tmp_path):

@@ -1,5 +1,6 @@
-"""Async client of one vLLM server: token-in/token-out completions (streamed or whole) with the policy
-version that sampled each token, load, health, API keys and TLS, and weight updates in three modes.
+"""Async client of one vLLM server: token-in/token-out completions (streamed or whole, over `/v1/completions`
+or vLLM's `/inference/v1/generate`) with the policy version that sampled each token, load, health, API keys
+and TLS, and weight updates in three modes.
 
 Errors are typed (`InferenceError` and subclasses) so the dispatcher can tell a sick server from a
 bad request; transient failures (connection, timeout, HTTP 5xx) are retried with backoff here, and a
@@ -204,6 +205,10 @@ def parse_completions(body: Any, url: str, n: int) -> list[Completion]:
 
 
 UpdateMode = Literal["reload", "keep", "continue"]
+# The route completions go to: OpenAI's completions, or vLLM's token-in/token-out generate route (`vllm serve
+# --enable-scale-out`), whose answers say which weight label sampled each token (docs/weight-updates.md).
+Route = Literal["completions", "generate"]
+ROUTE_PATHS: dict[str, str] = {"completions": "/v1/completions", "generate": "/inference/v1/generate"}
 
 
 class InferenceClient:
@@ -228,9 +233,12 @@ class InferenceClient:
         ca_bundle: str | Path | None = None,
         version: int = 0,
         extra_body: dict[str, Any] | None = None,
+        route: Route = "completions",
     ) -> None:
         if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
             raise ValueError("need max_retries >= 0, timeout_s > 0 and backoff_s >= 0")
+        if route not in ROUTE_PATHS:
+            raise ValueError(f"route must be one of {sorted(ROUTE_PATHS)}, not {route!r}")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.timeout_s = timeout_s
@@ -238,8 +246,10 @@ class InferenceClient:
         self.backoff_s = backoff_s
         self.max_connections = max_connections
         self.stream = stream
+        self.route = route
         self.version = version
-        self.extra_body = dict(extra_body or {})  # more fields of every completions request (vLLM's extras)
+        self._initial_version = version  # what a server reporting vLLM's first label, "default", holds
+        self.extra_body = dict(extra_body or {})  # more sampling fields of every request (vLLM's extras)
         self.tokens_received = 0  # completion tokens that came back from this server, all requests
         # Kept out of repr, logs and errors: only the header the session sends holds it.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -334,37 +344,23 @@ class InferenceClient:
     async def _send_completion(self, prompt_ids: list[int], sampling: SamplingParams, choices: list[Completion],
                                targets: list[int], progress: Progress | None) -> set[int]:
         await self._update_finished()  # an update may have begun since _generate looked: no await from here on
-        payload: dict[str, Any] = {
-            "model": self.model,
-            "prompt": prompt_ids,
-            "n": len(targets),
-            "max_tokens": sampling.max_tokens,  # vLLM's default is 16: always say it
-            "temperature": sampling.temperature,
-            # The sampled tokens' logprobs only: 1 would add an alternative per token to the answer,
-            # which the dispatcher then parses (its JSON is 36% smaller with 0; bench/README.md).
-            "logprobs": 0,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-            "stop_token_ids": list(sampling.stop_token_ids),
-            # New weights must not reuse KV blocks the old ones computed: the prefix cache is salted
-            # per policy version (a request sent during a reload-mode update shares the old one's).
-            "cache_salt": f"policy-v{self.version}",
-        }
-        if sampling.seed is not None:
-            payload["seed"] = sampling.seed
-        payload.update(self.extra_body)
-        if self.stream:
-            payload["stream"] = True
+        payload = self._payload(prompt_ids, sampling, len(targets))
+        # Spans are read only under labels set while the server was paused: during a reload-mode update
+        # the label moves while the engine samples, so it cannot say which weights sampled a token.
+        spans = self.route == "generate" and self._labels_supported and not self._reloading
         request = LiveRequest([choices[i] for i in targets], targets,
                               UNKNOWN_VERSION if self._reloading else self.version, self.version,
-                              self.stream, progress)
+                              self.stream, progress, self._version_of_label if spans else None)
         self._live.add(request)
         before = sum(len(c.token_ids) for c in request.choices)
         try:
             if self.stream:
                 await self._read_stream(payload, request)
+            elif self.route == "generate":
+                answer = await self._send_once("POST", ROUTE_PATHS["generate"], self.timeout_s, json=payload)
+                self._read_generated(answer, request)
             else:
-                answer = await self._send_once("POST", "/v1/completions", self.timeout_s, json=payload)
+                answer = await self._send_once("POST", ROUTE_PATHS["completions"], self.timeout_s, json=payload)
                 for index, c in enumerate(parse_completions(answer.json(), answer.url, len(targets))):
                     request.add(index, c.token_ids, c.logprobs, c.finish_reason)
         finally:
@@ -374,11 +370,53 @@ class InferenceClient:
             return set()
         return {t for t, c in zip(targets, request.choices) if c.finish_reason == ABORT}
 
+    def _payload(self, prompt_ids: list[int], sampling: SamplingParams, n: int) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "n": n,
+            "max_tokens": sampling.max_tokens,  # vLLM's default is 16: always say it
+            "temperature": sampling.temperature,
+            # The sampled tokens' logprobs only: 1 would add an alternative per token to the answer,
+            # which the dispatcher then parses (its JSON is 36% smaller with 0; bench/README.md).
+            "logprobs": 0,
+            "skip_special_tokens": False,
+            "stop_token_ids": list(sampling.stop_token_ids),
+        }
+        if sampling.seed is not None:
+            params["seed"] = sampling.seed
+        # New weights must not reuse KV blocks the old ones computed: the prefix cache is salted per policy
+        # version (a request sent during a reload-mode update shares the old one's).
+        salt = f"policy-v{self.version}"
+        params.update(self.extra_body)
+        if self.route == "generate":
+            payload = {"model": self.model, "token_ids": prompt_ids, "sampling_params": params, "cache_salt": salt}
+        else:
+            payload = {"model": self.model, "prompt": prompt_ids, **params, "return_token_ids": True,
+                       "cache_salt": salt}
+        if self.stream:
+            payload["stream"] = True
+        return payload
+
+    def _read_generated(self, answer: Answer, request: LiveRequest) -> None:
+        def bad(reason: str) -> InferenceBadResponse:
+            return InferenceBadResponse(f"{answer.url}: bad generate response: {reason}", answer.url)
+
+        body = answer.json()
+        request.add_chunk(body, bad)
+        if len(body["choices"]) != len(request.choices):
+            raise bad(f"asked for n={len(request.choices)} choices, got {len(body['choices'])}")
+
+    def _version_of_label(self, label: str) -> int:
+        """The policy version a weight label names: the client labels each update with its version, and a
+        server holds the weights it started with until the first label."""
+        if label == "default":
+            return self._initial_version
+        return int(label) if label.isdecimal() else UNKNOWN_VERSION
+
     async def _read_stream(self, payload: dict[str, Any], request: LiveRequest) -> None:
-        url = f"{self.base_url}/v1/completions"
+        url = f"{self.base_url}{ROUTE_PATHS[self.route]}"
 
         def bad(reason: str) -> InferenceBadResponse:
-            return InferenceBadResponse(f"{url}: bad completions stream: {reason}", url)
+            return InferenceBadResponse(f"{url}: bad {self.route} stream: {reason}", url)
 
         ended = False
         try:
@@ -432,7 +470,8 @@ class InferenceClient:
                 timing = await self._reload_while_running(path, version, timeout_s)
             else:
                 timing = await self._paused_update(path, version, mode, drain_quiet_s, timeout_s)
-            await self._label_weights(version)  # after the resume: the engine need not wait for it
+            if self._labelled != version:
+                await self._label_weights(version)  # after the resume: the engine need not wait for it
             return timing
 
     async def _reload_while_running(self, path: str | Path, version: int, timeout_s: float | None) -> UpdateTiming:
@@ -441,19 +480,22 @@ class InferenceClient:
         self._reloading += 1
         for request in self._live:
             request.version = UNKNOWN_VERSION
-        started = time.monotonic()
+            request.label_version = None  # the label moves after the load, not with it: its spans would be wrong
         try:
-            await self.reload_weights(str(path), timeout_s)
+            reload_s = await self._timed_reload(path, timeout_s)
         finally:
             self._reloading -= 1
         self.version = version
-        return UpdateTiming(self.base_url, "reload", version, 0.0, time.monotonic() - started)
+        return UpdateTiming(self.base_url, "reload", version, 0.0, reload_s)
 
     async def _paused_update(self, path: str | Path, version: int, mode: str, drain_quiet_s: float,
                              timeout_s: float | None) -> UpdateTiming:
         self._update_over = asyncio.Event()
         started = time.monotonic()
         reload_s = 0.0
+        # On the generate route the server labels every token with the weights that sampled it; the label
+        # moves exactly at the load when it is set while nothing samples, and then no stream need drain.
+        label_in_pause = self.route == "generate" and self._labels_supported
         try:
             if mode == "continue":
                 for request in self._live:
@@ -461,26 +503,26 @@ class InferenceClient:
                 await self.pause("abort")  # each running request ends with its tokens so far
             else:
                 for request in self._live:
-                    if not request.streamed:
+                    if not request.streamed and request.label_version is None:
                         request.version = UNKNOWN_VERSION  # its tokens arrive all at once: no boundary to see
                 await self.pause("keep")
             # Frozen from the pause on, the engine samples nothing: what still arrives during the load was
             # sampled before it, so the streams drain while the weights load, not after.
-            draining = asyncio.ensure_future(self._drain(drain_quiet_s)) if mode == "keep" else None
+            draining = (asyncio.ensure_future(self._drain(drain_quiet_s))
+                        if mode == "keep" and not label_in_pause else None)
             try:
-                loading = time.monotonic()
-                await self.reload_weights(str(path), timeout_s)
-                reload_s = time.monotonic() - loading
+                reload_s = await self._timed_reload(path, timeout_s)
+                if label_in_pause:
+                    await self._label_weights(version)
                 if draining is not None:
                     await draining
             finally:
                 if draining is not None and not draining.done():
                     draining.cancel()
-            # The server samples nothing until it resumes: every token from here on is the new version's.
+            # The server samples nothing until it resumes: every token sampled from here on is the new version's.
             self.version = version
             for request in self._live:
-                if request.version != UNKNOWN_VERSION:
-                    request.version = version
+                request.version = self._version_after_update(request, mode)
         finally:
             try:
                 await self.resume()
@@ -488,6 +530,17 @@ class InferenceClient:
                 self._update_over.set()
                 self._update_over = None
         return UpdateTiming(self.base_url, mode, version, time.monotonic() - started, reload_s)
+
+    def _version_after_update(self, request: LiveRequest, mode: str) -> int:
+        """The version to stamp on what a request in flight across a keep or continue update receives next."""
+        if request.label_version is not None and not self._labels_supported:
+            request.label_version = None  # the server has no labels after all: its spans name none of ours
+        elif request.label_version is not None:
+            return UNKNOWN_VERSION  # until its spans come: a token arriving now may have been sampled before
+        if request.version == UNKNOWN_VERSION or mode == "continue":
+            # Continue has no drain: the tail of a request the pause aborted may still be on its way.
+            return UNKNOWN_VERSION
+        return self.version  # keep drained every stream: what arrives now comes from the new weights
 
     async def _drain(self, quiet_s: float) -> None:
         """Wait until no stream has received anything for `quiet_s`: with the engine frozen, the tokens it
@@ -506,6 +559,11 @@ class InferenceClient:
                     request.version = UNKNOWN_VERSION
                 return
             await asyncio.sleep(wait)
+
+    async def _timed_reload(self, path: str | Path, timeout_s: float | None) -> float:
+        started = time.monotonic()
+        await self.reload_weights(str(path), timeout_s)
+        return time.monotonic() - started
 
     async def _update_finished(self) -> None:
         while self._update_over is not None:
@@ -584,6 +642,13 @@ class InferenceClient:
         """`GET /v1/models`, a route vLLM guards with its API key: InferenceAuthError when the server wants
         a key this client lacks or refuses the one it has; InferenceError when it cannot be reached."""
         await self._request("GET", "/v1/models", retry=False, timeout_s=min(self.timeout_s, 30.0))
+
+    async def check_generate_route(self) -> None:
+        """One token from `/inference/v1/generate`: InferenceHTTPError (403 or 404) when the server does not
+        serve it (vLLM without `--enable-scale-out`, or older than 0.32)."""
+        payload = {"model": self.model, "token_ids": [0], "sampling_params": {"max_tokens": 1, "logprobs": 0}}
+        await self._request("POST", ROUTE_PATHS["generate"], json=payload, retry=False,
+                            timeout_s=min(self.timeout_s, 30.0))
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -5,6 +5,7 @@ that sampled each of them, and what a caller may watch of its rollout while it g
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,12 +48,14 @@ class Progress:
 
 @dataclass(eq=False)
 class LiveRequest:
-    """One completions request in flight. Its choices are the caller's own Completion objects, extended as
-    tokens arrive, so what was received survives any failure of the request.
+    """One completions or generate request in flight. Its choices are the caller's own Completion objects,
+    extended as tokens arrive, so what was received survives any failure of the request.
 
     `version` is stamped on the tokens that arrive now; a weight update changes it at the instant the
     server switches weights as seen from here (docs/weight-updates.md), or sets UNKNOWN_VERSION when that
-    instant cannot be seen. `floor` is the oldest version any of its tokens can have.
+    instant cannot be seen. `floor` is the oldest version any of its tokens can have. With `label_version`
+    (the generate route, under labels the client set while the server was paused), the server's own
+    `weight_versions` spans, sent when a choice ends, replace those stamps with the labels' versions.
     """
 
     choices: list[Completion]
@@ -61,10 +64,13 @@ class LiveRequest:
     floor: int
     streamed: bool
     progress: Progress | None = None
+    label_version: Callable[[str], int] | None = None
     last_data_at: float = field(default_factory=time.monotonic)
     aborted_by_us: bool = False  # a continue-mode update paused this server with mode=abort while it ran
+    starts: list[int] = field(init=False)  # each choice's tokens from earlier requests (spans count from here)
 
     def __post_init__(self) -> None:
+        self.starts = [len(choice.token_ids) for choice in self.choices]
         for choice in self.choices:
             choice.finish_reason = None
         if not self.streamed and self.progress is not None:
@@ -83,8 +89,10 @@ class LiveRequest:
             self.progress.received(self.targets[index], len(token_ids), floor)
 
     def add_chunk(self, chunk: Any, bad: Any) -> None:
-        """One server-sent event of a streamed completion (vLLM's CompletionStreamResponse): each choice's
-        new token ids and their logprobs. `bad(reason)` makes the exception for a malformed chunk."""
+        """One server-sent event of a streamed answer, or a whole answer: each choice's new token ids and
+        their logprobs, in vLLM's completions shape (`logprobs.token_logprobs`) or generate shape
+        (`logprobs.content`, and `weight_versions` when a choice ends). `bad(reason)` makes the exception
+        for a malformed one."""
         if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
             raise bad("a stream chunk without a 'choices' list")
         for choice in chunk["choices"]:
@@ -92,10 +100,32 @@ class LiveRequest:
             if not isinstance(index, int) or not 0 <= index < len(self.choices):
                 raise bad(f"a stream chunk for choice {index!r} of {len(self.choices)}")
             token_ids = choice.get("token_ids") or []
-            logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            logprobs = choice.get("logprobs") or {}
+            if "content" in logprobs:
+                try:
+                    logprobs = [entry["logprob"] for entry in logprobs["content"] or ()]
+                except (KeyError, TypeError) as exc:
+                    raise bad(f"choice {index}: unreadable logprobs.content ({exc!r})") from None
+            else:
+                logprobs = logprobs.get("token_logprobs") or []
             if len(token_ids) != len(logprobs):
                 raise bad(f"choice {index}: a chunk of {len(token_ids)} token ids with {len(logprobs)} logprobs")
             self.add(index, token_ids, logprobs, choice.get("finish_reason"))
+            spans = choice.get("weight_versions")
+            if spans and self.label_version is not None:
+                self._stamp_spans(index, spans, bad)
+
+    def _stamp_spans(self, index: int, spans: list[Any], bad: Any) -> None:
+        versions = self.choices[index].policy_versions
+        base = self.starts[index]
+        try:
+            for span in spans:
+                start, end = base + span["start"], base + span["end"]
+                if not base <= start <= end <= len(versions):
+                    raise bad(f"choice {index}: weight_versions span {span} outside its {len(versions) - base} tokens")
+                versions[start:end] = [self.label_version(str(span["version"]))] * (end - start)
+        except (KeyError, TypeError) as exc:
+            raise bad(f"choice {index}: unreadable weight_versions ({exc!r})") from None
 
 
 def copy_completion(c: Completion) -> Completion:

@@ -1,5 +1,6 @@
 """The requests the embedded server accepts, as vLLM 0.32 names their fields: `/v1/completions`,
-`/v1/chat/completions`, and the error body of a refused request.
+`/v1/chat/completions`, `/inference/v1/generate` (token in, token out), and the error body of a refused
+request.
 """
 
 from __future__ import annotations
@@ -93,6 +94,35 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int = Field(0, ge=0)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class GenerateSampling(SamplingRequest):
+    """The `sampling_params` of a generate request: vLLM's SamplingParams fields the server honours."""
+
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+
+
+class GenerateRequest(BaseModel):
+    """vLLM 0.32's token-in/token-out request (`--enable-scale-out`); answers carry `weight_versions`."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    model: str | None = None
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: GenerateSampling
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+
+    @property
+    def return_weight_versions(self) -> bool:
+        return self.sampling_params.return_weight_versions  # not vLLM: as on the completions route
+
+    def generation_params(self, vocab_size: int, max_model_len: int) -> GenerationParams:
+        sampling = self.sampling_params.model_copy(update={"cache_salt": self.cache_salt})
+        return sampling.generation_params(self.token_ids, sampling.max_tokens, sampling.logprobs or 0, vocab_size,
+                                          max_model_len)
 
 
 class RequestError(Exception):

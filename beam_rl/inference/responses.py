@@ -1,5 +1,5 @@
-"""The answers of the embedded server in vLLM 0.32's shapes: a completion, its Server-Sent-Events
-stream (`serving.py`'s chunks, then `data: [DONE]`), and a chat completion.
+"""The answers of the embedded server in vLLM 0.32's shapes: a completion, a token-in/token-out generate
+answer, their Server-Sent-Events streams (`serving.py`'s chunks, then `data: [DONE]`), and a chat completion.
 
 `token_weight_versions` (per choice, parallel to `token_ids`) is not vLLM's: it appears only when a
 request sets `return_weight_versions`.
@@ -7,6 +7,7 @@ request sets `return_weight_versions`.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Any
@@ -15,7 +16,7 @@ import orjson
 from tokenizers.decoders import DecodeStream
 
 from beam_rl.inference.generator import ChoiceResult, GenerationParams
-from beam_rl.inference.protocol import ChatCompletionRequest, CompletionRequest
+from beam_rl.inference.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 
 class TokenTexts:
@@ -105,24 +106,56 @@ def completion_body(
     }
 
 
-class CompletionStream:
-    """The SSE chunks of one streamed completion: one per choice per step that sampled tokens or
-    finished it, as vLLM's `completion_stream_generator` writes them."""
+class WeightLabels:
+    """vLLM's weight version label: what `/weight_info` reports, `/update_weight_version` sets, and each
+    `weight_versions` span of a generate answer names. The backends count loads instead (every token's
+    `weights_version`); a label names the weights loaded when it was set and those loaded after, until
+    the next. vLLM labels a token by the label set when it was sampled: the two agree whenever a label is
+    set after its load while generation is paused, which is when beam-rl's client sets the labels whose
+    spans it reads."""
 
-    def __init__(self, texts: TokenTexts, model_name: str, params: GenerationParams, request: CompletionRequest) -> None:
-        self.texts, self.params, self.request = texts, params, request
-        self._backend = texts.tokenizer.backend_tokenizer
-        self._head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                      "model": model_name}
+    def __init__(self) -> None:
+        self._by_load: list[tuple[int, str]] = [(0, "default")]  # (loads when set, label), in order
+
+    @property
+    def current(self) -> str:
+        return self._by_load[-1][1]
+
+    def set(self, loads: int, label: str) -> None:
+        if self._by_load[-1][0] == loads:
+            self._by_load.pop()
+        self._by_load.append((loads, label))
+
+    def of(self, loads: int) -> str:
+        return next(label for set_at, label in reversed(self._by_load) if set_at <= loads)
+
+    def spans(self, versions: list[int]) -> list[dict[str, Any]]:
+        """vLLM's `weight_versions` of a choice: [start, end) runs of output tokens under one label."""
+        spans: list[dict[str, Any]] = []
+        start = 0
+        for loads, run in itertools.groupby(versions):
+            end = start + sum(1 for _ in run)
+            label = self.of(loads)
+            if spans and spans[-1]["version"] == label:
+                spans[-1]["end"] = end
+            else:
+                spans.append({"version": label, "start": start, "end": end})
+            start = end
+        return spans
+
+
+class _ChoiceStream:
+    """The SSE chunks of one streamed request: one per choice per step that sampled tokens or finished it,
+    as vLLM's stream generators write them; subclasses shape each chunk."""
+
+    def __init__(self, params: GenerationParams, stream_options: Any) -> None:
+        self.params = params
         n = params.n
         self._sent = [0] * n  # tokens already in a chunk, per choice
         self._finished = [False] * n
-        # vLLM's own incremental detokenizer: an incomplete UTF-8 character waits for the token completing it.
-        self._text = [DecodeStream(skip_special_tokens=request.skip_special_tokens) for _ in range(n)]
-        self._text_offset = [0] * n
-        options = request.stream_options
-        self._usage = bool(options and options.include_usage)
-        self._continuous_usage = self._usage and bool(options and options.continuous_usage_stats)
+        self._usage = bool(stream_options and stream_options.include_usage)
+        self._continuous_usage = self._usage and bool(stream_options and stream_options.continuous_usage_stats)
+        self._head: dict[str, Any] = {}
 
     def chunks(self, choices: list[ChoiceResult]) -> bytes:
         """`data:` events for what the choices gained since the last call."""
@@ -136,12 +169,43 @@ class CompletionStream:
             if choice.finish_reason == "abort" and end > start:
                 # An abort samples nothing: tokens not yet streamed came from earlier steps, and vLLM
                 # streams them before the abort's own chunk, which carries no token.
-                events.append(self._chunk(index, choice, start, end, None))
+                events.append(self._event(index, choice, start, end, None))
                 start = end
-            events.append(self._chunk(index, choice, start, end, choice.finish_reason))
+            events.append(self._event(index, choice, start, end, choice.finish_reason))
         return b"".join(events)
 
-    def _chunk(self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None) -> bytes:
+    def _event(self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None) -> bytes:
+        chunk: dict[str, Any] = {**self._head, "choices": [self._choice(index, choice, start, end, finish_reason)]}
+        if self._continuous_usage:
+            chunk["usage"] = _usage(len(self.params.prompt_ids), end)
+        return _event(chunk)
+
+    def _choice(self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def end(self) -> bytes:
+        """The usage chunk (when asked for) and `data: [DONE]`."""
+        tail = b""
+        if self._usage:
+            usage = _usage(len(self.params.prompt_ids), sum(self._sent))
+            tail = _event({**self._head, "choices": [], "usage": usage})
+        return tail + b"data: [DONE]\n\n"
+
+
+class CompletionStream(_ChoiceStream):
+    """A streamed completion, as vLLM's `completion_stream_generator` writes it."""
+
+    def __init__(self, texts: TokenTexts, model_name: str, params: GenerationParams, request: CompletionRequest) -> None:
+        super().__init__(params, request.stream_options)
+        self.texts, self.request = texts, request
+        self._backend = texts.tokenizer.backend_tokenizer
+        self._head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                      "model": model_name}
+        # vLLM's own incremental detokenizer: an incomplete UTF-8 character waits for the token completing it.
+        self._text = [DecodeStream(skip_special_tokens=request.skip_special_tokens) for _ in range(params.n)]
+        self._text_offset = [0] * params.n
+
+    def _choice(self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None) -> dict[str, Any]:
         request = self.request
         logprobs = None
         if request.logprobs is not None:
@@ -159,18 +223,53 @@ class CompletionStream:
         }
         if request.return_weight_versions:
             body["token_weight_versions"] = choice.weight_versions[start:end]
-        chunk: dict[str, Any] = {**self._head, "choices": [body]}
-        if self._continuous_usage:
-            chunk["usage"] = _usage(len(self.params.prompt_ids), end)
-        return _event(chunk)
+        return body
 
-    def end(self) -> bytes:
-        """The usage chunk (when asked for) and `data: [DONE]`."""
-        tail = b""
-        if self._usage:
-            usage = _usage(len(self.params.prompt_ids), sum(self._sent))
-            tail = _event({**self._head, "choices": [], "usage": usage})
-        return tail + b"data: [DONE]\n\n"
+
+def _generate_choice(choice: ChoiceResult, params: GenerationParams, request: GenerateRequest, labels: WeightLabels,
+                     index: int, start: int, end: int, finish_reason: str | None) -> dict[str, Any]:
+    """One choice of a generate answer or chunk: tokens [start, end), and the labels' spans once it ends."""
+    logprobs = None
+    if request.sampling_params.logprobs is not None:
+        logprobs = {"content": [{"token_id": t, "logprob": max(lp, -9999.0), "top_logprobs": []}
+                                for t, lp in zip(choice.token_ids[start:end], choice.logprobs[start:end])]}
+    body: dict[str, Any] = {
+        "index": index,
+        "finish_reason": finish_reason,
+        "stop_reason": _stop_reason(choice, params) if finish_reason else None,
+        "token_ids": choice.token_ids[start:end],
+        "logprobs": logprobs,
+        "weight_versions": labels.spans(choice.weight_versions) if finish_reason else None,  # vLLM: final chunk only
+    }
+    if request.return_weight_versions:
+        body["token_weight_versions"] = choice.weight_versions[start:end]
+    return body
+
+
+def generate_body(labels: WeightLabels, texts: TokenTexts, model_name: str, params: GenerationParams,
+                  request: GenerateRequest, choices: list[ChoiceResult]) -> dict[str, Any]:
+    """vLLM's `GenerateTokensResponse` (output_mode "tokens")."""
+    return {
+        "request_id": uuid.uuid4().hex,
+        "model": model_name,
+        "created": int(time.time()),
+        "output_mode": "tokens",
+        "choices": [_generate_choice(c, params, request, labels, i, 0, len(c.token_ids), c.finish_reason)
+                    for i, c in enumerate(choices)],
+        "usage": _usage(len(params.prompt_ids), sum(len(c.token_ids) for c in choices)),
+    }
+
+
+class GenerateStream(_ChoiceStream):
+    """A streamed generate answer, as vLLM's `serve_tokens_stream_generator` writes it."""
+
+    def __init__(self, labels: WeightLabels, params: GenerationParams, request: GenerateRequest) -> None:
+        super().__init__(params, request.stream_options)
+        self.labels, self.request = labels, request
+        self._head = {"request_id": uuid.uuid4().hex, "output_mode": "tokens"}
+
+    def _choice(self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None) -> dict[str, Any]:
+        return _generate_choice(choice, self.params, self.request, self.labels, index, start, end, finish_reason)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

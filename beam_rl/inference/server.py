@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import pathlib
@@ -30,8 +31,10 @@ from beam_rl.inference.faults import FaultConfig, FaultInjector, add_fault_args,
 from beam_rl.inference.generator import ChoiceResult, GenerationParams, WeightsError
 from beam_rl.inference.launch import start_subprocess_server
 from beam_rl.inference.metrics import ServerMetrics
-from beam_rl.inference.protocol import ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest
-from beam_rl.inference.responses import CompletionStream, TokenTexts, chat_body, completion_body, dumps
+from beam_rl.inference.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
+                                       SamplingRequest)
+from beam_rl.inference.responses import (CompletionStream, GenerateStream, TokenTexts, WeightLabels, chat_body,
+                                        completion_body, dumps, generate_body)
 from beam_rl.inference.security import api_key_middleware, server_ssl_context
 from beam_rl.inference.simulated import SimulatedEngine, SimulatedParams, add_simulated_args, simulated_params_from_args
 from beam_rl.inference.stepped import InstantBackend, ModelBackend
@@ -98,9 +101,9 @@ class EmbeddedServer:
         self._middlewares = [api_key_middleware(keys)] if keys else []
         self._ssl = server_ssl_context(str(ssl_certfile), ssl_keyfile and str(ssl_keyfile)) if ssl_certfile else None
         self._metrics_collector = ServerMetrics(self)
-        # What /weight_info reports: a label the client sets after each update, "default" until then, as in
-        # vLLM (the backend's weights_version counts the loads instead).
-        self.weight_version_label = "default"
+        # What /weight_info reports and generate answers' spans name: a label the client sets at each update,
+        # "default" until then, as in vLLM (the backend's weights_version counts the loads instead).
+        self.weight_labels = WeightLabels()
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -128,6 +131,7 @@ class EmbeddedServer:
             [
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/chat/completions", self._chat_completions),
+                web.post("/inference/v1/generate", self._generate),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
@@ -230,7 +234,8 @@ class EmbeddedServer:
         except RequestError as exc:
             return web.json_response(exc.body(), status=exc.status)
         if body.stream:
-            return await self._answer(request, params, lambda source: self._stream(request, params, body, source),
+            stream = CompletionStream(self.texts, self.served_model_name, params, body)
+            return await self._answer(request, params, lambda source: self._send_events(request, stream, source),
                                       progress=True)
         return await self._answer(request, params, self._whole(params, body, completion_body), progress=False)
 
@@ -246,6 +251,20 @@ class EmbeddedServer:
         except RequestError as exc:
             return web.json_response(exc.body(), status=exc.status)
         return await self._answer(request, params, self._whole(params, body, chat_body), progress=False)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        self.requests_total += 1
+        try:
+            body = self._parse(GenerateRequest, await request.read(), "generate request")
+            params = body.generation_params(*self._limits)
+        except RequestError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        if body.stream:
+            stream = GenerateStream(self.weight_labels, params, body)
+            return await self._answer(request, params, lambda source: self._send_events(request, stream, source),
+                                      progress=True)
+        build = functools.partial(generate_body, self.weight_labels)
+        return await self._answer(request, params, self._whole(params, body, build), progress=False)
 
     async def _answer(
         self, request: web.Request, params: GenerationParams,
@@ -292,11 +311,10 @@ class EmbeddedServer:
 
         return respond
 
-    async def _stream(self, request: web.Request, params: GenerationParams, body: CompletionRequest,
-                      source: AsyncIterator[list[ChoiceResult]]) -> web.StreamResponse:
+    async def _send_events(self, request: web.Request, stream: CompletionStream | GenerateStream,
+                           source: AsyncIterator[list[ChoiceResult]]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
-        stream = CompletionStream(self.texts, self.served_model_name, params, body)
         async for choices in source:
             data = stream.chunks(choices)
             if data:
@@ -387,11 +405,11 @@ class EmbeddedServer:
             return _error_response(400, 'expected {"new_version": "..."}', "BadRequestError")
         if not isinstance(new_version, str):
             return _error_response(400, "new_version must be a string", "BadRequestError")
-        self.weight_version_label = new_version
+        self.weight_labels.set(self.backend.weights_version, new_version)
         return web.json_response({"success": True, "new_version": new_version})
 
     async def _weight_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version_label})
+        return web.json_response({"weight_version": self.weight_labels.current})
 
     async def _pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
