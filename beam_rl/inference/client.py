@@ -522,7 +522,7 @@ class InferenceClient:
             # The server samples nothing until it resumes: every token sampled from here on is the new version's.
             self.version = version
             for request in self._live:
-                request.version = self._version_after_update(request, mode)
+                request.version = self._version_after_update(request, drained=draining is not None)
         finally:
             try:
                 await self.resume()
@@ -531,16 +531,16 @@ class InferenceClient:
                 self._update_over = None
         return UpdateTiming(self.base_url, mode, version, time.monotonic() - started, reload_s)
 
-    def _version_after_update(self, request: LiveRequest, mode: str) -> int:
+    def _version_after_update(self, request: LiveRequest, drained: bool) -> int:
         """The version to stamp on what a request in flight across a keep or continue update receives next."""
-        if request.label_version is not None and not self._labels_supported:
-            request.label_version = None  # the server has no labels after all: its spans name none of ours
-        elif request.label_version is not None:
+        if request.label_version is not None and self._labels_supported:
             return UNKNOWN_VERSION  # until its spans come: a token arriving now may have been sampled before
-        if request.version == UNKNOWN_VERSION or mode == "continue":
-            # Continue has no drain: the tail of a request the pause aborted may still be on its way.
+        request.label_version = None  # (a server without labels after all: its spans name none of ours)
+        if request.version == UNKNOWN_VERSION or not drained:
+            # Without a drain, what arrives now may still be from before the pause: the tail of a stream
+            # the pause aborted, or of one it froze.
             return UNKNOWN_VERSION
-        return self.version  # keep drained every stream: what arrives now comes from the new weights
+        return self.version  # every stream drained: what arrives now comes from the new weights
 
     async def _drain(self, quiet_s: float) -> None:
         """Wait until no stream has received anything for `quiet_s`: with the engine frozen, the tokens it

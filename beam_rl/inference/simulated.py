@@ -166,6 +166,7 @@ class SimulatedEngine:
         self.busy_seconds = 0.0  # engine time spent on steps with sequences running
         self._stalled_s = 0.0  # closed intervals of `stalled_seconds`
         self._stalled_since: float | None = None
+        self._aborted_work = False  # the current pause aborted running or waiting sequences
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.steps = 0
@@ -201,7 +202,8 @@ class SimulatedEngine:
 
     @property
     def stalled_seconds(self) -> float:
-        """Engine time pauses took from generation: waiting with sequences frozen, or queued behind the gate."""
+        """Engine time pauses took from generation: sequences frozen, queued behind the gate, or aborted by the
+        pause (they return once it is over). Requests a client holds back during a pause are not seen here."""
         open_interval = time.monotonic() - self._stalled_since if self._stalled_since is not None else 0.0
         return self._stalled_s + open_interval
 
@@ -344,11 +346,14 @@ class SimulatedEngine:
 
     async def abort_all(self) -> None:
         def abort() -> None:
-            for sequence in [s for _, _, s in self._running] + list(self._waiting):
+            aborted = [s for _, _, s in self._running] + list(self._waiting)
+            for sequence in aborted:
                 self._finish(sequence, self._revealed(sequence), "abort")
             self._running, self._waiting = [], collections.deque()
+            # Aborted by a pause ("continue" updates), they come back as new requests only once it is over.
+            self._aborted_work = bool(aborted) and not self._gate.admits
             self._signal_changed()
-            self._poke()  # nothing is held any more: a pause from now on stalls nothing
+            self._poke()
 
         await self._at_step_boundary(abort)
 
@@ -420,8 +425,10 @@ class SimulatedEngine:
         return bool(self._running) or (bool(self._waiting) and self._gate.admits)
 
     def _held_by_pause(self) -> bool:
-        """Is there work only the pause keeps from stepping?"""
-        return bool(self._running) or (bool(self._waiting) and not self._gate.admits)
+        """Is there work only the pause keeps from stepping (running, waiting, or aborted by it)?"""
+        if self._gate.admits:
+            self._aborted_work = False
+        return bool(self._running) or ((bool(self._waiting) or self._aborted_work) and not self._gate.admits)
 
     async def _run(self) -> None:
         assert self._work is not None
