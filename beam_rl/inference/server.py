@@ -1,6 +1,7 @@
-"""An embedded stand-in for a vLLM 0.32 server: the slice of its OpenAI-compatible HTTP API that
-beam-rl uses, with load metrics and fault injection, served by one of three backends: a tiny real
-model ("model"), random tokens ("instant") or a simulated continuous-batching engine ("simulated").
+"""An embedded stand-in for a vLLM 0.32 server: the slice of its HTTP API that beam-rl uses (OpenAI's
+completions, vLLM's token-in/token-out generate route, the weight-update routes), with load metrics and
+fault injection, served by one of three backends: a tiny real model ("model"), random tokens ("instant")
+or a simulated continuous-batching engine ("simulated").
 
 Run in-process (`EmbeddedServer(...).start()`) or as a subprocess
 (`python -m beam_rl.inference.server --port 0`, which prints `READY <url>` once listening).
