@@ -8,10 +8,9 @@ must be called from the loop that owns it.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 
-from beam_rl.inference.backend import PauseGate
+from beam_rl.inference.backend import IntervalClock, PauseGate
 
 
 class Aborted(Exception):
@@ -26,8 +25,7 @@ class Admission:
         self.running = 0
         self.max_running = 0  # high-water mark, for tests and metrics
         self._gate = gate
-        self._busy_s = 0.0  # time with at least one sequence running, closed intervals
-        self._busy_since: float | None = None
+        self._busy = IntervalClock()  # time with at least one sequence running
         self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._changed: asyncio.Event | None = None
         if gate is not None:
@@ -46,12 +44,11 @@ class Admission:
     @property
     def busy_seconds(self) -> float:
         """Seconds with at least one sequence running (how busy the engine was kept)."""
-        open_interval = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
-        return self._busy_s + open_interval
+        return self._busy.seconds
 
     def _take(self, n: int) -> None:
         if self.running == 0:
-            self._busy_since = time.monotonic()
+            self._busy.start()
         self.running += n
         self.max_running = max(self.max_running, self.running)
 
@@ -76,9 +73,8 @@ class Admission:
 
     def release(self, n: int) -> None:
         self.running -= n
-        if self.running == 0 and self._busy_since is not None:
-            self._busy_s += time.monotonic() - self._busy_since
-            self._busy_since = None
+        if self.running == 0:
+            self._busy.stop()
         self._admit()
 
     def abort_waiting(self) -> None:

@@ -21,6 +21,28 @@ class PauseState(enum.IntEnum):
     PAUSED_ALL = 2  # nothing steps: running requests freeze between two steps (mode "keep")
 
 
+class IntervalClock:
+    """Seconds spent inside intervals that `start` opens and `stop` closes, the open one included."""
+
+    def __init__(self) -> None:
+        self._closed_s = 0.0
+        self._since: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        open_interval = time.monotonic() - self._since if self._since is not None else 0.0
+        return self._closed_s + open_interval
+
+    def start(self) -> None:
+        if self._since is None:
+            self._since = time.monotonic()
+
+    def stop(self) -> None:
+        if self._since is not None:
+            self._closed_s += time.monotonic() - self._since
+            self._since = None
+
+
 class PauseGate:
     """The pause state, with waits that end when it changes (or when `notify()` wakes them)."""
 
@@ -28,8 +50,7 @@ class PauseGate:
         self.state = PauseState.UNPAUSED
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[], None]] = []
-        self._paused_s = 0.0
-        self._paused_since: float | None = None
+        self._paused = IntervalClock()
 
     @property
     def admits(self) -> bool:
@@ -44,15 +65,13 @@ class PauseGate:
     @property
     def paused_seconds(self) -> float:
         """Seconds spent paused, as the server saw them (from the pause call to the resume call)."""
-        open_interval = time.monotonic() - self._paused_since if self._paused_since is not None else 0.0
-        return self._paused_s + open_interval
+        return self._paused.seconds
 
     def set(self, state: PauseState) -> None:
-        if state != PauseState.UNPAUSED and self._paused_since is None:
-            self._paused_since = time.monotonic()
-        elif state == PauseState.UNPAUSED and self._paused_since is not None:
-            self._paused_s += time.monotonic() - self._paused_since
-            self._paused_since = None
+        if state == PauseState.UNPAUSED:
+            self._paused.stop()
+        else:
+            self._paused.start()
         self.state = state
         self.notify()
 

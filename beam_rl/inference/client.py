@@ -533,9 +533,8 @@ class InferenceClient:
 
     def _version_after_update(self, request: LiveRequest, drained: bool) -> int:
         """The version to stamp on what a request in flight across a keep or continue update receives next."""
-        if request.label_version is not None and self._labels_supported:
+        if request.label_version is not None:
             return UNKNOWN_VERSION  # until its spans come: a token arriving now may have been sampled before
-        request.label_version = None  # (a server without labels after all: its spans name none of ours)
         if request.version == UNKNOWN_VERSION or not drained:
             # Without a drain, what arrives now may still be from before the pause: the tail of a stream
             # the pause aborted, or of one it froze.
@@ -588,6 +587,8 @@ class InferenceClient:
             if exc.status not in (404, 405):
                 raise
             self._labels_supported = False  # a server without vLLM's RL routes: restarts go unnoticed
+            for request in self._live:
+                request.label_version = None  # its spans name none of our versions
             log.warning("%s has no /update_weight_version: a restart between updates will not be noticed",
                         self.base_url)
             return

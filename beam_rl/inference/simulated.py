@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from beam_rl.inference.backend import PauseGate
+from beam_rl.inference.backend import IntervalClock, PauseGate
 from beam_rl.inference.faults import FaultConfig, FaultInjector
 from beam_rl.inference.generator import ChoiceResult, GenerationParams, WeightsError
 from beam_rl.inference.metrics import KV_BLOCK_SIZE
@@ -164,8 +164,7 @@ class SimulatedEngine:
         self.prefix_cache = BlockPrefixCache(params.prefix_cache_blocks)
         self.max_running = 0
         self.busy_seconds = 0.0  # engine time spent on steps with sequences running
-        self._stalled_s = 0.0  # closed intervals of `stalled_seconds`
-        self._stalled_since: float | None = None
+        self._stalled = IntervalClock()
         self._aborted_work = False  # the current pause aborted running or waiting sequences
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -187,7 +186,7 @@ class SimulatedEngine:
         self._work: asyncio.Event | None = None  # for the engine loop: work arrived or the gate changed
         self._changed: asyncio.Event | None = None  # for waiters: sequences finished or left
         self._task: asyncio.Task | None = None
-        self._gate.on_change(self._poke)
+        self._gate.on_change(self._gate_changed)
         self.trace = _Trace()
 
     # -- what the server reads -----------------------------------------------------------------
@@ -204,8 +203,7 @@ class SimulatedEngine:
     def stalled_seconds(self) -> float:
         """Engine time pauses took from generation: sequences frozen, queued behind the gate, or aborted by the
         pause (they return once it is over). Requests a client holds back during a pause are not seen here."""
-        open_interval = time.monotonic() - self._stalled_since if self._stalled_since is not None else 0.0
-        return self._stalled_s + open_interval
+        return self._stalled.seconds
 
     def kv_cache_usage(self) -> float:
         tokens = sum(len(s.request.params.prompt_ids) + self._revealed(s) for _, _, s in self._running)
@@ -396,6 +394,11 @@ class SimulatedEngine:
             self._work, self._changed = asyncio.Event(), asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="simulated-engine")
 
+    def _gate_changed(self) -> None:
+        if self._gate.admits:
+            self._aborted_work = False  # resumed: what the pause aborted may be sent again
+        self._poke()
+
     def _poke(self) -> None:
         if self._work is not None:
             self._work.set()
@@ -426,8 +429,6 @@ class SimulatedEngine:
 
     def _held_by_pause(self) -> bool:
         """Is there work only the pause keeps from stepping (running, waiting, or aborted by it)?"""
-        if self._gate.admits:
-            self._aborted_work = False
         return bool(self._running) or ((bool(self._waiting) or self._aborted_work) and not self._gate.admits)
 
     async def _run(self) -> None:
@@ -437,12 +438,10 @@ class SimulatedEngine:
         while True:
             if not self._can_step():
                 if self._held_by_pause():
-                    self._stalled_since = time.monotonic()
+                    self._stalled.start()
                 self._work.clear()
                 await self._work.wait()  # every arrival, abort and gate change pokes it
-                if self._stalled_since is not None:
-                    self._stalled_s += time.monotonic() - self._stalled_since
-                    self._stalled_since = None
+                self._stalled.stop()
                 next_at = self._clock()
                 continue
             prefill = self._admit() if self._gate.admits else 0
