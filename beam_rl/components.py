@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from beam_rl.advantages import AdvantageAlgorithm, get_algorithm
+from beam_rl.checkpoint_shapes import validate_checkpoint
 from beam_rl.config import RunConfig
 from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
 from beam_rl.envs import env_class, make_env
@@ -119,14 +120,7 @@ def sampling_params(config: RunConfig, envs: dict[str, Environment]) -> dict[str
 
 def checkpoint_validator(config: RunConfig) -> Callable[[Path], None]:
     """Checks a published checkpoint against the policy model's tensor names and shapes."""
-    reference = model_dir(config)
-
-    def validate(path: Path) -> None:
-        from beam_rl.training.checkpoint import validate_checkpoint  # torch: only where weights move
-
-        validate_checkpoint(path, reference)
-
-    return validate
+    return functools.partial(validate_checkpoint, reference_model_dir=model_dir(config))
 
 
 # A source whose dispatch transform stopped calling it (the job was cancelled, or the runner restored the

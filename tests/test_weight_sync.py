@@ -3,8 +3,11 @@ in-flight rollouts the new policy made too stale are generated again under it, a
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +136,24 @@ def test_a_rollout_made_too_stale_while_it_generates_is_generated_again_under_th
     assert update["version"] == 2 and update["regenerated_rollouts"] == 4
     (server_update,) = update["servers"]
     assert server_update["mode"] == "keep" and server_update["paused_s"] >= server_update["reload_s"] > 0
+
+
+def test_the_dispatch_worker_checks_a_checkpoint_without_importing_torch(tmp_path):
+    """The check runs in the worker that dispatches: importing torch there held its GIL ~2 s at the
+    first update, while the dispatcher's event loop waited."""
+    code = (
+        "import sys\n"
+        "import transforms.dispatch, transforms.score, transforms.pack\n"
+        "from beam_rl import components\n"
+        "from beam_rl.checkpoint_shapes import CheckpointError\n"
+        "from beam_rl.config import config_from_dict\n"
+        "from beam_rl.tinymodel import tiny_model_dir\n"
+        "check = components.checkpoint_validator(config_from_dict({'envs': [{'name': 'reverse_text'}]}))\n"
+        "check(tiny_model_dir())\n"
+        f"try:\n    check({str(tmp_path)!r})\nexcept CheckpointError:\n    pass\nelse:\n    raise SystemExit('no error')\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"

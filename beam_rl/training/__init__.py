@@ -1,6 +1,7 @@
 """The reference trainer that closes the RL loop: policy loss, training steps, weight publishing."""
 
-from beam_rl.training.checkpoint import CheckpointError, publish_weights, tensor_shapes, validate_checkpoint
+from beam_rl.checkpoint_shapes import CheckpointError, tensor_shapes, validate_checkpoint
+from beam_rl.training.checkpoint import publish_weights
 from beam_rl.training.policy_loss import (
     PolicyLossStats,
     check_packed_attention,

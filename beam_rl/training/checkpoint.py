@@ -1,11 +1,10 @@
-"""Publishing the policy's weights into the run directory, checking a checkpoint fits the served model, and
-the trainer's own resume state (optimizer moments)."""
+"""Publishing the policy's weights into the run directory, and the trainer's own resume state (optimizer
+moments). Whether a checkpoint fits the served model is beam_rl.checkpoint_shapes."""
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import re
 import shutil
@@ -13,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from transformers.utils import logging as hf_logging
 
 from beam_rl.rundir import STABLE_FILE, RunDir, write_atomic
@@ -23,10 +21,6 @@ from beam_rl.rundir import STABLE_FILE, RunDir, write_atomic
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _OPTIMIZER_FILE = re.compile(r"^optimizer_step_(\d+)\.pt$")
 TRAINER_STATE_DIR = "trainer"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that does not fit the reference model (or cannot be read)."""
 
 
 def publish_weights(
@@ -67,61 +61,6 @@ def _is_model_side_file(path: Path) -> bool:
     if not path.is_file() or name.startswith(".") or name == STABLE_FILE:
         return False
     return not (name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json"))
-
-
-def tensor_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in a directory's *.safetensors files, read from the headers only."""
-    directory = Path(directory)
-    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
-    if not files:
-        raise CheckpointError(f"{directory}: no *.safetensors files")
-    shapes: dict[str, tuple[int, ...]] = {}
-    owner: dict[str, str] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as reader:
-                for name in reader.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    if name in shapes:
-                        raise CheckpointError(f"{directory}: tensor {name} is in both {owner[name]} and {file.name}")
-                    shapes[name] = tuple(reader.get_slice(name).get_shape())
-                    owner[name] = file.name
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
-    return shapes
-
-
-def validate_checkpoint(path: str | os.PathLike, reference_model_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """Check the checkpoint at `path` names exactly the reference model's tensors, with the same shapes.
-
-    Returns the checkpoint's name -> shape map; raises CheckpointError listing what differs. vLLM's
-    reload_weights leaves a server broken on a mismatch, so WeightSync calls this before any reload.
-    With tied embeddings, `lm_head.weight` may be stored on one side and not the other.
-    """
-    path, reference_model_dir = Path(path), Path(reference_model_dir)
-    actual = tensor_shapes(path)
-    expected = tensor_shapes(reference_model_dir)
-    if _tied_embeddings(reference_model_dir) and (("lm_head.weight" in actual) != ("lm_head.weight" in expected)):
-        actual.pop("lm_head.weight", None)
-        expected.pop("lm_head.weight", None)
-    problems = [f"missing tensor {name} {expected[name]}" for name in sorted(expected.keys() - actual.keys())]
-    problems += [f"unexpected tensor {name} {actual[name]}" for name in sorted(actual.keys() - expected.keys())]
-    problems += [
-        f"{name}: shape {actual[name]} != reference {expected[name]}"
-        for name in sorted(actual.keys() & expected.keys())
-        if actual[name] != expected[name]
-    ]
-    if problems:
-        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
-        raise CheckpointError(f"checkpoint {path} does not match reference model {reference_model_dir}: {shown}")
-    return actual
-
-
-def _tied_embeddings(model_dir: Path) -> bool:
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return bool(config.get("tie_word_embeddings", False))
 
 
 # -- the trainer's resume state: run_dir/trainer/optimizer_step_<N>.pt ---------------------------------

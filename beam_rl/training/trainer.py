@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from beam_rl.checkpoint_shapes import validate_checkpoint
 from beam_rl.config import TrainerSection
 from beam_rl.reader import MicroBatchArrays, StepReader
 from beam_rl.rundir import RunDir
@@ -24,7 +25,6 @@ from beam_rl.training.checkpoint import (
     publish_weights,
     quiet_progress_bars,
     save_optimizer_state,
-    validate_checkpoint,
 )
 from beam_rl.training.policy_loss import (
     PolicyLossStats,
