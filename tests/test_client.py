@@ -498,3 +498,30 @@ def test_weight_version_spans_replace_the_stamps_of_the_tokens_this_request_brou
         other = LiveRequest([Completion([], [], None)], [0], 0, 0, True, label_version=labels.__getitem__)
         other.add_chunk(chunk([9], finish_reason="stop", weight_versions=[{"version": "4", "start": 0, "end": 2}]),
                         bad)
+
+
+def test_a_load_refused_on_the_generate_route_gives_the_old_weights_their_label_back(tmp_path):
+    """Label and load go at once while paused: when the load fails, the label set beside it must not
+    name the old weights as the new version once they sample again."""
+    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.tinymodel import tiny_model_dir
+
+    server = EmbeddedServer(tiny_model_dir(), mode="instant")
+    server.start()
+
+    async def main() -> None:
+        async with InferenceClient(server.url, route="generate") as client:
+            await client.update_weights(tiny_model_dir(), 1, "keep")
+            assert await client.weight_version() == "1"
+            with pytest.raises(InferenceHTTPError) as refused:
+                await client.update_weights(tmp_path, 2, "keep")  # no weights there
+            assert refused.value.status == 400
+            assert await client.weight_version() == "1"
+            (choice,) = await client.complete([5, 6, 7], SamplingParams(max_tokens=4))
+            assert len(choice.token_ids) == 4 and choice.policy_versions == [1] * 4  # resumed
+
+    try:
+        asyncio.run(main())
+        assert server.backend.weights.loads == 1
+    finally:
+        server.stop()

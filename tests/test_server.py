@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
 
 from beam_rl.inference.faults import add_fault_args, fault_config_from_args
-from beam_rl.inference.responses import WeightLabels, visible_text
+from beam_rl.inference.generator import Weights
+from beam_rl.inference.responses import label_spans, visible_text
 from beam_rl.inference.server import EmbeddedServer, FaultConfig, start_subprocess_server
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
 from beam_rl.tokenizer import load_tokenizer
@@ -339,16 +340,44 @@ def test_generate_route_samples_as_completions_do_and_names_the_weights_of_every
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
 
 
-def test_weight_labels_name_the_weights_each_span_of_tokens_was_sampled_by():
-    labels = WeightLabels()
-    labels.set(1, "1")  # labelled after its first load
-    labels.set(3, "3")  # the second load was never labelled: its tokens carry the label before it
-    labels.set(3, "3b")  # relabelled without a load: the later label counts
-    assert labels.current == "3b"
-    assert labels.spans([0, 0, 1, 1, 2, 3, 3]) == [{"version": "default", "start": 0, "end": 2},
-                                                   {"version": "1", "start": 2, "end": 5},
-                                                   {"version": "3b", "start": 5, "end": 7}]
-    assert labels.spans([]) == []
+def test_label_spans_are_runs_of_tokens_under_one_label():
+    sampled_by = [Weights(0), Weights(0), Weights(1, "1"), Weights(2, "1"), Weights(2, "3")]
+    assert label_spans(sampled_by) == [{"version": "default", "start": 0, "end": 2},
+                                       {"version": "1", "start": 2, "end": 4},
+                                       {"version": "3", "start": 4, "end": 5}]
+    assert label_spans([]) == []
+
+
+@pytest.mark.parametrize("label_first", [True, False])
+def test_a_label_names_the_tokens_sampled_after_it_whichever_comes_first_in_a_pause(make_server, model_dir,
+                                                                                     label_first):
+    """As vLLM's engine does: a token carries the label set when it was sampled, so while paused the
+    label and the load may come in either order (or at once) and name the same tokens."""
+    s = make_server()
+    slow_steps(s, 0.02)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=30) as client:
+            body = {"token_ids": PROMPT,
+                    "sampling_params": {"max_tokens": 12, "ignore_eos": True, "return_weight_versions": True}}
+            request = asyncio.create_task(client.post(s.url + "/inference/v1/generate", json=body))
+            await wait_for_metrics(s.url, lambda m: m["vllm:kv_cache_usage_perc"] > 0)  # mid-generation
+            assert (await client.post(s.url + "/pause?mode=keep")).status_code == 200
+            label = client.post(s.url + "/update_weight_version", json={"new_version": "7"})
+            load = client.post(s.url + "/collective_rpc",
+                               json={"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}})
+            for call in (label, load) if label_first else (load, label):
+                assert (await call).status_code == 200
+            assert (await client.post(s.url + "/resume")).status_code == 200
+            return (await request).json()["choices"][0]
+
+    choice = asyncio.run(scenario())
+    loads = choice["token_weight_versions"]
+    switch = loads.index(1)
+    assert 0 < switch < 12 and loads == [0] * switch + [1] * (12 - switch)  # the load landed mid-request
+    assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": switch},
+                                         {"version": "7", "start": switch, "end": 12}]
+    assert httpx.get(s.url + "/weight_info").json()["weight_version"] == "7"
 
 
 def test_bad_checkpoints_are_refused_and_model_untouched(make_server, model_dir, tmp_path):

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from beam_rl.inference.generator import ChoiceResult, GenerationParams
+from beam_rl.inference.generator import ChoiceResult, GenerationParams, Weights
 
 
 class PauseState(enum.IntEnum):
@@ -108,8 +108,13 @@ class Backend(Protocol):
     prefix_cache: PrefixCounters
 
     @property
+    def weights(self) -> Weights:
+        """What the next step samples with; stamped on every token it samples (`ChoiceResult.sampled_by`)."""
+        ...
+
+    @property
     def weights_version(self) -> int:
-        """Bumped by each successful `load_weights`; stamped on every token sampled after it."""
+        """Successful `load_weights` so far: `weights.loads`."""
         ...
 
     @property
@@ -164,6 +169,10 @@ class Backend(Protocol):
 
     async def load_weights(self, weights_path: str) -> None:
         """Check and load a checkpoint between two steps; raises WeightsError, model untouched."""
+        ...
+
+    async def label_weights(self, label: str) -> None:
+        """Name the weights that sample from the next step on (vLLM's `/update_weight_version`)."""
         ...
 
     def trace_since(self, since: float) -> dict[str, Any] | None:

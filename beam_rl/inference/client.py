@@ -10,6 +10,7 @@ completion that fails carries the tokens it had received (`partial`), so it can 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -493,8 +494,8 @@ class InferenceClient:
         self._update_over = asyncio.Event()
         started = time.monotonic()
         reload_s = 0.0
-        # On the generate route the server labels every token with the weights that sampled it; the label
-        # moves exactly at the load when it is set while nothing samples, and then no stream need drain.
+        # On the generate route the server labels every token with the label current when it was sampled:
+        # set while nothing samples, it moves exactly with the load, and then no stream need drain.
         label_in_pause = self.route == "generate" and self._labels_supported
         try:
             if mode == "continue":
@@ -511,9 +512,10 @@ class InferenceClient:
             draining = (asyncio.ensure_future(self._drain(drain_quiet_s))
                         if mode == "keep" and not label_in_pause else None)
             try:
-                reload_s = await self._timed_reload(path, timeout_s)
                 if label_in_pause:
-                    await self._label_weights(version)
+                    reload_s = await self._load_and_label(path, version, timeout_s)
+                else:
+                    reload_s = await self._timed_reload(path, timeout_s)
                 if draining is not None:
                     await draining
             finally:
@@ -563,6 +565,20 @@ class InferenceClient:
         started = time.monotonic()
         await self.reload_weights(str(path), timeout_s)
         return time.monotonic() - started
+
+    async def _load_and_label(self, path: str | Path, version: int, timeout_s: float | None) -> float:
+        """Load and label at once, while paused: nothing samples, so either may land first. A load that
+        fails gives the old weights their label back before the resume."""
+        loaded, labelled = await asyncio.gather(self._timed_reload(path, timeout_s), self._label_weights(version),
+                                                return_exceptions=True)
+        if isinstance(loaded, BaseException):
+            if not isinstance(labelled, BaseException):
+                with contextlib.suppress(InferenceError):
+                    await self._label_weights(self.version)
+            raise loaded
+        if isinstance(labelled, BaseException):
+            raise labelled
+        return loaded
 
     async def _update_finished(self) -> None:
         while self._update_over is not None:

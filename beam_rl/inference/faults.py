@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from beam_rl.inference.generator import ChoiceResult, GenerationParams
+from beam_rl.inference.generator import ChoiceResult, GenerationParams, Weights
 
 
 class ScriptedReply(BaseModel):
@@ -95,7 +95,7 @@ class FaultInjector:
         return next(self._replies)
 
 
-def scripted_choice(reply: ScriptedReply, tokenizer: Any, params: GenerationParams, weights_version: int) -> ChoiceResult:
+def scripted_choice(reply: ScriptedReply, tokenizer: Any, params: GenerationParams, weights: Weights) -> ChoiceResult:
     """A scripted reply as a generated choice: its text's tokens, EOS-terminated (finish "stop")
     unless that exceeds max_tokens (then cut, "length"); every token certain (logprob 0)."""
     ids = tokenizer.encode(reply.text, add_special_tokens=False)
@@ -105,7 +105,7 @@ def scripted_choice(reply: ScriptedReply, tokenizer: Any, params: GenerationPara
     if len(ids) > params.max_tokens:
         ids, finish = ids[: params.max_tokens], "length"
     return ChoiceResult(
-        token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish, weight_versions=[weights_version] * len(ids),
+        token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish, sampled_by=[weights] * len(ids),
         top_logprobs=[{t: 0.0} for t in ids] if params.top_logprobs else [],
     )
 

@@ -7,6 +7,7 @@ interleaves the decode steps of all running requests, so a long request never st
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import pathlib
 import secrets
@@ -41,13 +42,35 @@ class GenerationParams:
     cache_salt: str | None = None  # prefix-cache salt: a prompt under another salt never hits
 
 
+@dataclass(frozen=True)
+class Weights:
+    """The weights a step samples with: the loads before it (the server's own count) and the label vLLM's
+    `/update_weight_version` last set ("default" until then). Either changes only between two steps, so
+    a label set while nothing samples names exactly the tokens sampled after it, whatever the order of
+    the label and the load, as in vLLM's engine."""
+
+    loads: int = 0
+    label: str = "default"
+
+    def loaded(self) -> Weights:
+        return dataclasses.replace(self, loads=self.loads + 1)
+
+    def labelled(self, label: str) -> Weights:
+        return dataclasses.replace(self, label=label)
+
+
 @dataclass
 class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    weight_versions: list[int] = field(default_factory=list)  # the weights version that sampled each token
+    sampled_by: list[Weights] = field(default_factory=list)  # the weights of each token's step
     finish_reason: str | None = None
+
+    @property
+    def weight_versions(self) -> list[int]:
+        """The loads before each token: which weights sampled it, by the server's count."""
+        return [w.loads for w in self.sampled_by]
 
 
 def _finish_reason(token: int, length: int, params: GenerationParams, eos: frozenset[int]) -> str | None:
@@ -97,7 +120,7 @@ class ModelGenerator:
         # transformers 5.x renamed the forward argument `past_key_values` to `cache`.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
-        self.weights_version = 0  # bumped by load_weights, on the same thread as the steps
+        self.weights = Weights()  # changed by load_weights and label, on the same thread as the steps
         self.generation_tokens = 0
 
     def start(self, params: GenerationParams) -> _ModelState:
@@ -130,13 +153,14 @@ class ModelGenerator:
             tokens = torch.multinomial(logprobs.exp(), 1, generator=state.rng).squeeze(1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         top = torch.topk(logprobs, params.top_logprobs, dim=-1) if params.top_logprobs else None
+        weights = self.weights
         for i, choice in enumerate(state.choices):
             if choice.finish_reason is not None:
                 continue  # finished sequences still ride along in the batch; their tokens are dropped
             token = int(tokens[i])
             choice.token_ids.append(token)
             choice.logprobs.append(float(chosen[i]))
-            choice.weight_versions.append(self.weights_version)
+            choice.sampled_by.append(weights)
             self.generation_tokens += 1
             if top is not None:
                 alternatives = dict(zip(top.indices[i].tolist(), top.values[i].tolist()))
@@ -182,7 +206,10 @@ class ModelGenerator:
         params = self.model.state_dict()
         for name, tensor in tensors.items():
             params[name].copy_(tensor.to(params[name].dtype))
-        self.weights_version += 1
+        self.weights = self.weights.loaded()
+
+    def label(self, label: str) -> None:
+        self.weights = self.weights.labelled(label)
 
 
 @dataclass

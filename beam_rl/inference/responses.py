@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 from tokenizers.decoders import DecodeStream
 
-from beam_rl.inference.generator import ChoiceResult, GenerationParams
+from beam_rl.inference.generator import ChoiceResult, GenerationParams, Weights
 from beam_rl.inference.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 
@@ -106,42 +106,15 @@ def completion_body(
     }
 
 
-class WeightLabels:
-    """vLLM's weight version label: what `/weight_info` reports, `/update_weight_version` sets, and each
-    `weight_versions` span of a generate answer names. The backends count loads instead (every token's
-    `weights_version`); a label names the weights loaded when it was set and those loaded after, until
-    the next. vLLM labels a token by the label set when it was sampled: the two agree whenever a label is
-    set after its load while generation is paused, which is when beam-rl's client sets the labels whose
-    spans it reads."""
-
-    def __init__(self) -> None:
-        self._by_load: list[tuple[int, str]] = [(0, "default")]  # (loads when set, label), in order
-
-    @property
-    def current(self) -> str:
-        return self._by_load[-1][1]
-
-    def set(self, loads: int, label: str) -> None:
-        if self._by_load[-1][0] == loads:
-            self._by_load.pop()
-        self._by_load.append((loads, label))
-
-    def of(self, loads: int) -> str:
-        return next(label for set_at, label in reversed(self._by_load) if set_at <= loads)
-
-    def spans(self, versions: list[int]) -> list[dict[str, Any]]:
-        """vLLM's `weight_versions` of a choice: [start, end) runs of output tokens under one label."""
-        spans: list[dict[str, Any]] = []
-        start = 0
-        for loads, run in itertools.groupby(versions):
-            end = start + sum(1 for _ in run)
-            label = self.of(loads)
-            if spans and spans[-1]["version"] == label:
-                spans[-1]["end"] = end
-            else:
-                spans.append({"version": label, "start": start, "end": end})
-            start = end
-        return spans
+def label_spans(sampled_by: list[Weights]) -> list[dict[str, Any]]:
+    """vLLM's `weight_versions` of a choice: [start, end) runs of output tokens under one label."""
+    spans: list[dict[str, Any]] = []
+    start = 0
+    for label, run in itertools.groupby(w.label for w in sampled_by):
+        end = start + sum(1 for _ in run)
+        spans.append({"version": label, "start": start, "end": end})
+        start = end
+    return spans
 
 
 class _ChoiceStream:
@@ -226,7 +199,7 @@ class CompletionStream(_ChoiceStream):
         return body
 
 
-def _generate_choice(choice: ChoiceResult, params: GenerationParams, request: GenerateRequest, labels: WeightLabels,
+def _generate_choice(choice: ChoiceResult, params: GenerationParams, request: GenerateRequest,
                      index: int, start: int, end: int, finish_reason: str | None) -> dict[str, Any]:
     """One choice of a generate answer or chunk: tokens [start, end), and the labels' spans once it ends."""
     logprobs = None
@@ -239,14 +212,14 @@ def _generate_choice(choice: ChoiceResult, params: GenerationParams, request: Ge
         "stop_reason": _stop_reason(choice, params) if finish_reason else None,
         "token_ids": choice.token_ids[start:end],
         "logprobs": logprobs,
-        "weight_versions": labels.spans(choice.weight_versions) if finish_reason else None,  # vLLM: final chunk only
+        "weight_versions": label_spans(choice.sampled_by) if finish_reason else None,  # vLLM: final chunk only
     }
     if request.return_weight_versions:
         body["token_weight_versions"] = choice.weight_versions[start:end]
     return body
 
 
-def generate_body(labels: WeightLabels, texts: TokenTexts, model_name: str, params: GenerationParams,
+def generate_body(texts: TokenTexts, model_name: str, params: GenerationParams,
                   request: GenerateRequest, choices: list[ChoiceResult]) -> dict[str, Any]:
     """vLLM's `GenerateTokensResponse` (output_mode "tokens")."""
     return {
@@ -254,7 +227,7 @@ def generate_body(labels: WeightLabels, texts: TokenTexts, model_name: str, para
         "model": model_name,
         "created": int(time.time()),
         "output_mode": "tokens",
-        "choices": [_generate_choice(c, params, request, labels, i, 0, len(c.token_ids), c.finish_reason)
+        "choices": [_generate_choice(c, params, request, i, 0, len(c.token_ids), c.finish_reason)
                     for i, c in enumerate(choices)],
         "usage": _usage(len(params.prompt_ids), sum(len(c.token_ids) for c in choices)),
     }
@@ -263,13 +236,13 @@ def generate_body(labels: WeightLabels, texts: TokenTexts, model_name: str, para
 class GenerateStream(_ChoiceStream):
     """A streamed generate answer, as vLLM's `serve_tokens_stream_generator` writes it."""
 
-    def __init__(self, labels: WeightLabels, params: GenerationParams, request: GenerateRequest) -> None:
+    def __init__(self, params: GenerationParams, request: GenerateRequest) -> None:
         super().__init__(params, request.stream_options)
-        self.labels, self.request = labels, request
+        self.request = request
         self._head = {"request_id": uuid.uuid4().hex, "output_mode": "tokens"}
 
     def _choice(self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None) -> dict[str, Any]:
-        return _generate_choice(choice, self.params, self.request, self.labels, index, start, end, finish_reason)
+        return _generate_choice(choice, self.params, self.request, index, start, end, finish_reason)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import gc
 import os
 import pathlib
@@ -34,7 +33,7 @@ from beam_rl.inference.launch import start_subprocess_server
 from beam_rl.inference.metrics import ServerMetrics
 from beam_rl.inference.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
                                        SamplingRequest)
-from beam_rl.inference.responses import (CompletionStream, GenerateStream, TokenTexts, WeightLabels, chat_body,
+from beam_rl.inference.responses import (CompletionStream, GenerateStream, TokenTexts, chat_body,
                                         completion_body, dumps, generate_body)
 from beam_rl.inference.security import api_key_middleware, server_ssl_context
 from beam_rl.inference.simulated import SimulatedEngine, SimulatedParams, add_simulated_args, simulated_params_from_args
@@ -102,9 +101,6 @@ class EmbeddedServer:
         self._middlewares = [api_key_middleware(keys)] if keys else []
         self._ssl = server_ssl_context(str(ssl_certfile), ssl_keyfile and str(ssl_keyfile)) if ssl_certfile else None
         self._metrics_collector = ServerMetrics(self)
-        # What /weight_info reports and generate answers' spans name: a label the client sets at each update,
-        # "default" until then, as in vLLM (the backend's weights_version counts the loads instead).
-        self.weight_labels = WeightLabels()
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -261,11 +257,10 @@ class EmbeddedServer:
         except RequestError as exc:
             return web.json_response(exc.body(), status=exc.status)
         if body.stream:
-            stream = GenerateStream(self.weight_labels, params, body)
+            stream = GenerateStream(params, body)
             return await self._answer(request, params, lambda source: self._send_events(request, stream, source),
                                       progress=True)
-        build = functools.partial(generate_body, self.weight_labels)
-        return await self._answer(request, params, self._whole(params, body, build), progress=False)
+        return await self._answer(request, params, self._whole(params, body, generate_body), progress=False)
 
     async def _answer(
         self, request: web.Request, params: GenerationParams,
@@ -295,7 +290,7 @@ class EmbeddedServer:
         elif self.faults.config.replies:
             replies = [self.faults.next_reply() for _ in range(params.n)]
             await asyncio.sleep(max(r.latency_s for r in replies) + self.faults.config.latency_s)
-            yield [scripted_choice(r, self.tokenizer, params, self.backend.weights_version) for r in replies]
+            yield [scripted_choice(r, self.tokenizer, params, self.backend.weights) for r in replies]
         else:
             async for choices in self.backend.generate(params, progress=progress):
                 yield choices
@@ -406,11 +401,11 @@ class EmbeddedServer:
             return _error_response(400, 'expected {"new_version": "..."}', "BadRequestError")
         if not isinstance(new_version, str):
             return _error_response(400, "new_version must be a string", "BadRequestError")
-        self.weight_labels.set(self.backend.weights_version, new_version)
+        await self.backend.label_weights(new_version)
         return web.json_response({"success": True, "new_version": new_version})
 
     async def _weight_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_labels.current})
+        return web.json_response({"weight_version": self.backend.weights.label})
 
     async def _pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")

@@ -39,7 +39,7 @@ import numpy as np
 
 from beam_rl.inference.backend import IntervalClock, PauseGate
 from beam_rl.inference.faults import FaultConfig, FaultInjector
-from beam_rl.inference.generator import ChoiceResult, GenerationParams, WeightsError
+from beam_rl.inference.generator import ChoiceResult, GenerationParams, Weights, WeightsError
 from beam_rl.inference.metrics import KV_BLOCK_SIZE
 
 
@@ -169,9 +169,9 @@ class SimulatedEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.steps = 0
-        self.weights_version = 0
+        self.weights = Weights()
         self.kv_capacity_blocks = max(1, params.prefix_cache_blocks)
-        self._versions = [(0, 0)]  # (first step, weights version) at every reload
+        self._weights_from = [(0, self.weights)]  # (first step, weights) at every load and label
         self._allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64))
         self._gate = gate or PauseGate()
         self._faults = faults or FaultInjector(FaultConfig())
@@ -287,18 +287,23 @@ class SimulatedEngine:
             return 0
         return min(sequence.length, self.steps - sequence.admitted_step)
 
-    def _versions_of(self, first_step: int, count: int) -> list[int]:
-        """The weights version of each of `count` engine steps from `first_step` on."""
-        if len(self._versions) == 1:
-            return [self.weights_version] * count  # never reloaded: the common case, kept cheap
-        span = bisect.bisect_right(self._versions, (first_step, math.inf)) - 1
-        versions: list[int] = []
+    def _weights_of(self, first_step: int, count: int) -> list[Weights]:
+        """The weights of each of `count` engine steps from `first_step` on."""
+        changes = self._weights_from
+        if len(changes) == 1:
+            return [self.weights] * count  # never loaded nor labelled: the common case, kept cheap
+        span = bisect.bisect_right(changes, first_step, key=lambda change: change[0]) - 1
+        weights: list[Weights] = []
         step, end = first_step, first_step + count
         while step < end:
-            upto = min(end, self._versions[span + 1][0]) if span + 1 < len(self._versions) else end
-            versions += [self._versions[span][1]] * (upto - step)
+            upto = min(end, changes[span + 1][0]) if span + 1 < len(changes) else end
+            weights += [changes[span][1]] * (upto - step)
             step, span = upto, span + 1
-        return versions
+        return weights
+
+    @property
+    def weights_version(self) -> int:
+        return self.weights.loads
 
     def _set_choice(self, sequence: _Sequence, count: int, finish_reason: str | None) -> None:
         """Extend the sequence's choice to its first `count` tokens (never fewer than it has)."""
@@ -313,7 +318,7 @@ class SimulatedEngine:
                 new_ids, new_logprobs = ids[have:count], logprobs[have:count]
                 choice.token_ids += new_ids
                 choice.logprobs += new_logprobs
-            choice.weight_versions += self._versions_of(sequence.admitted_step + have, count - have)
+            choice.sampled_by += self._weights_of(sequence.admitted_step + have, count - have)
             if sequence.request.params.top_logprobs:
                 choice.top_logprobs += [{t: lp} for t, lp in zip(new_ids, new_logprobs)]
         choice.finish_reason = finish_reason
@@ -366,11 +371,16 @@ class SimulatedEngine:
         if not any(pathlib.Path(weights_path).glob("*.safetensors")):
             raise WeightsError(f"no *.safetensors files in {weights_path}")
 
-        def bump() -> None:
-            self.weights_version += 1
-            self._versions.append((self.steps, self.weights_version))
+        await self._at_step_boundary(lambda: self._change_weights(self.weights.loaded()))
 
-        await self._at_step_boundary(bump)
+    async def label_weights(self, label: str) -> None:
+        await self._at_step_boundary(lambda: self._change_weights(self.weights.labelled(label)))
+
+    def _change_weights(self, weights: Weights) -> None:
+        self.weights = weights
+        if self._weights_from[-1][0] == self.steps:
+            self._weights_from.pop()  # changed again before a step sampled with it
+        self._weights_from.append((self.steps, weights))
 
     async def _at_step_boundary(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` between two engine steps (now, if none is in flight)."""

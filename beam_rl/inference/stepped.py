@@ -18,7 +18,8 @@ import torch
 from beam_rl.inference.admission import Aborted, Admission
 from beam_rl.inference.backend import PauseGate
 from beam_rl.inference.faults import FaultInjector
-from beam_rl.inference.generator import ChoiceResult, GenerationParams, InstantGenerator, ModelGenerator, WeightsError
+from beam_rl.inference.generator import (ChoiceResult, GenerationParams, InstantGenerator, ModelGenerator, Weights,
+                                         WeightsError)
 from beam_rl.inference.metrics import KV_BLOCK_SIZE, PrefixCache, kv_cache_usage
 
 
@@ -39,7 +40,11 @@ class _Live:
 class _SteppedBackend:
     """What the model and instant backends share; subclasses start a request and take its steps."""
 
-    weights_version: int
+    weights: Weights
+
+    @property
+    def weights_version(self) -> int:
+        return self.weights.loads
 
     def __init__(self, vocab_size: int, max_model_len: int, max_num_seqs: int, gate: PauseGate,
                  faults: FaultInjector, kv_cache_tokens: int) -> None:
@@ -158,8 +163,8 @@ class ModelBackend(_SteppedBackend):
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     @property
-    def weights_version(self) -> int:  # type: ignore[override]
-        return self.generator.weights_version
+    def weights(self) -> Weights:  # type: ignore[override]
+        return self.generator.weights
 
     @property
     def generation_tokens(self) -> int:
@@ -183,6 +188,9 @@ class ModelBackend(_SteppedBackend):
         # Read and check off the model thread, so decoding goes on while a checkpoint loads.
         tensors = await asyncio.to_thread(self._check_weights, weights_path)
         await self._on_model_thread(self.generator.load_weights, tensors)
+
+    async def label_weights(self, label: str) -> None:
+        await self._on_model_thread(self.generator.label, label)
 
     def _check_weights(self, weights_path: str) -> dict[str, torch.Tensor]:
         try:
@@ -214,7 +222,7 @@ class InstantBackend(_SteppedBackend):
                  faults: FaultInjector, kv_cache_tokens: int) -> None:
         self.generator = InstantGenerator(vocab_size, special_ids)
         super().__init__(vocab_size, self.generator.max_model_len, max_num_seqs, gate, faults, kv_cache_tokens)
-        self.weights_version = 0
+        self.weights = Weights()
         self.generation_tokens = 0
 
     def _start(self, params: GenerationParams) -> _InstantState:
@@ -234,7 +242,7 @@ class InstantBackend(_SteppedBackend):
             choice.token_ids += planned.token_ids[start:end]
             choice.logprobs += planned.logprobs[start:end]
             choice.top_logprobs += planned.top_logprobs[start:end]
-            choice.weight_versions += [self.weights_version] * (end - start)
+            choice.sampled_by += [self.weights] * (end - start)
             self.generation_tokens += end - start
             if end >= len(planned.token_ids):
                 choice.finish_reason = planned.finish_reason
@@ -246,4 +254,7 @@ class InstantBackend(_SteppedBackend):
         # No model to check shapes against; still refuse a path with no weights.
         if not any(pathlib.Path(weights_path).glob("*.safetensors")):
             raise WeightsError(f"no *.safetensors files in {weights_path}")
-        self.weights_version += 1
+        self.weights = self.weights.loaded()
+
+    async def label_weights(self, label: str) -> None:
+        self.weights = self.weights.labelled(label)  # steps run on this loop: between two of them
