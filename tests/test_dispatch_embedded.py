@@ -393,7 +393,7 @@ def test_a_server_down_during_an_update_is_left_out_and_takes_the_newest_weights
         while not thread.dispatcher.pool.servers[0].healthy:
             assert time.monotonic() < deadline, "the restarted server was never used again"
             time.sleep(0.05)
-        assert back.backend.weights_version == 1
+        assert back.backend.weights.loads == 1
         rollouts = run_groups(thread, group_requests(env, 8, 4))
 
     assert all(r.ok for r in rollouts) and {r.server for r in rollouts} == {back.url, up.url}
@@ -416,9 +416,9 @@ def test_a_server_restarted_between_updates_is_found_and_loads_the_newest_weight
         port = first.port
         first.stop()
         back = start_server(mode="simulated", port=port, faults=FaultConfig(step_delay_s=0.005))
-        assert back.backend.weights_version == 0
+        assert back.backend.weights.loads == 0
         deadline = time.monotonic() + 30
-        while back.backend.weights_version != 1:
+        while back.backend.weights.loads != 1:
             assert time.monotonic() < deadline, "the restarted server never loaded the newest weights"
             time.sleep(0.05)
         rollouts = run_groups(thread, group_requests(env, 8, 4))
@@ -448,7 +448,7 @@ def test_a_server_restarted_under_load_runs_nothing_on_its_initial_weights(start
         back = start_server(mode="simulated", port=port, faults=slow)
         rollouts = run_groups(thread, requests[4:], expected_before=16,
                               started_again=lambda c: c["redone_on_restart"])
-        assert back.backend.weights_version == 1
+        assert back.backend.weights.loads == 1
 
     assert all(r.ok for r in rollouts) and back.url in {r.server for r in rollouts}
     truth = [served[id(t.policy_versions)] for r in rollouts for t in r.turns]
@@ -481,4 +481,4 @@ def test_rollouts_a_restarted_server_ran_on_its_initial_weights_start_again(star
     assert all(set(t.policy_versions) == {1} for r in rollouts for t in r.turns)
     redone = sum(r.discarded_tokens["server_failure"] for r in rollouts)
     assert counters["redone_on_restart"] > 0 and redone > 0, (counters, redone)
-    assert first.backend.weights_version == 2  # loaded again when found
+    assert first.backend.weights.loads == 2  # loaded again when found

@@ -124,7 +124,7 @@ def test_each_token_carries_the_weights_version_of_its_step(tmp_path):
                 await engine.load_weights(str(tmp_path))
                 reloaded_after.append(engine.generation_tokens)
         await engine.aclose()
-        return choices[0].weight_versions, reloaded_after, engine.weights_version
+        return choices[0].weight_versions, reloaded_after, engine.weights.loads
 
     versions, reloaded_after, final = asyncio.run(main())
     first, second = versions.count(0), versions.count(1)

@@ -113,11 +113,6 @@ class Backend(Protocol):
         ...
 
     @property
-    def weights_version(self) -> int:
-        """Successful `load_weights` so far: `weights.loads`."""
-        ...
-
-    @property
     def running(self) -> int: ...
 
     @property

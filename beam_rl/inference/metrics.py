@@ -84,7 +84,7 @@ class ServerMetrics:
         yield family(gauge, "beam_rl:max_concurrent_requests", "Most sequences running at once.", b.max_running)
         yield family(counter, "beam_rl:requests", "Completion requests received.", s.requests_total)
         yield family(counter, "beam_rl:busy_seconds", "Seconds with at least one sequence running.", b.busy_seconds)
-        yield family(gauge, "beam_rl:weights_version", "Successful weight reloads so far.", b.weights_version)
+        yield family(gauge, "beam_rl:weights_version", "Successful weight reloads so far.", b.weights.loads)
         yield family(gauge, "beam_rl:paused", "1 while paused.", float(s.gate.state != PauseState.UNPAUSED))
         yield family(counter, "beam_rl:paused_seconds", "Seconds paused, from the pause call to the resume call.",
                      s.gate.paused_seconds)

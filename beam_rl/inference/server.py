@@ -372,7 +372,7 @@ class EmbeddedServer:
             "owned_by": "vllm",
             "root": str(self.model_dir) if self.model_dir else None,
             "max_model_len": self.backend.max_model_len,
-            "weights_version": self.backend.weights_version,
+            "weights_version": self.backend.weights.loads,
         }
         return web.json_response({"object": "list", "data": [card]})
 
@@ -392,7 +392,7 @@ class EmbeddedServer:
             await self.backend.load_weights(weights_path)
         except WeightsError as exc:
             return _error_response(400, str(exc), "BadRequestError")
-        return web.json_response({"results": [{"weights_version": self.backend.weights_version}]})
+        return web.json_response({"results": [{"weights_version": self.backend.weights.loads}]})
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:
         try:

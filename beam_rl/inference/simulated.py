@@ -301,10 +301,6 @@ class SimulatedEngine:
             step, span = upto, span + 1
         return weights
 
-    @property
-    def weights_version(self) -> int:
-        return self.weights.loads
-
     def _set_choice(self, sequence: _Sequence, count: int, finish_reason: str | None) -> None:
         """Extend the sequence's choice to its first `count` tokens (never fewer than it has)."""
         choice = sequence.request.choices[sequence.index]

@@ -42,10 +42,6 @@ class _SteppedBackend:
 
     weights: Weights
 
-    @property
-    def weights_version(self) -> int:
-        return self.weights.loads
-
     def __init__(self, vocab_size: int, max_model_len: int, max_num_seqs: int, gate: PauseGate,
                  faults: FaultInjector, kv_cache_tokens: int) -> None:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
