@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import inspect
 import math
 import numbers
-import threading
-import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 from beam_rl.config import RewardSection, RunConfig
 from beam_rl.envs.base import Environment, RewardUnavailable, Trajectory
 from beam_rl.envs.plugins import PluginFailure
 from beam_rl.judge import Judge, JudgeError
+from beam_rl.loop_thread import CLOSE_TIMEOUT_S, LoopThread
 from beam_rl.types import Rollout, RolloutStatus
-
-_CLOSE_TIMEOUT_S = 5.0
 
 
 class RewardFailed(RuntimeError):
@@ -35,65 +31,19 @@ def mark_reward_error(rollout: Rollout, reason: str) -> None:
     rollout.reward = 0.0
 
 
-class RewardLoop:
-    """An asyncio event loop on a daemon thread, where a worker process's async rewards run, with the
-    permits that bound each environment's concurrency. Stopped by `close`, once nothing holds it, or at
-    interpreter exit (a cancelled job's workers may never tear their DoFns down), after its closers ran."""
+class RewardLoop(LoopThread):
+    """The loop where a worker process's async rewards run, with the permits that bound each environment's
+    concurrency."""
 
     def __init__(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="beam-rl-rewards", daemon=True)
-        self._thread.start()
+        super().__init__("beam-rl-rewards")
         self._permits: dict[str, asyncio.Semaphore] = {}  # touched only on the loop's thread
-        self._closers: list[Callable[[], Awaitable[None]]] = []
-        self._finalizer = weakref.finalize(self, _stop_loop, self._loop, self._thread, self._closers)
-
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def permits(self, name: str, size: int) -> asyncio.Semaphore:
         """The permits of environment `name` (made with `size` on first use); call it on the loop."""
         if name not in self._permits:
             self._permits[name] = asyncio.Semaphore(size)
         return self._permits[name]
-
-    def at_close(self, closer: Callable[[], Awaitable[None]]) -> None:
-        """Await `closer()` on the loop before it stops (what holds connections: a judge's HTTP session)."""
-        self._closers.append(closer)
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
-    def close(self) -> None:
-        self._finalizer()
-
-    def __enter__(self) -> RewardLoop:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread,
-               closers: list[Callable[[], Awaitable[None]]]) -> None:
-    if loop.is_closed():
-        return
-    on_loop_thread = thread is threading.current_thread()
-    for closer in closers:
-        done = asyncio.run_coroutine_threadsafe(_awaited(closer()), loop)
-        if not on_loop_thread:
-            with contextlib.suppress(Exception):
-                done.result(timeout=_CLOSE_TIMEOUT_S)
-    loop.call_soon_threadsafe(loop.stop)
-    if not on_loop_thread:
-        thread.join(timeout=_CLOSE_TIMEOUT_S)
-    if not thread.is_alive():
-        loop.close()
-
-
-async def _awaited(pending: Awaitable[None]) -> None:
-    await pending
 
 
 class EnvReward:
@@ -216,7 +166,7 @@ class Rewarder:
         """Close the judges' HTTP sessions (on the loop they were used on)."""
         for reward in self.rewards.values():
             if reward.judge is not None and not self.loop.closed:
-                self.loop.submit(reward.judge.aclose()).result(timeout=_CLOSE_TIMEOUT_S)
+                self.loop.submit(reward.judge.aclose()).result(timeout=CLOSE_TIMEOUT_S)
 
 
 def _failure(reward: EnvReward, rollout: Rollout, exc: Exception) -> Exception:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -525,3 +526,40 @@ def test_a_load_refused_on_the_generate_route_gives_the_old_weights_their_label_
         assert server.backend.weights.loads == 1
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(("route", "held"), [("generate", False), ("completions", True)])
+def test_on_the_generate_route_a_busy_requests_loop_does_not_hold_the_server_paused(monkeypatch, route, held):
+    """The requests' loop stops for 0.5 s just after the pause is answered (as when hundreds of streams end
+    at once). On the generate route the pause, load, label and resume run on a loop of their own, so the
+    server is paused for a moment; on the completions route the pause waits for the drain on that loop."""
+    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.tinymodel import tiny_model_dir
+
+    server = EmbeddedServer(tiny_model_dir(), mode="instant")
+    server.start()
+    pause = InferenceClient.pause
+
+    async def pause_then_stall_the_requests_loop(self: InferenceClient, mode: str = "keep") -> None:
+        await pause(self, mode)
+        requests_loop.call_soon_threadsafe(time.sleep, 0.5)
+
+    monkeypatch.setattr(InferenceClient, "pause", pause_then_stall_the_requests_loop)
+
+    async def main() -> None:
+        nonlocal requests_loop
+        requests_loop = asyncio.get_running_loop()
+        async with InferenceClient(server.url, route=route) as client:
+            await client.update_weights(tiny_model_dir(), 1, "keep")
+            assert await client.weight_version() == "1"
+            (choice,) = await client.complete([5, 6, 7], SamplingParams(max_tokens=4))
+            assert choice.policy_versions == [1] * 4
+
+    requests_loop: asyncio.AbstractEventLoop | None = None
+    try:
+        asyncio.run(main())
+        assert server.backend.weights.loads == 1
+        paused_s = server.gate.paused_seconds
+    finally:
+        server.stop()
+    assert (paused_s >= 0.5) == held, paused_s

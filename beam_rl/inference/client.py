@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.envs.base import Completion, SamplingParams
 from beam_rl.inference.inflight import ABORT, UNKNOWN_VERSION, LiveRequest, Progress, UpdateTiming, copy_completion
+from beam_rl.loop_thread import LoopThread
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +259,10 @@ class InferenceClient:
             ssl.create_default_context(cafile=str(ca_bundle)) if ca_bundle is not None else None)
         # aiohttp rather than httpx: with hundreds of requests in flight, httpx's pool bookkeeping
         # (linear in open connections per request) was most of the dispatcher's CPU (bench/README.md).
-        self._session: aiohttp.ClientSession | None = None  # made on first use, on the loop using it
+        # One per event loop that talks to the server (made on first use, on that loop): the requests' loop,
+        # and the loop of its own a paused update runs on (`_paused_update`).
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._pause_loop: LoopThread | None = None
         self._live: set[LiveRequest] = set()
         self._update_lock: asyncio.Lock | None = None
         # Set once the keep/continue update holding the server is over; None when there is none. No request
@@ -467,13 +471,18 @@ class InferenceClient:
             raise ValueError(f"update mode must be reload, keep or continue, not {mode!r}")
         async with self._update_lock:
             self._labelled = None
-            if mode == "reload":
-                timing = await self._reload_while_running(path, version, timeout_s)
-            else:
-                timing = await self._paused_update(path, version, mode, drain_quiet_s, timeout_s)
-            if self._labelled != version:
-                await self._label_weights(version)  # after the resume: the engine need not wait for it
-            return timing
+            try:
+                if mode == "reload":
+                    timing = await self._reload_while_running(path, version, timeout_s)
+                else:
+                    timing = await self._paused_update(path, version, mode, drain_quiet_s, timeout_s)
+                if self._labelled != version:
+                    await self._label_weights(version)  # after the resume: the engine need not wait for it
+                return timing
+            finally:
+                if not self._labels_supported:
+                    for request in self._live:
+                        request.label_version = None  # its spans name none of our versions
 
     async def _reload_while_running(self, path: str | Path, version: int, timeout_s: float | None) -> UpdateTiming:
         # Nothing marks the step at which the server switched: a token arriving from now on may come from
@@ -492,30 +501,46 @@ class InferenceClient:
     async def _paused_update(self, path: str | Path, version: int, mode: str, drain_quiet_s: float,
                              timeout_s: float | None) -> UpdateTiming:
         self._update_over = asyncio.Event()
-        started = time.monotonic()
-        reload_s = 0.0
-        # On the generate route the server labels every token with the label current when it was sampled:
-        # set while nothing samples, it moves exactly with the load, and then no stream need drain.
-        label_in_pause = self.route == "generate" and self._labels_supported
         try:
             if mode == "continue":
                 for request in self._live:
-                    request.aborted_by_us = True
-                await self.pause("abort")  # each running request ends with its tokens so far
+                    request.aborted_by_us = True  # the pause ends each running request with its tokens so far
             else:
                 for request in self._live:
                     if not request.streamed and request.label_version is None:
                         request.version = UNKNOWN_VERSION  # its tokens arrive all at once: no boundary to see
-                await self.pause("keep")
+            pause_mode = "abort" if mode == "continue" else "keep"
+            # On the generate route the server labels every token with the label current when it was sampled:
+            # set while nothing samples, it moves exactly with the load. Then no stream need drain and nothing
+            # in the pause waits for this loop, which runs every request's stream (an abort pause or a dead
+            # server's requests can keep it busy for 0.1-0.6 s): the pause runs on a loop of its own.
+            if self.route == "generate" and self._labels_supported:
+                for request in self._live:
+                    request.version = UNKNOWN_VERSION  # from either side of the pause, until its spans say
+                paused_s, reload_s = await asyncio.wrap_future(self._paused_loop().submit(
+                    self._pause_load_and_label(path, version, pause_mode, timeout_s)))
+                self.version = version
+            else:
+                paused_s, reload_s = await self._pause_load_and_drain(path, version, pause_mode, drain_quiet_s,
+                                                                      timeout_s)
+        finally:
+            self._update_over.set()
+            self._update_over = None
+        return UpdateTiming(self.base_url, mode, version, paused_s, reload_s)
+
+    async def _pause_load_and_drain(self, path: str | Path, version: int, pause_mode: str, drain_quiet_s: float,
+                                    timeout_s: float | None) -> tuple[float, float]:
+        """Pause, load, and in keep mode wait until the streams have received what was sampled before the
+        pause; then stamp what requests in flight receive next (the new version's, or unknown), and resume.
+        Returns the seconds from the pause call to the resume's answer, and the load's."""
+        started = time.monotonic()
+        try:
+            await self.pause(pause_mode)
             # Frozen from the pause on, the engine samples nothing: what still arrives during the load was
             # sampled before it, so the streams drain while the weights load, not after.
-            draining = (asyncio.ensure_future(self._drain(drain_quiet_s))
-                        if mode == "keep" and not label_in_pause else None)
+            draining = asyncio.ensure_future(self._drain(drain_quiet_s)) if pause_mode == "keep" else None
             try:
-                if label_in_pause:
-                    reload_s = await self._load_and_label(path, version, timeout_s)
-                else:
-                    reload_s = await self._timed_reload(path, timeout_s)
+                reload_s = await self._timed_reload(path, timeout_s)
                 if draining is not None:
                     await draining
             finally:
@@ -526,12 +551,26 @@ class InferenceClient:
             for request in self._live:
                 request.version = self._version_after_update(request, drained=draining is not None)
         finally:
-            try:
-                await self.resume()
-            finally:
-                self._update_over.set()
-                self._update_over = None
-        return UpdateTiming(self.base_url, mode, version, time.monotonic() - started, reload_s)
+            await self.resume()
+        return time.monotonic() - started, reload_s
+
+    async def _pause_load_and_label(self, path: str | Path, version: int, pause_mode: str,
+                                    timeout_s: float | None) -> tuple[float, float]:
+        """On the pause's own loop: pause, load and label, resume. It touches no request: their versions come
+        from the server's spans. Returns the seconds from the pause call to the resume's answer, and the load's."""
+        started = time.monotonic()
+        try:
+            await self.pause(pause_mode)
+            reload_s = await self._load_and_label(path, version, timeout_s)
+        finally:
+            await self.resume()
+        return time.monotonic() - started, reload_s
+
+    def _paused_loop(self) -> LoopThread:
+        if self._pause_loop is None:
+            self._pause_loop = LoopThread(f"beam-rl-pause {self.base_url}")
+            self._pause_loop.at_close(self._close_session)
+        return self._pause_loop
 
     def _version_after_update(self, request: LiveRequest, drained: bool) -> int:
         """The version to stamp on what a request in flight across a keep or continue update receives next."""
@@ -603,8 +642,6 @@ class InferenceClient:
             if exc.status not in (404, 405):
                 raise
             self._labels_supported = False  # a server without vLLM's RL routes: restarts go unnoticed
-            for request in self._live:
-                request.label_version = None  # its spans name none of our versions
             log.warning("%s has no /update_weight_version: a restart between updates will not be noticed",
                         self.base_url)
             return
@@ -668,9 +705,16 @@ class InferenceClient:
                             timeout_s=min(self.timeout_s, 30.0))
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pause_loop is not None:
+            self._pause_loop.close()  # closes its session first
+            self._pause_loop = None
+        await self._close_session()
+
+    async def _close_session(self) -> None:
+        """Close the session of the loop this runs on."""
+        session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.close()
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -704,15 +748,16 @@ class InferenceClient:
         return ceiling / 2 + random.uniform(0, ceiling / 2)
 
     def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
+        loop = asyncio.get_running_loop()
+        if loop not in self._sessions:
+            self._sessions[loop] = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
                                                ssl=self._ssl if self._ssl is not None else True),
                 json_serialize=lambda obj: orjson.dumps(obj).decode(),
                 # A stream's lines are read whole; an aborted choice may send many tokens in one chunk.
                 read_bufsize=1 << 20,
             )
-        return self._session
+        return self._sessions[loop]
 
     async def _send_once(
         self, method: str, path: str, timeout_s: float, json: Any = None, params: dict[str, str] | None = None
