@@ -133,8 +133,9 @@ class Fleet:
 class Chaos(threading.Thread):
     """Kills one server (SIGKILL, round robin) every `kill_every_sim_s` simulated seconds from the first
     dispatch and starts it again on the same port `down_sim_s` later. At each death: what the server had
-    sampled (its /metrics, read just before the kill, so slightly low) and what the dispatcher had received
-    from it (the status file, read just before the restart, once the dead server's requests have all failed)."""
+    sampled (its /metrics, read while a keep pause freezes it just before the kill) and what the dispatcher had
+    received from it (the status file, read just before the restart, once the dead server's requests have all
+    failed)."""
 
     def __init__(self, fleet: Fleet, run_dir: RunDir, size: dict[str, Any]) -> None:
         super().__init__(daemon=True)
@@ -169,15 +170,17 @@ class Chaos(threading.Thread):
             if not self.running.is_set():
                 continue
             url = self.fleet.urls[victim]
-            generated = int(_server_counter(url, "vllm:generation_tokens_total"))
             self.pauses_before_deaths.add(url)
+            # Frozen first, the engine samples nothing more: its count read now is what it generated in this
+            # life. (The freeze is no update's: the dispatcher does not see it, and the counters it adds die
+            # with the process.)
+            httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=5).raise_for_status()
+            generated = int(_server_counter(url, "vllm:generation_tokens_total"))
             scraped_at = time.time()
             self.fleet.kill(victim)
             killed_at = time.time()
             self.stop.wait(self.down_s)
             received = _tokens_received(self.run_dir).get(url, 0)
-            # Sampled between the scrape and the kill (at most a step or so) is in `returned`, not in
-            # `generated`: `unreturned` is low by that much, and can be slightly negative.
             self.deaths.append({"server": victim, "t": killed_at, "scrape_to_kill_s": round(killed_at - scraped_at, 5),
                                 "generated": generated,
                                 "returned": received - received_before[url],
