@@ -230,8 +230,10 @@ def test_weights_published_every_step_train_only_tokens_inside_the_bound(tmp_pat
     # queue past what the bound can train, so new weights make some stale while they generate.
     monkeypatch.setattr(admission, "staleness_at_training", lambda *_: 0)
     run_dir, updates, rows = _run_slow_servers_publishing_every_step(tmp_path, update_mode)
-    # WeightSync loads the newest weights: steps committed during an update (a loaded machine) are skipped.
-    assert len(updates) >= 3 and {s["mode"] for u in updates for s in u["servers"]} == {update_mode}
+    # WeightSync loads the newest weights, so steps committed during an update are skipped (on a loaded machine
+    # every other one). max_async_level = 1 holds admission two steps past the servers' weights, so a run of
+    # six steps needs at least two updates unless the first poll misses two steps.
+    assert len(updates) >= 2 and {s["mode"] for u in updates for s in u["servers"]} == {update_mode}
     # Regenerated or kept, never cancelled as stale: a cancelled rollout is one the run's end stopped.
     assert not [r for r in rows if r["status"] == "cancelled" and r["discarded_tokens"]["stale"]]
     for step in run_dir.committed_steps():
@@ -256,7 +258,7 @@ def test_admission_inside_the_bound_generates_nothing_too_stale_to_train(tmp_pat
     fates = collections.Counter()
     for step in run_dir.committed_steps():
         fates.update(run_dir.read_commit(step).window.tokens_by_fate)
-    assert len(updates) >= 3 and fates["trained"] > 0 and fates["stale"] == 0, fates
+    assert len(updates) >= 2 and fates["trained"] > 0 and fates["stale"] == 0, fates
 
 
 def test_the_jobs_own_counters_come_from_the_runner(servers, tmp_path):
