@@ -232,7 +232,8 @@ def test_a_run_whose_trainer_publishes_every_step_trains_only_tokens_inside_the_
         "filters": {"zero_advantage": {"mode": "monitor"}},
     })
     run_dir, updates = run_publishing_every_step(config, [vllm.url])
-    assert len(updates) >= 3 and all(s["mode"] == update_mode for u in updates for s in u["servers"])
+    # Two at least: the reasons are in tests/test_pipeline.py's run publishing every step.
+    assert len(updates) >= 2 and all(s["mode"] == update_mode for u in updates for s in u["servers"])
     rows = [r for step in run_dir.committed_steps() for r in run_dir.read_window(step).to_pylist()]
     assert rows and all(r["status"] == "ok" for r in rows)
     for step in run_dir.committed_steps():
