@@ -528,11 +528,16 @@ def test_a_load_refused_on_the_generate_route_gives_the_old_weights_their_label_
         server.stop()
 
 
-@pytest.mark.parametrize(("route", "held"), [("generate", False), ("completions", True)])
-def test_on_the_generate_route_a_busy_requests_loop_does_not_hold_the_server_paused(monkeypatch, route, held):
+@pytest.mark.parametrize(("route", "mode", "stream", "held"), [
+    ("generate", "keep", False, False), ("generate", "continue", False, False),
+    ("completions", "continue", True, False), ("completions", "continue", False, True),
+    ("completions", "keep", True, True)])
+def test_a_busy_requests_loop_holds_the_server_paused_only_to_read_what_came_before(monkeypatch, route, mode, stream,
+                                                                                   held):
     """The requests' loop stops for 0.5 s just after the pause is answered (as when hundreds of streams end
-    at once). On the generate route the pause, load, label and resume run on a loop of their own, so the
-    server is paused for a moment; on the completions route the pause waits for the drain on that loop."""
+    at once). The pause, the load and the resume run on a loop of their own, so the server is paused for a
+    moment. On the completions route, keep waits for the streams to drain on the requests' loop, and so
+    does continue for answers that are not streamed (docs/weight-updates.md, "Where the pause runs")."""
     from beam_rl.inference.server import EmbeddedServer
     from beam_rl.tinymodel import tiny_model_dir
 
@@ -549,8 +554,8 @@ def test_on_the_generate_route_a_busy_requests_loop_does_not_hold_the_server_pau
     async def main() -> None:
         nonlocal requests_loop
         requests_loop = asyncio.get_running_loop()
-        async with InferenceClient(server.url, route=route) as client:
-            await client.update_weights(tiny_model_dir(), 1, "keep")
+        async with InferenceClient(server.url, route=route, stream=stream) as client:
+            await client.update_weights(tiny_model_dir(), 1, mode)
             assert await client.weight_version() == "1"
             (choice,) = await client.complete([5, 6, 7], SamplingParams(max_tokens=4))
             assert choice.policy_versions == [1] * 4
@@ -563,3 +568,49 @@ def test_on_the_generate_route_a_busy_requests_loop_does_not_hold_the_server_pau
     finally:
         server.stop()
     assert (paused_s >= 0.5) == held, paused_s
+
+
+def test_tails_read_after_a_continue_update_keep_the_version_that_sampled_them(monkeypatch):
+    """A continue update while the requests' loop is busy: tokens sampled before the pause are read only after
+    the load, when what arrives may come from either side of it. A request the pause aborted, and one that
+    finished just before it (it had tokens before the resume), were sampled before: their tokens say so."""
+    from beam_rl.inference.faults import FaultConfig
+    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.tinymodel import tiny_model_dir
+    from tests.server_helpers import served_versions
+
+    server = EmbeddedServer(tiny_model_dir(), faults=FaultConfig(step_delay_s=0.02))
+    server.start()
+    pause = InferenceClient.pause
+
+    async def stall_the_requests_loop_then_pause(self: InferenceClient, mode: str = "keep") -> None:
+        requests_loop.call_soon_threadsafe(time.sleep, 0.8)
+        await asyncio.sleep(0.2)  # tokens pile up unread; the short request ends meanwhile
+        await pause(self, mode)
+
+    monkeypatch.setattr(InferenceClient, "pause", stall_the_requests_loop_then_pause)
+
+    async def main() -> list[tuple[list[int], list[int]]]:
+        nonlocal requests_loop
+        requests_loop = asyncio.get_running_loop()
+        long, short = Progress(), Progress()
+        async with InferenceClient(server.url, stream=True, extra_body={"return_weight_versions": True, "ignore_eos": True}) as client:
+            with served_versions() as served:
+                generating = [asyncio.ensure_future(client.complete(
+                    [5, 6, 7], SamplingParams(max_tokens=max_tokens), progress=progress))
+                    for max_tokens, progress in ((64, long), (6, short))]
+                while long.total < 2 or short.total < 2:
+                    await asyncio.sleep(0.005)
+                timing = await client.update_weights(tiny_model_dir(), 1, "continue")
+                choices = [choice for request in generating for choice in await request]
+        assert timing.paused_s < 0.6, timing  # the pause did not wait for the requests' loop
+        return [(c.policy_versions, served[id(c.policy_versions)]) for c in choices]
+
+    requests_loop: asyncio.AbstractEventLoop | None = None
+    try:
+        (long_recorded, long_truth), (short_recorded, short_truth) = asyncio.run(main())
+    finally:
+        server.stop()
+    assert long_truth.count(0) >= 4 and long_truth.count(1) > 0 and long_truth == sorted(long_truth), long_truth
+    assert short_truth == [0] * 6
+    assert (long_recorded, short_recorded) == (long_truth, short_truth)

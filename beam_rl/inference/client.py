@@ -10,6 +10,7 @@ completion that fails carries the tokens it had received (`partial`), so it can 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -17,6 +18,7 @@ import math
 import random
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -373,6 +375,7 @@ class InferenceClient:
             self.tokens_received += sum(len(c.token_ids) for c in request.choices) - before
         if not request.aborted_by_us:
             return set()
+        request.settle_aborted()
         return {t for t, c in zip(targets, request.choices) if c.finish_reason == ABORT}
 
     def _payload(self, prompt_ids: list[int], sampling: SamplingParams, n: int) -> dict[str, Any]:
@@ -502,66 +505,83 @@ class InferenceClient:
                              timeout_s: float | None) -> UpdateTiming:
         self._update_over = asyncio.Event()
         try:
-            if mode == "continue":
-                for request in self._live:
-                    request.aborted_by_us = True  # the pause ends each running request with its tokens so far
-            else:
-                for request in self._live:
-                    if not request.streamed and request.label_version is None:
-                        request.version = UNKNOWN_VERSION  # its tokens arrive all at once: no boundary to see
-            pause_mode = "abort" if mode == "continue" else "keep"
             # On the generate route the server labels every token with the label current when it was sampled:
-            # set while nothing samples, it moves exactly with the load. Then no stream need drain and nothing
-            # in the pause waits for this loop, which runs every request's stream (an abort pause or a dead
-            # server's requests can keep it busy for 0.1-0.6 s): the pause runs on a loop of its own.
-            if self.route == "generate" and self._labels_supported:
-                for request in self._live:
+            # set while nothing samples, it moves exactly with the load, so no stream need drain.
+            labelled = self.route == "generate" and self._labels_supported
+            for request in self._live:
+                request.updates_lived += 1
+                if mode == "continue":
+                    request.aborted_by_us = True  # the pause ends each running request with its tokens so far
+                if labelled:
                     request.version = UNKNOWN_VERSION  # from either side of the pause, until its spans say
-                paused_s, reload_s = await asyncio.wrap_future(self._paused_loop().submit(
-                    self._pause_load_and_label(path, version, pause_mode, timeout_s)))
-                self.version = version
-            else:
-                paused_s, reload_s = await self._pause_load_and_drain(path, version, pause_mode, drain_quiet_s,
-                                                                      timeout_s)
+                elif mode == "keep" and not request.streamed:
+                    request.version = UNKNOWN_VERSION  # its tokens arrive all at once: no boundary to see
+            paused_s, reload_s = await self._pause_elsewhere(path, version, mode, labelled, drain_quiet_s, timeout_s)
         finally:
             self._update_over.set()
             self._update_over = None
         return UpdateTiming(self.base_url, mode, version, paused_s, reload_s)
 
-    async def _pause_load_and_drain(self, path: str | Path, version: int, pause_mode: str, drain_quiet_s: float,
-                                    timeout_s: float | None) -> tuple[float, float]:
-        """Pause, load, and in keep mode wait until the streams have received what was sampled before the
-        pause; then stamp what requests in flight receive next (the new version's, or unknown), and resume.
+    async def _pause_elsewhere(self, path: str | Path, version: int, mode: str, labelled: bool, drain_quiet_s: float,
+                               timeout_s: float | None) -> tuple[float, float]:
+        """Run the pause, the load and the resume on a loop of their own. The loop this is called on runs every
+        request's stream and can be busy for a large part of a second (an abort pause, a dead server's
+        requests): a pause whose answers waited behind it would keep the server paused that long.
+
+        What requests in flight receive is stamped anew just before the resume. In keep mode that waits for
+        the streams to drain here (from the pause on, while the weights load). In continue mode a request
+        the pause cut, or one that had a token by then, is settled when it ends (`LiveRequest.settle_aborted`);
+        answers that are not streamed have no token before they end, so the resume waits for this loop to
+        read those waiting once the load is over. On the generate route the spans say which tokens came
+        before, and nothing waits for this loop."""
+        requests_loop = asyncio.get_running_loop()
+        drains = mode == "keep" and not labelled
+        paused, drained = asyncio.Event(), concurrent.futures.Future()
+        caught_up: Callable[[], concurrent.futures.Future] | None = None
+        if drains:
+            def caught_up() -> concurrent.futures.Future:
+                return drained
+        elif mode == "continue" and not labelled and not self.stream:
+            def caught_up() -> concurrent.futures.Future:
+                return asyncio.run_coroutine_threadsafe(asyncio.sleep(0), requests_loop)
+        work = asyncio.wrap_future(self._paused_loop().submit(self._pause_load_and_resume(
+            path, version, "abort" if mode == "continue" else "keep", labelled, timeout_s,
+            lambda: requests_loop.call_soon_threadsafe(paused.set), caught_up, streams_drained=drains)))
+        if not drains:
+            return await work
+        try:
+            waiting = asyncio.ensure_future(paused.wait())
+            await asyncio.wait([work, waiting], return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            if paused.is_set():
+                await self._drain(drain_quiet_s)
+        except BaseException:
+            drained.cancel()  # the resume goes out at once, with no request stamped anew
+            raise
+        drained.set_result(None)
+        return await work
+
+    async def _pause_load_and_resume(self, path: str | Path, version: int, pause_mode: str, labelled: bool,
+                                     timeout_s: float | None, on_paused: Callable[[], object],
+                                     caught_up: Callable[[], concurrent.futures.Future] | None,
+                                     streams_drained: bool) -> tuple[float, float]:
+        """On the pause's loop: pause; load (and label, `labelled`); once the requests' loop has `caught_up`,
+        stamp what requests in flight receive next (the new version's after a drain, else unknown); resume.
         Returns the seconds from the pause call to the resume's answer, and the load's."""
         started = time.monotonic()
         try:
             await self.pause(pause_mode)
-            # Frozen from the pause on, the engine samples nothing: what still arrives during the load was
-            # sampled before it, so the streams drain while the weights load, not after.
-            draining = asyncio.ensure_future(self._drain(drain_quiet_s)) if pause_mode == "keep" else None
-            try:
+            on_paused()
+            if labelled:
+                reload_s = await self._load_and_label(path, version, timeout_s)
+            else:
                 reload_s = await self._timed_reload(path, timeout_s)
-                if draining is not None:
-                    await draining
-            finally:
-                if draining is not None and not draining.done():
-                    draining.cancel()
+            if caught_up is not None:
+                await asyncio.wrap_future(caught_up())
             # The server samples nothing until it resumes: every token sampled from here on is the new version's.
             self.version = version
-            for request in self._live:
-                request.version = self._version_after_update(request, drained=draining is not None)
-        finally:
-            await self.resume()
-        return time.monotonic() - started, reload_s
-
-    async def _pause_load_and_label(self, path: str | Path, version: int, pause_mode: str,
-                                    timeout_s: float | None) -> tuple[float, float]:
-        """On the pause's own loop: pause, load and label, resume. It touches no request: their versions come
-        from the server's spans. Returns the seconds from the pause call to the resume's answer, and the load's."""
-        started = time.monotonic()
-        try:
-            await self.pause(pause_mode)
-            reload_s = await self._load_and_label(path, version, timeout_s)
+            for request in list(self._live):  # a copy: the requests' loop starts and ends requests meanwhile
+                request.resuming(self._version_after_update(request, drained=streams_drained))
         finally:
             await self.resume()
         return time.monotonic() - started, reload_s

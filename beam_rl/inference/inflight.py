@@ -67,6 +67,8 @@ class LiveRequest:
     label_version: Callable[[str], int] | None = None
     last_data_at: float = field(default_factory=time.monotonic)
     aborted_by_us: bool = False  # a continue-mode update paused this server with mode=abort while it ran
+    updates_lived: int = 0  # keep and continue updates begun while it was in flight
+    received_at_resume: list[int] | None = None  # each choice's tokens when the server last resumed
     starts: list[int] = field(init=False)  # each choice's tokens from earlier requests (spans count from here)
 
     def __post_init__(self) -> None:
@@ -114,6 +116,24 @@ class LiveRequest:
             spans = choice.get("weight_versions")
             if spans and self.label_version is not None:
                 self._stamp_spans(index, spans, bad)
+
+    def resuming(self, version: int) -> None:
+        """The server resumes now: stamp `version` on what arrives from here on. Everything received so far
+        was sampled before the pause."""
+        self.received_at_resume = [len(c.token_ids) - start for c, start in zip(self.choices, self.starts)]
+        self.version = version
+
+    def settle_aborted(self) -> None:
+        """Once the request is over, in continue mode: a choice the server ran before the pause was wholly
+        sampled then, by the version the request was sent under (`floor`), whenever its tokens arrived. It
+        ran then if the pause aborted it, or if it had a token before the resume. Otherwise it either finished
+        before the pause or reached the server during it and ran after; its unknown stamps stay."""
+        if not self.aborted_by_us or self.updates_lived != 1 or self.received_at_resume is None:
+            return
+        for choice, start, before in zip(self.choices, self.starts, self.received_at_resume):
+            if choice.finish_reason == ABORT or before > 0:
+                versions = choice.policy_versions
+                versions[start:] = [self.floor if v == UNKNOWN_VERSION else v for v in versions[start:]]
 
     def _stamp_spans(self, index: int, spans: list[Any], bad: Any) -> None:
         versions = self.choices[index].policy_versions
