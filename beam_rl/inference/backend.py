@@ -42,6 +42,10 @@ class IntervalClock:
             self._closed_s += time.monotonic() - self._since
             self._since = None
 
+    def add(self, since: float) -> None:
+        """Count the interval from `since` (time.monotonic) to now, which no `start` opened."""
+        self._closed_s += time.monotonic() - since
+
 
 class PauseGate:
     """The pause state, with waits that end when it changes (or when `notify()` wakes them)."""

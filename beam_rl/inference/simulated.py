@@ -166,6 +166,8 @@ class SimulatedEngine:
         self.busy_seconds = 0.0  # engine time spent on steps with sequences running
         self._stalled = IntervalClock()
         self._aborted_work = False  # the current pause aborted running or waiting sequences
+        # Resumed with nothing to run after aborting work: since when the engine waits for it to come back.
+        self._owed_since: float | None = None
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.steps = 0
@@ -202,7 +204,8 @@ class SimulatedEngine:
     @property
     def stalled_seconds(self) -> float:
         """Engine time pauses took from generation: sequences frozen, queued behind the gate, or aborted by the
-        pause (they return once it is over). Requests a client holds back during a pause are not seen here."""
+        pause, until the first request after the resume (what the pause aborted comes back as new requests).
+        Other requests a client holds back during a pause are not seen here."""
         return self._stalled.seconds
 
     def kv_cache_usage(self) -> float:
@@ -233,6 +236,9 @@ class SimulatedEngine:
                            [ChoiceResult() for _ in range(params.n)], params.n)
         request.sequences = [_Sequence(request, i, key, self._draw_length(params, key, i)) for i in range(params.n)]
         self._waiting.extend(request.sequences)
+        if self._owed_since is not None:
+            self._stalled.add(self._owed_since)
+            self._owed_since = None
         self._poke()
         try:
             if progress:
@@ -402,7 +408,11 @@ class SimulatedEngine:
 
     def _gate_changed(self) -> None:
         if self._gate.admits:
+            if self._aborted_work and not self._running and not self._waiting:
+                self._owed_since = time.monotonic()
             self._aborted_work = False  # resumed: what the pause aborted may be sent again
+        else:
+            self._owed_since = None  # paused again before it came back: counted as held by this pause
         self._poke()
 
     def _poke(self) -> None:
