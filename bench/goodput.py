@@ -17,15 +17,19 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import pyarrow as pa
+import pyarrow.compute as pc
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl import goodput as fates
 from beam_rl.config import config_from_dict
 from beam_rl.dispatch.thread_host import DispatcherThread
+from beam_rl.inference.inflight import UNKNOWN_VERSION
 from beam_rl.inference.launch import start_subprocess_server
 from beam_rl.processes import stop_processes
 from beam_rl.rundir import RunDir
@@ -292,6 +296,8 @@ def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[di
     server_paused_mean = pauses.paused_s / paused_updates if paused_updates else None
     server_stalled_mean = pauses.stalled_s / paused_updates if paused_updates else None
     counted = sum(by_fate.values())
+    unknown = sum(_trained_tokens_of_unknown_version(run_dir.rank_path(s, rank))
+                  for s, c in zip(steps, commits) for rank in range(c.counts.ranks))
     no_shutdown = {f: n for f, n in by_fate.items() if f != fates.CANCELLED}
     lost_returned = by_fate.get(fates.SERVER_FAILURE, 0) + by_fate.get(fates.ERRORED, 0)
     stale_in_dispatch = sum(r["discarded_tokens"].get(fates.STALE) or 0 for r in rows)
@@ -306,6 +312,8 @@ def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[di
         # Side by side in one invocation only: wall time includes the runner's start-up.
         "trained_tokens_per_s": round(by_fate.get(fates.TRAINED, 0) / wall),
         "goodput": _round(fates.goodput(by_fate)),
+        # Trained tokens the client could not tell the sampling weights of (-1 in the rank files).
+        "trained_tokens_of_unknown_version": unknown,
         "goodput_excluding_filters": _round(fates.goodput(by_fate, exclude_filtered=True)),
         "goodput_excluding_filters_and_shutdown": _round(fates.goodput(no_shutdown, exclude_filtered=True)),
         # Stale tokens thrown away in dispatch (a rollout regenerated, or cancelled with its group); the
@@ -332,6 +340,13 @@ def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[di
         # server_failure and, where re-dispatch is off, errored).
         "returned_tokens_lost_per_death": _round(lost_returned / len(deaths)) if deaths else None,
     }
+
+
+def _trained_tokens_of_unknown_version(rank_file: Path) -> int:
+    table = pa.ipc.open_file(pa.memory_map(str(rank_file))).read_all()
+    versions = pc.list_flatten(table.column("policy_versions"))
+    trained = pc.list_flatten(table.column("loss_mask"))
+    return pc.sum(pc.and_(pc.equal(versions, UNKNOWN_VERSION), pc.cast(trained, pa.bool_()))).as_py() or 0
 
 
 def _round(x: float | None, digits: int = 4) -> float | None:
