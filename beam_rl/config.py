@@ -253,8 +253,8 @@ class WeightsSection(_Section):
     # continue: abort requests keeping their tokens, load, resume them as prompt + partial completion.
     update_mode: Literal["reload", "keep", "continue"] = "keep"
     # keep: the pause ends only once no stream has received a token for this long, so every token sampled
-    # before it is in and stamped with the old version.
-    drain_quiet_s: float = Field(0.02, ge=0)
+    # before it is in and stamped with the old version (the server answers the pause once it sent them).
+    drain_quiet_s: float = Field(0.005, ge=0)
     update_timeout_s: float = Field(600.0, gt=0)  # one server's whole update (pause, load, resume)
 
 

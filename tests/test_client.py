@@ -144,18 +144,28 @@ class StubVLLM:
 
     async def _stream(self, request: web.Request, body: dict[str, Any], step: str | int) -> web.StreamResponse:
         """vLLM's server-sent events: one chunk per token of choice 0 ([30 + i], logprob -i/10), then one
-        with its finish_reason, then [DONE]; "cut" drops the connection after two tokens."""
+        with its finish_reason, then [DONE]; "cut" drops the connection after two tokens; "ragged" sends the
+        same events with CRLF line ends and a comment between them, in 7-byte pieces."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        events = []
         for i in range(body["max_tokens"]):
             if step == "cut" and i == 2:
+                await response.write(b"".join(events))
                 request.transport.close()
                 return response
             chunk = {"choices": [{"index": 0, "token_ids": [30 + i], "logprobs": {"token_logprobs": [-i / 10]},
                                   "finish_reason": None}]}
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            events.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         end = {"choices": [{"index": 0, "token_ids": [], "logprobs": {"token_logprobs": []}, "finish_reason": "length"}]}
-        await response.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
+        events.append(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
+        if step != "ragged":
+            await response.write(b"".join(events))
+        else:
+            data = b": keep-alive\n\n".join(events).replace(b"\n", b"\r\n")
+            for start in range(0, len(data), 7):
+                await response.write(data[start:start + 7])
+                await asyncio.sleep(0.001)  # each piece its own read
         await response.write_eof()
         return response
 
@@ -399,6 +409,17 @@ def test_a_streamed_completion_is_assembled_token_by_token_with_its_versions_and
 
     (body,) = run_with_stub(test).completions
     assert body["stream"] is True and body["cache_salt"] == "policy-v4"
+
+
+def test_a_stream_read_in_ragged_pieces_gives_the_same_completion():
+    async def test(stub: StubVLLM, url: str) -> None:
+        stub.plan = ["ragged"]
+        async with InferenceClient(url, stream=True, version=2) as client:
+            (completion,) = await client.complete([1, 2], SAMPLING)
+        assert completion.token_ids == [30, 31, 32, 33, 34, 35, 36] and completion.finish_reason == "length"
+        assert completion.logprobs == [-i / 10 for i in range(7)] and completion.policy_versions == [2] * 7
+
+    run_with_stub(test)
 
 
 def test_a_stream_cut_mid_way_fails_with_its_tokens_and_continues_from_them():

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
+import re
+import socket
 import time
 
 import httpx
@@ -466,6 +470,48 @@ def test_pause_keep_freezes_and_resume_finishes(make_server):
     in_flight, response = _pause_during_generation(make_server(), "keep")
     assert in_flight
     assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 12
+
+
+def _open_stream(url: str, body: dict) -> socket.socket:
+    """A streamed completion on a plain socket, so what has arrived can be read without waiting."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(data), data))
+    sock.setblocking(False)
+    return sock
+
+
+def _arrived(sock: socket.socket) -> bytes:
+    received = []
+    with contextlib.suppress(BlockingIOError):
+        while block := sock.recv(1 << 16):
+            received.append(block)
+    return b"".join(received)
+
+
+@pytest.mark.parametrize("mode", ["model", "simulated", "instant"])
+def test_a_keep_pause_is_answered_after_the_streams_sent_every_token_sampled_before_it(make_server, mode):
+    """What a client's drain relies on (docs/weight-updates.md): once the pause is answered, every token
+    sampled before it is on its way, so nothing a stream receives later comes from before the pause."""
+    s = make_server(mode=mode, faults=FaultConfig(step_delay_s=0.005))
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    streams = [_open_stream(s.url, body) for _ in range(8)]
+    try:
+        wait = wait_for_metrics(s.url, lambda m: m["vllm:generation_tokens_total"] >= 80)  # all mid-generation
+        asyncio.run(wait)
+        received = [_arrived(sock) for sock in streams]
+        assert post(s, "/pause?mode=keep").json() == {"status": "paused"}
+        received = [before + _arrived(sock) for before, sock in zip(received, streams)]  # no wait
+        sampled = metrics(s.url)["vllm:generation_tokens_total"]
+        streamed = sum(len(ids.split(b",")) for r in received
+                       for ids in re.findall(rb'(?<!prompt_)"token_ids":\[([0-9,]+)\]', r))
+        assert streamed == sampled > 80
+    finally:
+        post(s, "/resume")
+        for sock in streams:
+            sock.close()
 
 
 def test_pause_abort_ends_in_flight_requests_with_their_partial_tokens(make_server):

@@ -29,12 +29,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.envs.base import Completion, SamplingParams
 from beam_rl.inference.inflight import ABORT, UNKNOWN_VERSION, LiveRequest, Progress, UpdateTiming, copy_completion
+from beam_rl.inference.sse import EventData
 from beam_rl.loop_thread import LoopThread
 
 log = logging.getLogger(__name__)
 
 # Hundreds of rollouts share one server; aiohttp's default of 100 connections would queue them.
 DEFAULT_MAX_CONNECTIONS = 1024
+# How long no stream may receive a token before a keep pause counts them drained. A server answers the pause
+# once it has sent what was sampled before it (vLLM waits 20 ms for its output tasks first), so this covers
+# only what is on its way (docs/weight-updates.md).
+DRAIN_QUIET_S = 0.005
 
 
 class InferenceError(Exception):
@@ -432,18 +437,19 @@ class InferenceClient:
                                          timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as response:
                 if response.status >= 400:
                     raise _http_error("POST", url, response.status, await response.read())
-                async for line in response.content:
-                    if not line.startswith(b"data:"):
-                        continue  # blank separators, comments, keep-alives
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        ended = True
+                events = EventData()
+                async for block in response.content.iter_any():
+                    for data in events.feed(block):
+                        if data == b"[DONE]":
+                            ended = True
+                            break
+                        try:
+                            chunk = orjson.loads(data)
+                        except orjson.JSONDecodeError as exc:
+                            raise bad(f"a chunk is not JSON ({exc})") from None
+                        request.add_chunk(chunk, bad)
+                    if ended:
                         break
-                    try:
-                        chunk = orjson.loads(data)
-                    except orjson.JSONDecodeError as exc:
-                        raise bad(f"a chunk is not JSON ({exc})") from None
-                    request.add_chunk(chunk, bad)
         except TimeoutError as exc:  # aiohttp's own timeouts subclass it
             raise InferenceTimeout(
                 f"POST {url}: not finished within {self.timeout_s:g}s ({type(exc).__name__})", url) from None
@@ -463,7 +469,7 @@ class InferenceClient:
     # -- weight updates ----------------------------------------------------------------------------
 
     async def update_weights(self, path: str | Path, version: int, mode: UpdateMode = "keep", *,
-                             drain_quiet_s: float = 0.02, timeout_s: float | None = None) -> UpdateTiming:
+                             drain_quiet_s: float = DRAIN_QUIET_S, timeout_s: float | None = None) -> UpdateTiming:
         """Have the server load the checkpoint at `path` as policy `version` (docs/weight-updates.md):
         "reload" loads while requests run; "keep" pauses them frozen, loads, resumes; "continue" aborts
         them (each keeps its tokens), loads, and `complete` continues them under the new weights. Not
