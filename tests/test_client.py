@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import socket
 import time
@@ -589,6 +590,34 @@ def test_a_busy_requests_loop_holds_the_server_paused_only_to_read_what_came_bef
     finally:
         server.stop()
     assert (paused_s >= 0.5) == held, paused_s
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_drain_waits_for_the_tokens_its_loop_has_read_but_not_yet_handed_to_their_stream(passes):
+    """The loop reads its sockets in one pass and wakes the streams' tasks to take what it read in the next:
+    a quiet seen when the drain's timer comes due may hide a token read in that pass or the one after."""
+
+    async def test() -> None:
+        client = InferenceClient("http://127.0.0.1:9", stream=True)
+        request = LiveRequest([Completion([], [], None)], [0], 1, 1, streamed=True)
+        request.last_data_at = time.monotonic() - 1.0  # quiet for a second, as far as the streams have taken
+        client._live.add(request)
+        loop = asyncio.get_running_loop()
+        drained = concurrent.futures.Future()
+
+        def token_after(hops: int) -> None:  # a stream's task taking a token `passes` passes from now
+            if hops > 1:
+                loop.call_soon(token_after, hops - 1)
+            else:
+                request.add(0, [7], [-0.5], None)
+
+        loop.call_soon(token_after, passes)
+        client._check_drained(drained, 0.05, time.monotonic() + 5)  # the drain's timer, in this same pass
+        await asyncio.sleep(0.01)
+        assert not drained.done() and request.choices[0].token_ids == [7]
+        await asyncio.wrap_future(drained)  # once quiet again
+
+    asyncio.run(test())
 
 
 def test_tails_read_after_a_continue_update_keep_the_version_that_sampled_them(monkeypatch):

@@ -439,6 +439,7 @@ class InferenceClient:
                     raise _http_error("POST", url, response.status, await response.read())
                 events = EventData()
                 async for block in response.content.iter_any():
+                    request.last_data_at = time.monotonic()  # part of an event is news too: the rest is coming
                     for data in events.feed(block):
                         if data == b"[DONE]":
                             ended = True
@@ -535,14 +536,15 @@ class InferenceClient:
         requests): a pause whose answers waited behind it would keep the server paused that long.
 
         What requests in flight receive is stamped anew just before the resume. In keep mode that waits for
-        the streams to drain here (from the pause on, while the weights load). In continue mode a request
-        the pause cut, or one that had a token by then, is settled when it ends (`LiveRequest.settle_aborted`);
+        the streams to drain here (`_check_drained`, from the pause on, while the weights load). In continue
+        mode a request the pause cut, or one that had a token by then, is settled when it ends
+        (`LiveRequest.settle_aborted`);
         answers that are not streamed have no token before they end, so the resume waits for this loop to
         read those waiting once the load is over. On the generate route the spans say which tokens came
         before, and nothing waits for this loop."""
         requests_loop = asyncio.get_running_loop()
         drains = mode == "keep" and not labelled
-        paused, drained = asyncio.Event(), concurrent.futures.Future()
+        drained: concurrent.futures.Future = concurrent.futures.Future()
         caught_up: Callable[[], concurrent.futures.Future] | None = None
         if drains:
             def caught_up() -> concurrent.futures.Future:
@@ -550,22 +552,19 @@ class InferenceClient:
         elif mode == "continue" and not labelled and not self.stream:
             def caught_up() -> concurrent.futures.Future:
                 return asyncio.run_coroutine_threadsafe(asyncio.sleep(0), requests_loop)
+
+        def on_paused() -> None:
+            if drains:
+                deadline = time.monotonic() + max(1.0, 50 * drain_quiet_s)
+                requests_loop.call_soon_threadsafe(self._check_drained, drained, drain_quiet_s, deadline)
+
         work = asyncio.wrap_future(self._paused_loop().submit(self._pause_load_and_resume(
-            path, version, "abort" if mode == "continue" else "keep", labelled, timeout_s,
-            lambda: requests_loop.call_soon_threadsafe(paused.set), caught_up, streams_drained=drains)))
-        if not drains:
-            return await work
+            path, version, "abort" if mode == "continue" else "keep", labelled, timeout_s, on_paused, caught_up,
+            streams_drained=drains)))
         try:
-            waiting = asyncio.ensure_future(paused.wait())
-            await asyncio.wait([work, waiting], return_when=asyncio.FIRST_COMPLETED)
-            waiting.cancel()
-            if paused.is_set():
-                await self._drain(drain_quiet_s)
-        except BaseException:
-            drained.cancel()  # the resume goes out at once, with no request stamped anew
-            raise
-        drained.set_result(None)
-        return await work
+            return await asyncio.shield(work)  # begun, an update runs to its resume even if this task is cancelled
+        finally:
+            drained.cancel()  # if still waited for (this task was cancelled), the resume goes out at once
 
     async def _pause_load_and_resume(self, path: str | Path, version: int, pause_mode: str, labelled: bool,
                                      timeout_s: float | None, on_paused: Callable[[], object],
@@ -608,23 +607,35 @@ class InferenceClient:
             return UNKNOWN_VERSION
         return self.version  # every stream drained: what arrives now comes from the new weights
 
-    async def _drain(self, quiet_s: float) -> None:
-        """Wait until no stream has received anything for `quiet_s`: with the engine frozen, the tokens it
-        sampled before the pause are then all in. A stream still busy after the cap gets unknown versions."""
-        deadline = time.monotonic() + max(1.0, 50 * quiet_s)
-        while True:
-            streams = [r for r in self._live if r.streamed and r.version != UNKNOWN_VERSION]
-            wait = max((r.last_data_at for r in streams), default=-math.inf) + quiet_s - time.monotonic()
-            if wait <= 0:
-                return
-            if time.monotonic() >= deadline:
-                busy = [r for r in streams if r.last_data_at + quiet_s > time.monotonic()]
-                log.warning("%s: %d streams still received tokens while paused; their versions are unknown",
-                            self.base_url, len(busy))
-                for request in busy:
-                    request.version = UNKNOWN_VERSION
-                return
-            await asyncio.sleep(wait)
+    def _check_drained(self, drained: concurrent.futures.Future, quiet_s: float, deadline: float,
+                       seen: float | None = None, unchanged: int = 0) -> None:
+        """On the requests' loop, as a plain callback (a task would wait a loop pass more at every step): the
+        tokens the frozen engine sampled before the pause are all in once no stream has received anything for
+        `quiet_s`, and nothing more over two passes of the loop. The loop reads its sockets in one pass and
+        wakes the streams' tasks to take what it read in the next, so a quiet seen once may hide bytes already
+        read; two passes without news mean the sockets had nothing. A stream still busy at `deadline` gets
+        unknown versions."""
+        if drained.done():
+            return
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        streams = [r for r in self._live if r.streamed and r.version != UNKNOWN_VERSION]
+        latest = max((r.last_data_at for r in streams), default=-math.inf)
+        wait = latest + quiet_s - now
+        if wait > 0 and now < deadline:
+            loop.call_later(wait, self._check_drained, drained, quiet_s, deadline)
+            return
+        if wait > 0:
+            busy = [r for r in streams if r.last_data_at + quiet_s > now]
+            log.warning("%s: %d streams still received tokens while paused; their versions are unknown",
+                        self.base_url, len(busy))
+            for request in busy:
+                request.version = UNKNOWN_VERSION
+        elif unchanged < 2:
+            loop.call_soon(self._check_drained, drained, quiet_s, deadline, latest,
+                           unchanged + 1 if latest == seen else 0)
+            return
+        drained.set_result(None)
 
     async def _timed_reload(self, path: str | Path, timeout_s: float | None) -> float:
         started = time.monotonic()
