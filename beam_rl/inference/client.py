@@ -611,9 +611,9 @@ class InferenceClient:
                        seen: float | None = None, unchanged: int = 0) -> None:
         """On the requests' loop, as a plain callback (a task would wait a loop pass more at every step): the
         tokens the frozen engine sampled before the pause are all in once no stream has received anything for
-        `quiet_s`, and nothing more over two passes of the loop. The loop reads its sockets in one pass and
+        `quiet_s`, and nothing more over three passes of the loop. The loop reads its sockets in one pass and
         wakes the streams' tasks to take what it read in the next, so a quiet seen once may hide bytes already
-        read; two passes without news mean the sockets had nothing. A stream still busy at `deadline` gets
+        read; passes without news mean the sockets had nothing. A stream still busy at `deadline` gets
         unknown versions."""
         if drained.done():
             return
