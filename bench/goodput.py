@@ -17,13 +17,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-import pyarrow as pa
-import pyarrow.compute as pc
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl import goodput as fates
@@ -32,7 +30,8 @@ from beam_rl.dispatch.thread_host import DispatcherThread
 from beam_rl.inference.inflight import UNKNOWN_VERSION
 from beam_rl.inference.launch import start_subprocess_server
 from beam_rl.processes import stop_processes
-from beam_rl.rundir import RunDir
+from beam_rl.reader import StepReader
+from beam_rl.rundir import CommitRecord, RunDir
 from beam_rl.source import admission
 from beam_rl.tinymodel import tiny_model_dir
 
@@ -296,8 +295,7 @@ def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[di
     server_paused_mean = pauses.paused_s / paused_updates if paused_updates else None
     server_stalled_mean = pauses.stalled_s / paused_updates if paused_updates else None
     counted = sum(by_fate.values())
-    unknown = sum(_trained_tokens_of_unknown_version(run_dir.rank_path(s, rank))
-                  for s, c in zip(steps, commits) for rank in range(c.counts.ranks))
+    unknown = sum(_trained_tokens_of_unknown_version(run_dir, s, c) for s, c in zip(steps, commits))
     no_shutdown = {f: n for f, n in by_fate.items() if f != fates.CANCELLED}
     lost_returned = by_fate.get(fates.SERVER_FAILURE, 0) + by_fate.get(fates.ERRORED, 0)
     stale_in_dispatch = sum(r["discarded_tokens"].get(fates.STALE) or 0 for r in rows)
@@ -342,11 +340,10 @@ def _summary(run_dir: RunDir, size: dict[str, Any], wall: float, deaths: list[di
     }
 
 
-def _trained_tokens_of_unknown_version(rank_file: Path) -> int:
-    table = pa.ipc.open_file(pa.memory_map(str(rank_file))).read_all()
-    versions = pc.list_flatten(table.column("policy_versions"))
-    trained = pc.list_flatten(table.column("loss_mask"))
-    return pc.sum(pc.and_(pc.equal(versions, UNKNOWN_VERSION), pc.cast(trained, pa.bool_()))).as_py() or 0
+def _trained_tokens_of_unknown_version(run_dir: RunDir, step: int, record: CommitRecord) -> int:
+    return sum(int(np.count_nonzero((mb["policy_versions"] == UNKNOWN_VERSION) & mb["loss_mask"]))
+               for rank in range(record.counts.ranks)
+               for mb in StepReader(run_dir, rank).read_step(step, record=record))
 
 
 def _round(x: float | None, digits: int = 4) -> float | None:
