@@ -609,6 +609,7 @@ def test_a_drain_waits_for_the_tokens_its_loop_has_read_but_not_yet_handed_to_th
             if hops > 1:
                 loop.call_soon(token_after, hops - 1)
             else:
+                request.last_data_at = time.monotonic()  # as InferenceClient._read_stream does per block
                 request.add(0, [7], [-0.5], None)
 
         loop.call_soon(token_after, passes)

@@ -65,7 +65,7 @@ class LiveRequest:
     streamed: bool
     progress: Progress | None = None
     label_version: Callable[[str], int] | None = None
-    last_data_at: float = field(default_factory=time.monotonic)
+    last_data_at: float = field(default_factory=time.monotonic)  # a stream's last bytes (set by its reader)
     aborted_by_us: bool = False  # a continue-mode update paused this server with mode=abort while it ran
     updates_lived: int = 0  # keep and continue updates begun while it was in flight
     received_at_resume: list[int] | None = None  # each choice's tokens when the server last resumed
@@ -85,7 +85,6 @@ class LiveRequest:
         choice.policy_versions.extend([self.version] * len(token_ids))
         if finish_reason is not None:
             choice.finish_reason = finish_reason
-        self.last_data_at = time.monotonic()
         if self.progress is not None:
             floor = self.version if self.version != UNKNOWN_VERSION else self.floor
             self.progress.received(self.targets[index], len(token_ids), floor)
