@@ -252,8 +252,9 @@ class WeightsSection(_Section):
     # keep: pause with requests frozen, load, resume (they continue on the new weights);
     # continue: abort requests keeping their tokens, load, resume them as prompt + partial completion.
     update_mode: Literal["reload", "keep", "continue"] = "keep"
-    # keep: the pause ends only once no stream has received a token for this long, so every token sampled
-    # before it is in and stamped with the old version (the server answers the pause once it sent them).
+    # keep, servers on other machines: the drain before the resume first waits until no stream has received
+    # a token for this long (bytes the server sent before answering the pause may still be on their way);
+    # servers on this machine need no such margin (docs/weight-updates.md).
     drain_quiet_s: float = Field(0.005, ge=0)
     update_timeout_s: float = Field(600.0, gt=0)  # one server's whole update (pause, load, resume)
 

@@ -25,6 +25,7 @@ from beam_rl.inference.client import (
     InferenceHTTPError,
     InferenceTimeout,
     ServerLoad,
+    _is_loopback,
     parse_completions,
     parse_server_load,
 )
@@ -77,6 +78,7 @@ class StubVLLM:
         self.peak_concurrent = 0
         self.delay_s = 0.0
         self.barrier: tuple[int, asyncio.Event] | None = None  # hold requests until N are in at once
+        self.release = asyncio.Event()  # a "held" stream sends its first token, the rest once this is set
         self.healthy = True
         self.metrics = METRICS
 
@@ -145,7 +147,7 @@ class StubVLLM:
 
     async def _stream(self, request: web.Request, body: dict[str, Any], step: str | int) -> web.StreamResponse:
         """vLLM's server-sent events: one chunk per token of choice 0 ([30 + i], logprob -i/10), then one
-        with its finish_reason, then [DONE]; "cut" drops the connection after two tokens; "ragged" sends the
+        with its finish_reason, then [DONE]; "cut" drops the connection after two tokens; "held" waits for `release` after the first; "ragged" sends the
         same events with CRLF line ends and a comment between them, in 7-byte pieces."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -160,7 +162,11 @@ class StubVLLM:
             events.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         end = {"choices": [{"index": 0, "token_ids": [], "logprobs": {"token_logprobs": []}, "finish_reason": "length"}]}
         events.append(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
-        if step != "ragged":
+        if step == "held":
+            await response.write(events[0])
+            await self.release.wait()
+            await response.write(b"".join(events[1:]))
+        elif step != "ragged":
             await response.write(b"".join(events))
         else:
             data = b": keep-alive\n\n".join(events).replace(b"\n", b"\r\n")
@@ -592,33 +598,69 @@ def test_a_busy_requests_loop_holds_the_server_paused_only_to_read_what_came_bef
     assert (paused_s >= 0.5) == held, paused_s
 
 
-@pytest.mark.parametrize("passes", [1, 2])
-def test_a_drain_waits_for_the_tokens_its_loop_has_read_but_not_yet_handed_to_their_stream(passes):
-    """The loop reads its sockets in one pass and wakes the streams' tasks to take what it read in the next:
-    a quiet seen when the drain's timer comes due may hide a token read in that pass or the one after."""
+@pytest.mark.parametrize(("url", "local"), [
+    ("http://127.0.0.1:8000", True), ("http://127.9.9.9:8000/", True), ("http://localhost:8000", True),
+    ("http://[::1]:8000", True), ("http://10.1.2.3:8000", False), ("https://vllm.example.com", False),
+    ("http://[2001:db8::1]:8000", False)])
+def test_a_server_on_this_machine_is_told_by_its_address(url, local):
+    assert _is_loopback(url) is local
 
-    async def test() -> None:
-        client = InferenceClient("http://127.0.0.1:9", stream=True)
-        request = LiveRequest([Completion([], [], None)], [0], 1, 1, streamed=True)
-        request.last_data_at = time.monotonic() - 1.0  # quiet for a second, as far as the streams have taken
-        client._live.add(request)
-        loop = asyncio.get_running_loop()
-        drained = concurrent.futures.Future()
 
-        def token_after(hops: int) -> None:  # a stream's task taking a token `passes` passes from now
-            if hops > 1:
-                loop.call_soon(token_after, hops - 1)
-            else:
-                request.last_data_at = time.monotonic()  # as InferenceClient._read_stream does per block
-                request.add(0, [7], [-0.5], None)
+@pytest.mark.parametrize("on_this_machine", [True, False])
+def test_the_drains_quiet_is_a_margin_for_servers_across_a_network(on_this_machine):
+    """A server answers a keep pause once it has sent every token sampled before it: one on this machine has
+    put them in the client's sockets by then, one across a network may still have some on their way."""
+    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.tinymodel import tiny_model_dir
 
-        loop.call_soon(token_after, passes)
-        client._check_drained(drained, 0.05, time.monotonic() + 5)  # the drain's timer, in this same pass
-        await asyncio.sleep(0.01)
-        assert not drained.done() and request.choices[0].token_ids == [7]
-        await asyncio.wrap_future(drained)  # once quiet again
+    server = EmbeddedServer(tiny_model_dir(), mode="instant")
+    server.start()
 
-    asyncio.run(test())
+    async def main() -> None:
+        async with InferenceClient(server.url, stream=True) as client:
+            client._on_this_machine = on_this_machine  # as if the same server were elsewhere
+            await client.update_weights(tiny_model_dir(), 1, "keep", drain_quiet_s=0.5)
+            (choice,) = await client.complete([5, 6, 7], SamplingParams(max_tokens=4))
+            assert choice.policy_versions == [1] * 4
+
+    try:
+        asyncio.run(main())
+        paused_s = server.gate.paused_seconds
+    finally:
+        server.stop()
+    assert (paused_s >= 0.5) != on_this_machine, paused_s
+
+
+def test_a_drain_waits_for_bytes_its_loop_has_read_but_the_stream_has_not_yet_taken():
+    """The loop reads its sockets at the start of a pass and wakes each stream's reader to take what it read in
+    the next: a drain's timer running after such a read, in a long quiet, must wait for that reader."""
+
+    async def test(stub: StubVLLM, url: str) -> None:
+        stub.plan = ["held"]
+        async with InferenceClient(url, stream=True, version=2) as client:
+            completing = asyncio.ensure_future(client.complete([1, 2], SAMPLING))
+            while not any(r.choices[0].token_ids for r in client._live):
+                await asyncio.sleep(0.005)
+            (request,) = client._live
+            drained = concurrent.futures.Future()
+            token = {"choices": [{"index": 0, "token_ids": [77], "logprobs": {"token_logprobs": [-0.7]},
+                                  "finish_reason": None}]}
+
+            def read_then_timer() -> None:  # one pass of the loop
+                request.body.feed_data(b"data: " + json.dumps(token).encode() + b"\n\n")  # as its socket's protocol does
+                now = time.monotonic()
+                request.last_data_at = now - 1.0  # quiet for a second, as far as the stream has taken
+                client._check_drained(drained, 0.05, now - 1.0, now + 5.0)
+
+            asyncio.get_running_loop().call_soon(read_then_timer)
+            await asyncio.sleep(0.01)
+            assert not drained.done() and request.choices[0].token_ids == [30, 77]
+            await asyncio.wrap_future(drained)  # once quiet again
+            stub.release.set()
+            (completion,) = await completing
+        assert completion.token_ids == [30, 77, 31, 32, 33, 34, 35, 36]
+
+    run_with_stub(test)
 
 
 def test_tails_read_after_a_continue_update_keep_the_version_that_sampled_them(monkeypatch):

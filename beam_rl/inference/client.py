@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import math
 import random
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -220,6 +222,17 @@ Route = Literal["completions", "generate"]
 ROUTE_PATHS: dict[str, str] = {"completions": "/v1/completions", "generate": "/inference/v1/generate"}
 
 
+def _is_loopback(url: str) -> bool:
+    """Whether `url` names a server on this machine (localhost, 127.0.0.0/8, ::1)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class InferenceClient:
     """One vLLM server. Implements `CompletionClient`; safe to share among hundreds of rollouts.
 
@@ -249,6 +262,7 @@ class InferenceClient:
         if route not in ROUTE_PATHS:
             raise ValueError(f"route must be one of {sorted(ROUTE_PATHS)}, not {route!r}")
         self.base_url = base_url.rstrip("/")
+        self._on_this_machine = _is_loopback(self.base_url)
         self.model = model
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -438,8 +452,9 @@ class InferenceClient:
                 if response.status >= 400:
                     raise _http_error("POST", url, response.status, await response.read())
                 events = EventData()
+                request.body, request.body_taken = response.content, 0
                 async for block in response.content.iter_any():
-                    request.last_data_at = time.monotonic()  # part of an event is news too: the rest is coming
+                    request.took(block)
                     for data in events.feed(block):
                         if data == b"[DONE]":
                             ended = True
@@ -460,6 +475,8 @@ class InferenceClient:
         except aiohttp.ClientError as exc:
             raise InferenceConnectionError(
                 f"POST {url}: connection failed mid-stream ({type(exc).__name__}: {exc})", url) from None
+        finally:
+            request.body = None  # read no more: nothing of it is waited for
         if not ended:
             raise InferenceConnectionError(f"POST {url}: the stream ended without [DONE]", url)
         for choice in request.choices:
@@ -555,8 +572,12 @@ class InferenceClient:
 
         def on_paused() -> None:
             if drains:
-                deadline = time.monotonic() + max(1.0, 50 * drain_quiet_s)
-                requests_loop.call_soon_threadsafe(self._check_drained, drained, drain_quiet_s, deadline)
+                # The quiet is a margin for a network, where bytes sent on other connections before the answer
+                # may still be on their way; a server on this machine has put them in our sockets already.
+                quiet_s = 0.0 if self._on_this_machine else drain_quiet_s
+                paused_at = time.monotonic()
+                requests_loop.call_soon_threadsafe(self._check_drained, drained, quiet_s, paused_at,
+                                                   paused_at + max(1.0, 50 * drain_quiet_s))
 
         work = asyncio.wrap_future(self._paused_loop().submit(self._pause_load_and_resume(
             path, version, "abort" if mode == "continue" else "keep", labelled, timeout_s, on_paused, caught_up,
@@ -607,34 +628,38 @@ class InferenceClient:
             return UNKNOWN_VERSION
         return self.version  # every stream drained: what arrives now comes from the new weights
 
-    def _check_drained(self, drained: concurrent.futures.Future, quiet_s: float, deadline: float,
-                       seen: float | None = None, unchanged: int = 0) -> None:
-        """On the requests' loop, as a plain callback (a task would wait a loop pass more at every step): the
-        tokens the frozen engine sampled before the pause are all in once no stream has received anything for
-        `quiet_s`, and nothing more over three passes of the loop. The loop reads its sockets in one pass and
-        wakes the streams' tasks to take what it read in the next, so a quiet seen once may hide bytes already
-        read; passes without news mean the sockets had nothing. A stream still busy at `deadline` gets
-        unknown versions."""
+    def _check_drained(self, drained: concurrent.futures.Future, quiet_s: float, paused_at: float,
+                       deadline: float, read_since: bool = False) -> None:
+        """On the requests' loop, as a plain callback (a task would wait a loop pass more at every step). The
+        server answered the pause at `paused_at` having sent every token the engine sampled before it. A pass
+        of the loop reads its sockets, then runs its due timers; what a read brings, each stream's reader
+        takes in the next pass. The drain ends at a timer set once the streams had been quiet for `quiet_s`
+        since the answer (`read_since`: the pass it runs in read the sockets after that), if they still are
+        and none holds bytes read but not yet taken. A stream still busy at `deadline` gets unknown versions."""
         if drained.done():
             return
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         streams = [r for r in self._live if r.streamed and r.version != UNKNOWN_VERSION]
-        latest = max((r.last_data_at for r in streams), default=-math.inf)
-        wait = latest + quiet_s - now
-        if wait > 0 and now < deadline:
-            loop.call_later(wait, self._check_drained, drained, quiet_s, deadline)
-            return
-        if wait > 0:
-            busy = [r for r in streams if r.last_data_at + quiet_s > now]
-            log.warning("%s: %d streams still received tokens while paused; their versions are unknown",
-                        self.base_url, len(busy))
+        latest = max((r.last_data_at for r in streams), default=paused_at)
+        wait = max(latest, paused_at) + quiet_s - now
+        if now < deadline:
+            if wait > 0:
+                loop.call_later(wait, self._check_drained, drained, quiet_s, paused_at, deadline)
+                return
+            if any(r.untaken_bytes for r in streams):
+                loop.call_soon(self._check_drained, drained, quiet_s, paused_at, deadline)  # after the readers
+                return
+            if not read_since:
+                loop.call_later(0, self._check_drained, drained, quiet_s, paused_at, deadline, True)
+                return
+        else:
+            busy = [r for r in streams if r.last_data_at + quiet_s > now or r.untaken_bytes]
+            if busy:
+                log.warning("%s: %d streams still received tokens while paused; their versions are unknown",
+                            self.base_url, len(busy))
             for request in busy:
                 request.version = UNKNOWN_VERSION
-        elif unchanged < 2:
-            loop.call_soon(self._check_drained, drained, quiet_s, deadline, latest,
-                           unchanged + 1 if latest == seen else 0)
-            return
         drained.set_result(None)
 
     async def _timed_reload(self, path: str | Path, timeout_s: float | None) -> float:

@@ -66,6 +66,8 @@ class LiveRequest:
     progress: Progress | None = None
     label_version: Callable[[str], int] | None = None
     last_data_at: float = field(default_factory=time.monotonic)  # a stream's last bytes (set by its reader)
+    body: Any = None  # the streamed body (aiohttp's StreamReader) while its reader reads it
+    body_taken: int = 0  # bytes of `body` its reader has taken
     aborted_by_us: bool = False  # a continue-mode update paused this server with mode=abort while it ran
     updates_lived: int = 0  # keep and continue updates begun while it was in flight
     received_at_resume: list[int] | None = None  # each choice's tokens when the server last resumed
@@ -77,6 +79,17 @@ class LiveRequest:
             choice.finish_reason = None
         if not self.streamed and self.progress is not None:
             self.progress.may_hold(self.floor)  # its tokens stay out of sight until it ends: assume the oldest
+
+    def took(self, block: bytes) -> None:
+        """The stream's reader took `block` of its body (part of an event is news too: the rest is coming)."""
+        self.last_data_at = time.monotonic()
+        self.body_taken += len(block)
+
+    @property
+    def untaken_bytes(self) -> int:
+        """Bytes the loop has read from the socket into the body that its reader has not taken yet: it
+        wakes the reader to take them in the loop's next pass."""
+        return self.body.total_bytes - self.body_taken if self.body is not None else 0
 
     def add(self, index: int, token_ids: list[int], logprobs: list[float], finish_reason: str | None) -> None:
         choice = self.choices[index]
