@@ -598,6 +598,57 @@ def test_a_busy_requests_loop_holds_the_server_paused_only_to_read_what_came_bef
     assert (paused_s >= 0.5) == held, paused_s
 
 
+@pytest.mark.parametrize("mode", ["keep", "continue"])
+def test_requests_held_back_by_an_update_go_out_in_the_first_pass_after_the_resume(monkeypatch, mode):
+    """The server samples nothing from the pause to its resume; requests that would only queue are held back
+    meanwhile (continue's continuations among them). Every pass of a busy requests' loop costs the engine
+    time, so they are released from the pause's loop at the resume's answer, not a chain of passes later."""
+    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.tinymodel import tiny_model_dir
+
+    server = EmbeddedServer(tiny_model_dir(), mode="instant")
+    server.start()
+    passes, at_resume, released = 0, [], []
+    resume, update_finished = InferenceClient.resume, InferenceClient._update_finished
+
+    async def counted_resume(self: InferenceClient) -> None:
+        await resume(self)
+        at_resume.append(passes)
+
+    async def counted_update_finished(self: InferenceClient) -> None:
+        held = self._update_over is not None and not self._update_over.is_set()
+        await update_finished(self)
+        if held:
+            released.append(passes)
+
+    monkeypatch.setattr(InferenceClient, "resume", counted_resume)
+    monkeypatch.setattr(InferenceClient, "_update_finished", counted_update_finished)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def busy_pass() -> None:  # one callback per pass of the loop, each pass 5 ms long
+            nonlocal passes
+            passes += 1
+            time.sleep(0.005)
+            loop.call_soon(busy_pass)
+
+        async with InferenceClient(server.url, stream=True) as client:
+            busy_pass()
+            updating = asyncio.ensure_future(client.update_weights(tiny_model_dir(), 1, mode))
+            await asyncio.sleep(0)  # the update has begun: what is sent now waits for its resume
+            (choice,) = await client.complete([5, 6, 7], SamplingParams(max_tokens=4))
+            await updating
+        assert choice.policy_versions == [1] * 4
+        assert len(at_resume) == 1 and len(released) == 1
+        assert released[0] - at_resume[0] <= 1, (at_resume, released)
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize(("url", "local"), [
     ("http://127.0.0.1:8000", True), ("http://127.9.9.9:8000/", True), ("http://localhost:8000", True),
     ("http://[::1]:8000", True), ("http://10.1.2.3:8000", False), ("https://vllm.example.com", False),

@@ -579,9 +579,16 @@ class InferenceClient:
                 requests_loop.call_soon_threadsafe(self._check_drained, drained, quiet_s, paused_at,
                                                    paused_at + max(1.0, 50 * drain_quiet_s))
 
+        over = self._update_over
+        assert over is not None  # set by _paused_update
+
+        def on_resumed() -> None:  # requests held back go out now, not a few passes of the requests' loop later
+            with contextlib.suppress(RuntimeError):  # that loop has closed: nothing waits
+                requests_loop.call_soon_threadsafe(over.set)
+
         work = asyncio.wrap_future(self._paused_loop().submit(self._pause_load_and_resume(
-            path, version, "abort" if mode == "continue" else "keep", labelled, timeout_s, on_paused, caught_up,
-            streams_drained=drains)))
+            path, version, "abort" if mode == "continue" else "keep", labelled, timeout_s, on_paused, on_resumed,
+            caught_up, streams_drained=drains)))
         try:
             return await asyncio.shield(work)  # begun, an update runs to its resume even if this task is cancelled
         finally:
@@ -589,10 +596,12 @@ class InferenceClient:
 
     async def _pause_load_and_resume(self, path: str | Path, version: int, pause_mode: str, labelled: bool,
                                      timeout_s: float | None, on_paused: Callable[[], object],
+                                     on_resumed: Callable[[], object],
                                      caught_up: Callable[[], concurrent.futures.Future] | None,
                                      streams_drained: bool) -> tuple[float, float]:
         """On the pause's loop: pause; load (and label, `labelled`); once the requests' loop has `caught_up`,
-        stamp what requests in flight receive next (the new version's after a drain, else unknown); resume.
+        stamp what requests in flight receive next (the new version's after a drain, else unknown); resume,
+        and release the requests held back meanwhile (`on_resumed`).
         Returns the seconds from the pause call to the resume's answer, and the load's."""
         started = time.monotonic()
         try:
@@ -610,6 +619,7 @@ class InferenceClient:
                 request.resuming(self._version_after_update(request, drained=streams_drained))
         finally:
             await self.resume()
+        on_resumed()
         return time.monotonic() - started, reload_s
 
     def _paused_loop(self) -> LoopThread:
@@ -682,8 +692,8 @@ class InferenceClient:
         return loaded
 
     async def _update_finished(self) -> None:
-        while self._update_over is not None:
-            await self._update_over.wait()
+        while (over := self._update_over) is not None and not over.is_set():  # set at the resume's answer
+            await over.wait()
 
     async def reload_weights(self, path: str, timeout_s: float | None = None) -> None:
         # Not retried: a half-applied reload can leave vLLM broken, so the caller decides what next.
