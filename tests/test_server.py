@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import re
@@ -759,3 +760,28 @@ def test_stream_with_continuous_usage_and_without_token_ids(make_server):
     choices = [c["choices"][0] for c in chunks]
     assert all(c["token_ids"] is None and c["prompt_token_ids"] is None and c["logprobs"] is None for c in choices)
     assert "token_weight_versions" not in choices[0]
+
+
+def test_a_stream_whose_client_hung_up_ends_quietly_and_frees_its_slots(make_server, monkeypatch, caplog):
+    """A client may close a stream it no longer wants (a rollout cancelled, or regenerated). A write can find
+    the connection closing before the server has seen it lost: that ends the request, as vLLM aborts it, and
+    is no error handling it."""
+    from aiohttp import ClientConnectionResetError, web
+
+    s = make_server(faults=FaultConfig(step_delay_s=0.01))
+    write, writes = web.StreamResponse.write, collections.Counter()
+
+    async def closing_after_the_first_event(self: web.StreamResponse, data: bytes) -> None:
+        writes[id(self)] += 1
+        if writes[id(self)] > 1:
+            raise ClientConnectionResetError("Cannot write to closing transport")  # as aiohttp's writer does
+        await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", closing_after_the_first_event)
+    with httpx.stream("POST", s.url + "/v1/completions", timeout=30,
+                      json={"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}) as response:
+        events = sse_data(list(response.iter_lines()))
+    assert len(events) == 1 and "choices" in events[0]  # one event, then the stream ended
+    asyncio.run(wait_for_metrics(s.url, lambda m: m["vllm:num_requests_running"] == 0))
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert not errors, [r.getMessage() for r in errors]

@@ -311,12 +311,17 @@ class EmbeddedServer:
                            source: AsyncIterator[list[ChoiceResult]]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
-        async for choices in source:
-            data = stream.chunks(choices)
-            if data:
-                await response.write(data)
-        await response.write(stream.end())
-        await response.write_eof()
+        try:
+            async for choices in source:
+                data = stream.chunks(choices)
+                if data:
+                    await response.write(data)
+            await response.write(stream.end())
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client closed the stream (a rollout it no longer wants) before the server saw the connection
+            # lost: the request ends here, as vLLM aborts it, and closing `source` frees its slots.
+            pass
         return response
 
     @property
