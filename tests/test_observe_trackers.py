@@ -40,12 +40,15 @@ def home(tmp_path, monkeypatch):
 
 
 def tensorboard_steps(run: RunDir) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag's (step, value) points, as TensorBoard itself loads them from all event files."""
+    """Every scalar tag's (step, value) points, as TensorBoard itself loads them from all event files, by step
+    as its charts plot them: it reads the files in name order (seconds, host, pid), so a crashed process's file
+    and the resumed process's, begun in the same second, load in either order. A step logged twice stays twice."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(str(run.path / "tensorboard"), size_guidance={"scalars": 0})
     accumulator.Reload()
-    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+    return {tag: sorted(((e.step, e.value) for e in accumulator.Scalars(tag)), key=lambda point: point[0])
+            for tag in accumulator.Tags()["scalars"]}
 
 
 def wandb_rows(run: RunDir) -> list[dict[str, object]]:
