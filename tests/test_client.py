@@ -147,8 +147,9 @@ class StubVLLM:
 
     async def _stream(self, request: web.Request, body: dict[str, Any], step: str | int) -> web.StreamResponse:
         """vLLM's server-sent events: one chunk per token of choice 0 ([30 + i], logprob -i/10), then one
-        with its finish_reason, then [DONE]; "cut" drops the connection after two tokens; "held" waits for `release` after the first; "ragged" sends the
-        same events with CRLF line ends and a comment between them, in 7-byte pieces."""
+        with its finish_reason, then [DONE]; "cut" drops the connection after two tokens; "held" waits for
+        `release` after the first; "ragged" sends the same events with CRLF line ends and a comment between
+        them, in 7-byte pieces."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         events = []
@@ -698,7 +699,8 @@ def test_a_drain_waits_for_bytes_its_loop_has_read_but_the_stream_has_not_yet_ta
                                   "finish_reason": None}]}
 
             def read_then_timer() -> None:  # one pass of the loop
-                request.body.feed_data(b"data: " + json.dumps(token).encode() + b"\n\n")  # as its socket's protocol does
+                # As the protocol of its socket does with what a read brought:
+                request.body.feed_data(b"data: " + json.dumps(token).encode() + b"\n\n")
                 now = time.monotonic()
                 request.last_data_at = now - 1.0  # quiet for a second, as far as the stream has taken
                 client._check_drained(drained, 0.05, now - 1.0, now + 5.0)
