@@ -158,3 +158,48 @@ def get_algorithm(name: str, **params: Any) -> AdvantageAlgorithm:
         extra = accepted + (["whiten_eps"] if entry.batch_whiten else [])
         raise ValueError(f"advantage algorithm {name!r} takes no parameter {unknown}; it takes {extra}")
     return AdvantageAlgorithm(name, dict(params), whiten_eps)
+
+
+def algorithm_problems(name: str, params: dict[str, Any]) -> list[tuple[str, str]]:
+    """What is wrong with `name` and `params` as an environment's algorithm, as (key, message) pairs with
+    keys relative to the env entry ("algorithm", "algorithm_args.<param>"): an unregistered name, a
+    parameter the algorithm does not take, a value of another type than its default's, or one it cannot
+    compute with. Empty when the algorithm scores a probe group to finite advantages."""
+    if name not in ALGORITHMS:
+        return [("algorithm", f"unknown advantage algorithm {name!r}; registered: {sorted(ALGORITHMS)}")]
+    entry = ALGORITHMS[name]
+    defaults = {p.name: p.default for p in inspect.signature(entry.fn).parameters.values() if p.name != "rewards"}
+    if entry.batch_whiten:
+        defaults["whiten_eps"] = 1e-8
+    problems = []
+    for param, value in params.items():
+        if param not in defaults:
+            problems.append((f"algorithm_args.{param}", f"{name!r} takes no parameter {param!r}; it takes "
+                                                        f"{sorted(defaults)}"))
+        elif not _same_kind(value, defaults[param]):
+            problems.append((f"algorithm_args.{param}", f"expected {_kind(defaults[param])} (the default is "
+                                                        f"{defaults[param]!r}), got {value!r}"))
+    if problems:
+        return problems
+    try:
+        algorithm = get_algorithm(name, **params)
+        for rewards in ([0.0, 1.0, 0.25], [0.5, 0.5, 0.5]):  # a spread group, and one of equal rewards
+            with np.errstate(all="ignore"):
+                advantages = algorithm.group_advantages(rewards)
+            if not np.isfinite(advantages).all():
+                raise ValueError(f"rewards {rewards} give advantages {advantages.tolist()}")
+    except Exception as err:  # a plug-in's own check, or arithmetic that fails on these values
+        return [("algorithm_args", f"{name!r} cannot score a group with {params}: {err}")]
+    return []
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) == isinstance(default, bool)
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float)) and (isinstance(default, float) or isinstance(value, int))
+    return default is inspect.Parameter.empty or default is None or isinstance(value, type(default))
+
+
+def _kind(default: Any) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number"}.get(type(default), type(default).__name__)

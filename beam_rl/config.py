@@ -355,10 +355,13 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
+        from beam_rl.advantages import algorithm_problems  # the registry: here, not when config is imported
+
         problems: list[tuple[str, str]] = []
         batch, inference = self.batch, self.inference
         seen: dict[str, int] = {}
         for i, env in enumerate(self.envs):
+            problems += [(f"envs[{i}].{key}", msg) for key, msg in algorithm_problems(env.algorithm, env.algorithm_args)]
             if env.name in seen:
                 problems.append((f"envs[{i}].name", f"duplicate {env.name!r} (also envs[{seen[env.name]}])"))
             seen.setdefault(env.name, i)

@@ -111,8 +111,8 @@ def _micro_batch_arrays(record_batch: pa.RecordBatch, source: str) -> MicroBatch
         column = record_batch.column(f.name)
         if pa.types.is_string(f.arrow_type):
             arrays[f.key] = column.to_pylist()
-        else:
-            arrays[f.key] = _view(column, numpy_dtype(f.arrow_type), source, f.name)
+        else:  # as the file stores it: check_schema let through an older version's type (float32 rewards)
+            arrays[f.key] = _view(column, numpy_dtype(column.type), source, f.name)
     index = arrays["micro_batch"]
     if len(index) and not np.all(index == index[0]):
         mixed = sorted(set(index.tolist()))

@@ -23,7 +23,7 @@ from beam_rl.sink import BatchBuilder, score_group
 from beam_rl.types import Rollout, RolloutStatus, TrainBatch, Turn
 from schemas.commit_record import checksum
 from schemas.fields import ROLLOUT_FIELDS
-from schemas.train_batch import samples_to_table
+from schemas.train_batch import in_version, samples_to_table
 
 # The window columns the sink computes (the others are its inputs).
 _REPLAYED_WINDOW_COLUMNS = ("advantage", "filtered")
@@ -176,7 +176,8 @@ class _Replayer:
             except OSError as err:
                 result.differences.append(Difference(self._relative(path), None, None, f"unreadable ({err})", "a file"))
                 continue
-            difference = _compare_rank_file(committed, samples_to_table(micro_batches), self._relative(path))
+            replayed = in_version(samples_to_table(micro_batches), record.schema_version)
+            difference = _compare_rank_file(committed, replayed, self._relative(path))
             if difference is None:
                 result.identical_files.append(name)
             else:
@@ -387,10 +388,14 @@ def _compare_commit(record: CommitRecord, batch: TrainBatch, name: str) -> Diffe
 
 
 def _reward_precision_note(window: pa.Table) -> list[str]:
-    """window.arrow keeps rewards as float32 while the sink scored their float64 values: a reward such as
-    0.1 comes back as 0.10000000149011612, and advantages and reward means computed from it can differ in
-    their last bit. Said when some recorded reward is not the float64 its shortest decimal spells."""
-    rounded = next((r for r in window.column("reward").to_numpy() if float(str(r)) != float(r)), None)
+    """A window of schema version 2 keeps rewards as float32 while the sink scored their float64 values: a
+    reward such as 0.1 comes back as 0.10000000149011612, and advantages and reward means computed from it
+    can differ in their last bit. Said when some recorded reward is not the float64 its shortest decimal
+    spells (version 3 records float64 rewards: nothing to say)."""
+    rewards = window.column("reward")
+    if not pa.types.is_float32(rewards.type):
+        return []
+    rounded = next((r for r in rewards.to_numpy() if float(str(r)) != float(r)), None)
     if rounded is None:
         return []
     return [f"rewards are recorded as float32 (e.g. {str(rounded)} is stored as {float(rounded)!r}) and the run scored "

@@ -232,8 +232,8 @@ def sample_row(row: dict[str, Any], text: TokenText) -> dict[str, str | int | fl
         "rollout_id": row["rollout_id"],
         "env": row["env"],
         "status": row["status"],
-        "reward": _float32(row["reward"]),
-        "advantage": _float32(row["advantage"]),
+        "reward": _shortest(row["reward"]),
+        "advantage": _shortest(row["advantage"]),
         "filtered": row["filtered"] or "",
         "policy_versions": version_summary(row),
         "prompt": text.plain(row["prompt_ids"] or []),
@@ -244,9 +244,11 @@ def sample_row(row: dict[str, Any], text: TokenText) -> dict[str, str | int | fl
     }
 
 
-def _float32(value: float) -> float:
-    """A float32 column's value with the digits float32 has (0.1, not 0.10000000149011612)."""
-    return float(str(np.float32(value)))
+def _shortest(value: float) -> float:
+    """A value a float32 holds exactly with the digits float32 has (a float32 column's 0.1, not
+    0.10000000149011612); any other float64 as it is."""
+    single = np.float32(value)
+    return float(str(single)) if float(single) == value else value
 
 
 def step_sample_rows(run_dir: RunDir, step: int, tokenizer: Any, count: int = 8) -> list[dict[str, str | int | float]]:

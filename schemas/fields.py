@@ -107,7 +107,8 @@ SAMPLE_FIELDS: tuple[SampleField, ...] = (
     SampleField("group_id", pa.string(), "the rollout's group: `e<epoch>-i<row>`", key="group_ids"),
     SampleField("policy_version", pa.int32(), "the policy version the rollout started on",
                 key="sample_policy_versions"),
-    SampleField("reward", pa.float32(), "the rollout's reward", key="rewards", default=0.0),
+    SampleField("reward", pa.float64(), "the rollout's reward, as the environment gave it (float32 in schema "
+                "version 2)", key="rewards", default=0.0),
 )
 
 TOKEN_FIELDS: tuple[TokenField, ...] = (
@@ -155,7 +156,8 @@ ROLLOUT_FIELDS: tuple[RolloutField, ...] = (
     RolloutField("is_eval", pa.bool_(), "a held-out evaluation rollout (never trained on)"),
     # what became of it
     RolloutField("status", pa.string(), "how it left dispatch: a RolloutStatus value (ok, error, cancelled, ...)"),
-    RolloutField("reward", pa.float32(), "the environment's reward (0 unless ok)"),
+    # float64, the reward's own type: replay scores exactly what the run scored (float32 in schema version 2).
+    RolloutField("reward", pa.float64(), "the environment's reward (0 unless ok)"),
     RolloutField("advantage", pa.float32(), "the group algorithm's advantage (0 unless ok)"),
     RolloutField("filtered", pa.string(), "the filter that kept it from training; null: clean", nullable=True),
     RolloutField("num_turns", pa.int32(), "model generations in the trajectory", source="computed"),

@@ -15,9 +15,13 @@ if TYPE_CHECKING:
     from beam_rl.types import MicroBatch, Sample
 
 # 2: per-token policy_versions in the rank files; the rollouts' tokens and timeline in window.arrow.
-SCHEMA_VERSION = 2
+# 3: rewards as float64 in both (version 2 rounded them to float32, so replay could not match the run).
+SCHEMA_VERSION = 3
 SCHEMA_VERSION_KEY = b"beam_rl.schema_version"
-SUPPORTED_SCHEMA_VERSIONS = frozenset({2})
+SUPPORTED_SCHEMA_VERSIONS = frozenset({2, 3})
+
+# Columns whose type an older supported version declared otherwise: {version: {column: type}}.
+_OLDER_TYPES: dict[int, dict[str, pa.DataType]] = {2: {"reward": pa.float32()}}
 
 METADATA = {SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()}
 
@@ -55,14 +59,30 @@ def check_schema_version(schema: pa.Schema, source: str = "<schema>") -> int:
 
 
 def check_schema(schema: pa.Schema, expected: pa.Schema, source: str = "<schema>") -> None:
-    """Version check plus column check, so a file of the wrong kind fails with the missing column named."""
-    check_schema_version(schema, source)
+    """Version check plus column check, so a file of the wrong kind fails with the missing column named.
+    A file of an older supported version may hold a column with the type that version declared."""
+    older = _OLDER_TYPES.get(check_schema_version(schema, source), {})
     for field in expected:
         if field.name not in schema.names:
             raise SchemaError(f"{source}: missing column {field.name!r}")
         actual = schema.field(field.name).type
-        if actual != field.type:
-            raise SchemaError(f"{source}: column {field.name!r} is {actual}, expected {field.type}")
+        wanted = older.get(field.name, field.type)
+        if actual != wanted:
+            raise SchemaError(f"{source}: column {field.name!r} is {actual}, expected {wanted}")
+
+
+def in_version(table: pa.Table, version: int) -> pa.Table:
+    """`table` (of the current version) as a writer of supported `version` laid it out: the columns that
+    version typed otherwise cast to its types (float64 to float32 rounds as that writer did), its version
+    in the metadata. Replay compares an old run's files with what it wrote."""
+    if version == SCHEMA_VERSION:
+        return table
+    if version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise SchemaError(f"schema version {version} is not supported (this beam-rl reads "
+                          f"{sorted(SUPPORTED_SCHEMA_VERSIONS)})")
+    schema = pa.schema([field.with_type(_OLDER_TYPES.get(version, {}).get(field.name, field.type))
+                        for field in table.schema], metadata={SCHEMA_VERSION_KEY: str(version).encode()})
+    return table.cast(schema)
 
 
 def micro_batch_to_record_batch(index: int, micro_batch: MicroBatch) -> pa.RecordBatch:

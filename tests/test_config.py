@@ -232,3 +232,28 @@ def test_weight_update_modes_and_secured_server_settings_are_checked(tmp_path):
                                                 'api_key_env = "VLLM_API_KEY"\n'))
     assert cfg.inference.ca_bundle == tmp_path / "ca.pem"
     assert "VLLM_API_KEY" in json.dumps(cfg.model_dump(mode="json"))  # the variable's name, never a key
+
+
+def test_the_advantage_algorithm_and_its_arguments_are_checked_when_the_config_loads(tmp_path):
+    """A name nobody registered, a parameter the algorithm does not take, a value of the wrong type or one
+    it cannot compute with: each a problem at its key, before any pipeline could meet it while scoring."""
+    cases = {
+        'algorithm = "gpro"': ("envs[0].algorithm", "unknown advantage algorithm 'gpro'; registered: ['dr_grpo', "
+                                                    "'grpo', 'maxrl', 'reinforce_plus_plus_baseline', 'rloo']"),
+        'algorithm_args = {epsilon = 1e-4}': ("envs[0].algorithm_args.epsilon", "'grpo' takes no parameter "
+                                              "'epsilon'; it takes ['eps', 'unbiased_std']"),
+        'algorithm_args = {eps = "1e-4"}': ("envs[0].algorithm_args.eps", "expected a number (the default is "
+                                            "1e-06), got '1e-4'"),
+        'algorithm_args = {unbiased_std = 1}': ("envs[0].algorithm_args.unbiased_std", "expected true or false "
+                                                "(the default is True), got 1"),
+        'algorithm = "reinforce_plus_plus_baseline"\nalgorithm_args = {whiten_eps = [1]}': (
+            "envs[0].algorithm_args.whiten_eps", "expected a number (the default is 1e-08), got [1]"),
+        'algorithm_args = {eps = 0.0}': ("envs[0].algorithm_args", "'grpo' cannot score a group with {'eps': 0.0}: "
+                                         "rewards [0.5, 0.5, 0.5] give advantages [nan, nan, nan]"),
+    }
+    for line, problem in cases.items():
+        err = problems_of(tmp_path, f'[[envs]]\nname = "arithmetic"\n{line}\n')
+        assert err.problems == [problem], line
+    cfg = load_config(write(tmp_path, '[[envs]]\nname = "arithmetic"\nalgorithm = "rloo"\n'
+                                      '[[envs]]\nname = "b"\nalgorithm_args = {eps = 1, unbiased_std = false}\n'))
+    assert [e.algorithm_args for e in cfg.envs] == [{}, {"eps": 1, "unbiased_std": False}]

@@ -155,12 +155,40 @@ def test_a_version_1_step_is_refused_naming_the_file(tmp_path):
     v1 = samples_to_table(batch().micro_batches[0]).drop_columns(["policy_versions"])
     _overwrite_rank_file(run, path, v1.schema.with_metadata({"beam_rl.schema_version": "1"}), v1)
     with pytest.raises(SchemaError, match=rf"^{re.escape(str(path))}: schema version 1 is not supported "
-                                          r"\(this beam-rl reads \[2\]\); written by an older beam-rl"):
+                                          r"\(this beam-rl reads \[2, 3\]\); written by an older beam-rl"):
         StepReader(run).read_step(1)
     window = run.window_path(1)
     old = run.read_window(1).select(["rollout_id", "status"])
     _overwrite_rank_file(run, window, old.schema.with_metadata({"beam_rl.schema_version": "1"}), old)
     with pytest.raises(SchemaError, match=rf"^{re.escape(str(window))}: schema version 1 is not supported"):
+        run.read_window(1)
+
+
+def test_a_version_2_step_with_float32_rewards_is_still_read(tmp_path):
+    """Version 3 records rewards as float64 (0.1 stays 0.1); files of version 2 held float32 rewards and
+    are read as they are, every other column alike."""
+    run = RunDir(tmp_path)
+    run.write_step(TrainBatch(step=1, micro_batches=[[MicroBatch([sample([1, 2], [0, 1], 1.0, "g/0", reward=0.1)])]],
+                              group_ids=["g"], window={}))
+    [mb] = StepReader(run).read_step(1, copy=True)  # the file is rewritten below
+    assert mb["rewards"].dtype == np.float64 and mb["rewards"][0] == 0.1
+    path = run.rank_path(1, 0)
+    table = pa.ipc.open_file(pa.py_buffer(path.read_bytes())).read_all()  # not mapped: the file is rewritten
+    v2 = table.set_column(table.schema.get_field_index("reward"), "reward", table.column("reward").cast(pa.float32()))
+    _overwrite_rank_file(run, path, v2.schema.with_metadata({"beam_rl.schema_version": "2"}), v2)
+    [old] = StepReader(run).read_step(1)
+    assert old["rewards"].dtype == np.float32 and old["rewards"][0] == np.float32(0.1)
+    np.testing.assert_array_equal(old["input_ids"], mb["input_ids"])
+    window = run.window_path(1)
+    table = pa.ipc.open_file(pa.py_buffer(window.read_bytes())).read_all()
+    assert table.schema.field("reward").type == pa.float64()
+    float32 = table.schema.field("reward").with_type(pa.float32())
+    v2 = table.set_column(table.schema.get_field_index("reward"), float32, table.column("reward").cast(pa.float32()))
+    _overwrite_rank_file(run, window, v2.schema.with_metadata({"beam_rl.schema_version": "2"}), v2)
+    assert run.read_window(1).num_rows == table.num_rows
+    wrong = table.set_column(table.schema.get_field_index("reward"), float32, table.column("reward").cast(pa.float32()))
+    _overwrite_rank_file(run, window, wrong.schema.with_metadata({"beam_rl.schema_version": "3"}), wrong)
+    with pytest.raises(SchemaError, match=r"column 'reward' is float, expected double"):
         run.read_window(1)
 
 

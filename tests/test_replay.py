@@ -8,6 +8,7 @@ import io
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -15,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from beam_rl import components
-from beam_rl.config import config_from_dict
+from beam_rl.config import config_from_dict, load_config
 from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.replay import ReplayError, _fresh_start, first_table_difference, replay_steps
 from beam_rl.rundir import RunDir
@@ -25,13 +26,16 @@ from beam_rl.tinymodel import tiny_model_dir
 from beam_rl.types import Rollout, TrainBatch, Turn
 from runners.job import run_job
 from runners.pipeline import run_rollouts
+from schemas.commit_record import FileEntry, checksum
+from schemas.train_batch import in_version
 from test_cli import RED, coloured, run_cli
 
 GREEN = "\x1b[32m"
+REPO = Path(__file__).resolve().parent.parent
 _STYLE = re.compile(r"\x1b\[[0-9;]*m")
 
-# Rewards of 0, 0.5 and 1 are exact in window.arrow's float32 reward column (see test_float32_rewards...).
-ENV = {"name": "arithmetic_easy", "group_size": 8, "args": {"partial_credit": 0.5}}
+# The main job's environment with its defaults: a partial credit of 0.1, which float32 cannot hold.
+ENV = {"name": "arithmetic_easy", "group_size": 8}
 
 
 def _rollouts_config(run_dir):
@@ -113,6 +117,20 @@ def test_every_step_of_a_run_with_a_trainer_replays_bit_for_bit(job_run, monkeyp
     assert coloured(lines, RED) == []
     assert [line.split(":")[0] for line in coloured(lines, GREEN)] == [f"step {s}" for s in run.committed_steps()]
     assert _STYLE.sub("", lines[-1]) == f"{len(windows)} of {len(windows)} steps identical"
+
+
+def test_every_step_of_the_main_job_replays_bit_for_bit(tmp_path, monkeypatch):
+    """`scripts/run-main.sh`'s run: configs/tiny.toml as it ships, only its run directory moved."""
+    config = load_config(REPO / "configs" / "tiny.toml")
+    config = config.model_copy(update={"run": config.run.model_copy(update={"dir": tmp_path / "tiny"})})
+    run = run_job(config, Console(file=io.StringIO()))
+    steps = run.committed_steps()
+    assert steps == list(range(1, config.run.max_steps + 1))
+    rewards = np.concatenate([run.read_window(s).column("reward").to_numpy() for s in steps])
+    assert (rewards == 0.1).any()  # the default partial credit, which float32 cannot hold
+    status, lines = run_cli(monkeypatch, "replay", str(run.path), "--all")
+    assert status == 0 and coloured(lines, RED) == [], lines
+    assert _STYLE.sub("", lines[-1]) == f"{len(steps)} of {len(steps)} steps identical"
 
 
 def test_replaying_without_the_staleness_check_the_run_had_is_named_at_the_first_cut(job_run, monkeypatch):
@@ -263,13 +281,23 @@ def test_replay_of_a_step_starts_where_no_group_can_have_waited_past_a_cut(tmp_p
     assert _fresh_start(run, 3) == _fresh_start(run, 4) == 2
 
 
-def test_float32_rewards_are_named_as_the_limit_of_an_exact_replay(tmp_path):
-    """A reward of 0.1 is 0.10000000149011612 in window.arrow: the GRPO advantage of the group below then
-    comes out one float32 step away from the run's. Rewards float32 holds exactly replay bit for bit."""
-    exact = _sink_step(tmp_path / "exact", [1.0, 0.5, 0, 0, 0, 0, 0, 0])
-    assert next(replay_steps(exact, [1])).identical
-    rounded = _sink_step(tmp_path / "rounded", [1.0, 0.1, 0, 0, 0, 0, 0, 0])
-    [result] = replay_steps(rounded, [1])
+def test_rewards_float32_cannot_hold_replay_bit_for_bit(tmp_path):
+    """window.arrow and the rank files record the float64 rewards the sink scored: a reward of 0.1 is
+    0.1 there, and every advantage computed from it replays bit for bit."""
+    run = _sink_step(tmp_path / "run", [1.0, 0.1, 0.3, 0, 0, 0, 0, 0], [0.7, 0.1, 0.2, 0, 0, 0, 0, 0])
+    assert run.read_window(1).column("reward").to_pylist()[:3] == [1.0, 0.1, 0.3]
+    [result] = replay_steps(run, [1])
+    assert result.identical and not result.notes, [str(d) for d in result.differences]
+
+
+def test_a_schema_version_2_step_replays_with_its_float32_rewards_named_as_the_limit(tmp_path):
+    """A step written by schema version 2 holds a reward of 0.1 as 0.10000000149011612: replayed in that
+    version's layout, the GRPO advantage of the group below comes out one float32 step away from the
+    run's, and the replay says why."""
+    run = _sink_step(tmp_path / "rounded", [1.0, 0.1, 0, 0, 0, 0, 0, 0])
+    _as_schema_version_2(run)
+    assert run.read_window(1).column("reward").type == pa.float32()
+    [result] = replay_steps(run, [1])
     first = result.differences[0]
     assert (first.file, first.column) == ("rollouts/step_1/rank_0.arrow", "advantages")
     assert first.where.startswith("rollout arithmetic_easy/e0-i0/1,")  # the one rewarded 0.1
@@ -277,3 +305,24 @@ def test_float32_rewards_are_named_as_the_limit_of_an_exact_replay(tmp_path):
     assert result.notes == ["rewards are recorded as float32 (e.g. 0.1 is stored as 0.10000000149011612) and "
                             "the run scored their float64 values: advantages and reward means replayed from "
                             "them can differ in the last bit"]
+    exact = _sink_step(tmp_path / "exact", [1.0, 0.5, 0, 0, 0, 0, 0, 0])  # rewards float32 holds: identical
+    _as_schema_version_2(exact)
+    [result] = replay_steps(exact, [1])
+    assert result.identical, [str(d) for d in result.differences]
+
+
+def _as_schema_version_2(run: RunDir) -> None:
+    """Step 1's files and commit record as the writer of schema version 2 made them (float32 rewards)."""
+    for path in (run.rank_path(1, 0), run.window_path(1)):
+        table = pa.ipc.open_file(pa.py_buffer(path.read_bytes())).read_all()  # not mapped: rewritten below
+        _overwrite_step_file(run, path, in_version(table, 2))
+    run.commit_path(1).write_bytes(run.read_commit(1).model_copy(update={"schema_version": 2}).to_json())
+
+
+def _overwrite_step_file(run: RunDir, path, table: pa.Table) -> None:
+    """Replace a file of step 1, and its entry in the commit record, as a writer of that file would."""
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    record, data = run.read_commit(1), path.read_bytes()
+    files = {**record.files, path.name: FileEntry(bytes=len(data), xxh3_128=checksum(data))}
+    run.commit_path(1).write_bytes(record.model_copy(update={"files": files}).to_json())

@@ -65,7 +65,7 @@ def test_write_step_commits_rank_files_window_and_record(tmp_path):
     assert step_dir == tmp_path / "rollouts" / "step_1"
     assert sorted(os.listdir(step_dir)) == ["COMMIT.json", "rank_0.arrow", "rank_1.arrow", "window.arrow"]
     commit = run.read_commit(1)
-    assert commit.step == 1 and commit.schema_version == 2 and commit.record_version == RECORD_VERSION
+    assert commit.step == 1 and commit.schema_version == 3 and commit.record_version == RECORD_VERSION
     assert commit.group_ids == ["g0", "g1"]
     assert commit.offsets == [("arithmetic", 0, 4), ("arithmetic", 0, 7)]
     assert commit.counts == StepCounts(

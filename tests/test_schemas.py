@@ -46,9 +46,10 @@ def two_micro_batches() -> list[MicroBatch]:
 
 
 def test_schema_carries_its_version():
-    assert SCHEMA_VERSION == 2
-    assert TRAIN_BATCH_SCHEMA.metadata == {b"beam_rl.schema_version": b"2"}
-    assert ROLLOUT_RECORD_SCHEMA.metadata == {b"beam_rl.schema_version": b"2"}
+    assert SCHEMA_VERSION == 3
+    assert TRAIN_BATCH_SCHEMA.metadata == {b"beam_rl.schema_version": b"3"}
+    assert ROLLOUT_RECORD_SCHEMA.metadata == {b"beam_rl.schema_version": b"3"}
+    assert TRAIN_BATCH_SCHEMA.field("reward").type == ROLLOUT_RECORD_SCHEMA.field("reward").type == pa.float64()
     assert TRAIN_BATCH_SCHEMA.field("loss_mask").type == pa.list_(pa.uint8())
     assert TRAIN_BATCH_SCHEMA.field("policy_versions").type == pa.list_(pa.int32())
 
@@ -123,14 +124,15 @@ def test_seq_len_that_disagrees_with_the_tokens_is_refused():
 
 
 def test_missing_or_unknown_schema_version_is_refused():
-    assert check_schema_version(TRAIN_BATCH_SCHEMA) == 2
+    assert check_schema_version(TRAIN_BATCH_SCHEMA) == 3
+    assert check_schema_version(TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "2"})) == 2
     with pytest.raises(SchemaError, match=r"f\.arrow: no beam_rl.schema_version"):
         check_schema_version(TRAIN_BATCH_SCHEMA.remove_metadata(), "f.arrow")
-    with pytest.raises(SchemaError, match=r"f\.arrow: schema version 1 is not supported \(this beam-rl reads \[2\]\); "
+    with pytest.raises(SchemaError, match=r"f\.arrow: schema version 1 is not supported \(this beam-rl reads \[2, 3\]\); "
                                           "written by an older beam-rl: read it with the beam-rl that wrote it"):
         check_schema_version(TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "1"}), "f.arrow")
-    with pytest.raises(SchemaError, match=r"f\.arrow: schema version 3 is not supported .*newer beam-rl: upgrade"):
-        check_schema_version(TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "3"}), "f.arrow")
+    with pytest.raises(SchemaError, match=r"f\.arrow: schema version 4 is not supported .*newer beam-rl: upgrade"):
+        check_schema_version(TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "4"}), "f.arrow")
     with pytest.raises(SchemaError, match="'one' is not an integer"):
         check_schema_version(TRAIN_BATCH_SCHEMA.with_metadata({"beam_rl.schema_version": "one"}))
 
