@@ -4,7 +4,9 @@ run directory."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -15,11 +17,12 @@ from rich.table import Table
 
 from beam_rl.config import ConfigError, RunConfig, load_config
 from beam_rl.datasets import DatasetError
-from beam_rl.failures import read_failure
+from beam_rl.failures import ServersNotReadyError, read_failure
 from beam_rl.lease import RunDirBusyError
 from beam_rl.processes import ChildFailedError
 from beam_rl.report import COMMITTED_COLUMNS, StepRow, StepTable
 from beam_rl.rundir import CommitRecord, CommitRecordError, RunDir, RunDirError, StepCorruptError
+from schemas.train_batch import SchemaError
 
 console = Console()
 _LOG = logging.getLogger(__name__)
@@ -156,13 +159,16 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def preflight(config: RunConfig, source: str) -> RunDir:
-    """What can be checked before a server starts or the run directory is touched: every env's
-    dataset (the first bad row fails, named by file, line and field, unless run.bad_rows = "skip"),
-    then whether the run directory is writable. Skipped rows are reported and recorded in
-    metrics.jsonl as {"dataset": {...}}."""
+    """What can be checked before a server starts or the run directory is touched: the model directory
+    and its tokenizer, every env's dataset (the first bad row fails, named by file, line and field,
+    unless run.bad_rows = "skip"), then whether the run directory is writable and its newest published
+    weights fit the model. Skipped rows are reported and recorded in metrics.jsonl as {"dataset": {...}}."""
+    check_model(config, source)
     loaded = _load_datasets(config, source)
     run_dir = RunDir(config.run.dir)
     run_dir.check_writable()
+    check_run_records(run_dir)
+    check_published_weights(run_dir, config)
     for name, split, rows, skipped in loaded:
         if not skipped:
             continue
@@ -173,6 +179,71 @@ def preflight(config: RunConfig, source: str) -> RunDir:
             "errors": [str(err) for err in skipped[:100]],  # enough to fix the file, bounded
         }})
     return run_dir
+
+
+def check_model(config: RunConfig, source: str) -> None:
+    """model.name is "tiny" or a local Hugging Face directory with a model config, a tokenizer that loads,
+    and (where a server or the trainer here loads it) safetensors weights; ConfigError at model.name."""
+    from beam_rl import components
+    from beam_rl.checkpoint_shapes import CheckpointError, tensor_shapes
+
+    if config.model.name == "tiny":
+        return
+    path = Path(config.model.name).expanduser()
+
+    def problem() -> str | None:
+        if not path.is_dir():
+            return (f"{path} is not a directory: give \"tiny\" or a local Hugging Face model directory "
+                    "(nothing is downloaded)")
+        try:
+            int(json.loads((path / "config.json").read_bytes())["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return f"{path / 'config.json'}: not a model config with a vocab_size ({type(err).__name__}: {err})"
+        try:
+            components.tokenizer_for(config.model.name)
+        except Exception as err:  # transformers raises many kinds for a directory it cannot use
+            return f"{path}: its tokenizer does not load ({type(err).__name__}: {str(err).splitlines()[0]})"
+        if not config.inference.urls or config.trainer.kind == "reference":
+            try:
+                tensor_shapes(path)
+            except CheckpointError as err:
+                return f"{err} (the embedded servers and the reference trainer load the model's weights)"
+        return None
+
+    found = problem()
+    if found:
+        raise ConfigError(source, [("model.name", found)])
+
+
+def check_run_records(run_dir: RunDir) -> None:
+    """Before a run resumes: every commit record and every complete line of metrics.jsonl reads (the
+    source resumes from the records; the observer and the trainer read the metrics), and every file of
+    the steps no published weights have trained yet matches its record (the trainer reads them next).
+    RunDirError or CommitRecordError naming the first damaged file otherwise, before anything starts."""
+    run_dir.repair_metrics()
+    run_dir.read_metrics()
+    trained = run_dir.latest_stable_weights()
+    for step in run_dir.committed_steps():
+        record = run_dir.read_commit(step)
+        if trained is None or step > trained[0]:
+            run_dir.verify_step(record)
+
+
+def check_published_weights(run_dir: RunDir, config: RunConfig) -> None:
+    """The newest weights the trainer published (STABLE) fit the model: every server loads them before
+    any group starts, and the trainer resumes from them. RunDirError naming the directory otherwise."""
+    from beam_rl import components
+    from beam_rl.checkpoint_shapes import CheckpointError, validate_checkpoint
+
+    latest = run_dir.latest_stable_weights()
+    if latest is None:
+        return
+    step, path = latest
+    try:
+        validate_checkpoint(path, components.model_dir(config))
+    except CheckpointError as err:
+        raise RunDirError(f"the newest published weights, step {step}, cannot be loaded: {err}. Remove {path} "
+                          "and the run resumes from the weights published before them") from None
 
 
 def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, list[DatasetError]]]:
@@ -203,10 +274,10 @@ def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, 
 
 def _pipeline_stopped(err: BaseException, run_dir: RunDir, since: float, again: str) -> int:
     """A run stopped by one of our own errors (disk full, every server down), which the failing stage
-    recorded in the run directory since `since` (beam_rl/failures.py): its message, not Beam's whole
-    traceback, and what the run directory still holds. Any other error (a busy run directory, a failed
-    trainer) is raised as it is, for `main`."""
-    failure = read_failure(run_dir.path, since)
+    recorded in the run directory since `since` (beam_rl/failures.py), or by a child process that failed
+    (the trainer): its message, not Beam's whole traceback, and what the run directory still holds. Any
+    other error (a busy run directory) is raised as it is, for `main`."""
+    failure = err if isinstance(err, ChildFailedError) else read_failure(run_dir.path, since)
     if failure is None:
         raise err
     _LOG.info("the pipeline failed", exc_info=err)  # the full traceback with -v
@@ -219,10 +290,12 @@ def _pipeline_stopped(err: BaseException, run_dir: RunDir, since: float, again: 
 
 def _cmd_rollouts(args: argparse.Namespace) -> int:
     from beam_rl.servers import inference_servers
+    from runners.beam_log import route_beam_output
     from runners.pipeline import run_rollouts
 
     config = _with_run_dir(load_config(args.config), args.run_dir)
     run_dir = preflight(config, args.config)
+    route_beam_output(run_dir.path)
     started, since = time.monotonic(), time.time()
     with console.status("starting inference servers"), inference_servers(config) as urls:
         console.print(f"inference servers: {', '.join(urls)}")
@@ -251,7 +324,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             console.print(f"[red]{run_dir.path} holds no config.json: not a beam-rl run directory[/red]")
             return 2
         source = str(run_dir.config_path)
-        config = config_from_dict(run_dir.read_config(), source=source)
+        # The directory given is the run, wherever config.json says it was made (a copied or moved run).
+        config = _with_run_dir(config_from_dict(run_dir.read_config(), source=source), args.resume)
     elif args.config:
         source = args.config
         config = _with_run_dir(load_config(args.config), args.run_dir)
@@ -267,8 +341,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     run_dir = preflight(config, source)
     if last is not None:
         console.print(f"resuming {config.run.dir}: steps 1..{last} are committed, continuing at {last + 1}")
+    from runners.beam_log import route_beam_output
     from runners.job import run_job  # the CLI is the one domain module that reaches the runners
 
+    route_beam_output(run_dir.path)
     since = time.time()
     try:
         run_job(config, console)
@@ -293,6 +369,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run_dir = RunDir(args.run_dir)
     config = load_config(args.config) if args.config else config_from_dict(
         run_dir.read_config(), source=str(run_dir.config_path))
+    check_model(config, args.config or str(run_dir.config_path))
+    check_published_weights(run_dir, config)
     import torch
 
     torch.set_num_threads(config.trainer.threads)
@@ -408,17 +486,29 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("apache_beam.io.filesystems").setLevel(logging.ERROR)
     try:
         return args.func(args)
-    except (ConfigError, RunDirError, RunDirBusyError, DatasetError) as err:
+    except (ConfigError, RunDirError, RunDirBusyError, DatasetError, ServersNotReadyError) as err:
         console.print(f"[red]{escape(str(err))}[/red]")
         return 2
     except ChildFailedError as err:  # the trainer: its log says why
         console.print(f"[red]{escape(str(err))}[/red]")
         return 1
-    except KeyboardInterrupt:
+    except SchemaError as err:  # a commit record or an Arrow file this beam-rl cannot read
+        console.print(f"[red]{escape(str(err))}[/red]")
+        return 2
+    except KeyboardInterrupt as err:
         # The job cancelled the pipeline and stopped its servers and trainer on the way out;
         # committed steps are whole, and `beam-rl run --resume RUN_DIR` continues after them.
-        console.print("[yellow]interrupted: committed steps are kept; `beam-rl run --resume RUN_DIR` continues[/yellow]")
-        return 130
+        signum = getattr(err, "signal", signal.SIGINT)
+        console.print(f"[yellow]interrupted ({signum.name}): committed steps are kept; "
+                      "`beam-rl run --resume RUN_DIR` continues[/yellow]")
+        return 128 + signum
+    except Exception as err:  # anything no clause above knows: still one line, the traceback with -v
+        if args.verbose:
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        console.print(f"[red]beam-rl {args.command} failed: {type(err).__name__}"
+                      f"{': ' + escape(first) if first else ''} (`beam-rl -v {args.command} ...` shows where)[/red]")
+        return 1
 
 
 if __name__ == "__main__":

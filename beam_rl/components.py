@@ -7,9 +7,11 @@ config (a pydantic model) and the inference server URLs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +22,7 @@ from beam_rl.config import RunConfig
 from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
 from beam_rl.envs import env_class, make_env
 from beam_rl.envs.base import Environment, SamplingParams
+from beam_rl.failures import ServersNotReadyError
 from beam_rl.filters import RolloutFilter, make_filter
 from beam_rl.inference.client import InferenceAuthError, InferenceClient, InferenceError, InferenceHTTPError
 from beam_rl.packing import BatchCutter
@@ -27,6 +30,8 @@ from beam_rl.schedule import EnvSchedule, PromptSchedule
 from beam_rl.sink import BatchBuilder
 from beam_rl.tinymodel import tiny_model_dir
 from beam_rl.tokenizer import load_tokenizer
+
+_LOG = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=4)
@@ -150,39 +155,70 @@ def inference_client(config: RunConfig, url: str, key: str | None, version: int 
 
 
 def check_servers(config: RunConfig, server_urls: list[str]) -> None:
-    """Before a pipeline starts: every server accepts the configured API key (or needs none) over a TLS
-    connection this machine trusts. A refused key is a ValueError naming the server and the variable, not
-    a stream of failed rollouts; a server that cannot be reached yet is left to the dispatcher's re-probes."""
+    """Before a pipeline starts, every server is asked what it serves (`/v1/models`, which vLLM guards
+    with its API key; on the generate route also for one token there), all in parallel.
+    - A refused key, an untrusted certificate or a missing route: ServersNotReadyError naming the server.
+    - No server answering within `inference.startup_timeout_s`: ServersNotReadyError naming each and what
+      it last said; a run never waits the longer `inference.all_servers_down_timeout_s` for servers that
+      were never up (the dispatcher keeps the short patience too until one answers a request).
+    - Some answering: the others are named in a warning and left to the dispatcher's re-probes.
+    No completion is requested on the completions route: a server's own counters see only the run."""
     key = api_key(config)
+    patience_s = config.inference.startup_timeout_s
 
-    async def check(url: str) -> str | None:
-        async with inference_client(config, url, key) as client:
+    async def attempt(client: InferenceClient, url: str) -> tuple[str | None, bool]:
+        """(what is wrong, whether it may pass by itself), or (None, False) when the server is ready."""
+        try:
+            await client.check_access()
+        except InferenceAuthError as err:
+            return ((f"{url} refuses the API key in ${config.inference.api_key_env} (HTTP {err.status})" if key
+                     else f"{url} wants an API key (HTTP {err.status}): set inference.api_key_env"), False)
+        except InferenceHTTPError as err:
+            return f"{url} answers with HTTP {err.status}", True
+        except InferenceError as err:
+            if "certificate" in str(err).lower():
+                return f"{url}: TLS failed ({err}); set inference.ca_bundle to the CA that signed it", False
+            return f"{url} cannot be reached ({err})", True
+        if config.inference.route == "generate":
             try:
-                await client.check_access()
-            except InferenceAuthError as err:
-                return (f"{url} refuses the API key in ${config.inference.api_key_env} (HTTP {err.status})"
-                        if key else f"{url} wants an API key (HTTP {err.status}): set inference.api_key_env")
+                await client.check_generate_route()
+            except InferenceHTTPError as err:  # the key passed above: a 403 is vLLM's disabled route
+                if err.status in (403, 404, 405):
+                    return (f"{url} does not serve /inference/v1/generate (HTTP {err.status}): start vLLM 0.32"
+                            " or later with --enable-scale-out, or set inference.route = \"completions\"", False)
+                return f"{url} answers the generate route with HTTP {err.status}", True
             except InferenceError as err:
-                if "certificate" in str(err).lower():
-                    return f"{url}: TLS failed ({err}); set inference.ca_bundle to the CA that signed it"
-                return None
-            if config.inference.route == "generate":
-                try:
-                    await client.check_generate_route()
-                except InferenceHTTPError as err:  # the key passed above: a 403 is vLLM's disabled route
-                    if err.status in (403, 404, 405):
-                        return (f"{url} does not serve /inference/v1/generate (HTTP {err.status}): start vLLM 0.32"
-                                " or later with --enable-scale-out, or set inference.route = \"completions\"")
-                except InferenceError:
-                    pass  # unreachable now: left to the dispatcher's re-probes
-        return None
+                return f"{url} cannot be reached ({err})", True
+        return None, False
 
-    async def check_all() -> list[str | None]:
+    async def check_all() -> list[tuple[str | None, bool]]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + patience_s
+        one_ready = asyncio.Event()
+
+        async def check(url: str) -> tuple[str | None, bool]:
+            async with inference_client(config, url, key) as client:
+                while True:
+                    problem, transient = await attempt(client, url)
+                    if problem is None:
+                        one_ready.set()
+                    if problem is None or not transient or one_ready.is_set() or loop.time() >= deadline:
+                        return problem, transient
+                    with contextlib.suppress(TimeoutError):  # retry soon, or stop once another is ready
+                        await asyncio.wait_for(one_ready.wait(), min(0.5, max(0.0, deadline - loop.time())))
+
         return list(await asyncio.gather(*(check(url) for url in server_urls)))
 
-    problems = [p for p in asyncio.run(check_all()) if p]
-    if problems:
-        raise ValueError("inference servers refuse this run:\n  " + "\n  ".join(problems))
+    results = asyncio.run(check_all())
+    refusals = [problem for problem, transient in results if problem and not transient]
+    down = [problem for problem, transient in results if problem and transient]
+    if refusals or len(down) == len(server_urls):
+        detail = refusals + down
+        if len(down) == len(server_urls):
+            detail.append(f"none answered within inference.startup_timeout_s = {patience_s:g} s")
+        raise ServersNotReadyError("inference servers cannot serve this run: " + "; ".join(detail))
+    if down:
+        _LOG.warning("not ready at start-up, left to the dispatcher's re-probes: %s", "; ".join(down))
 
 
 def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str, Environment],

@@ -21,9 +21,11 @@ class ConfigError(ValueError):
     def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
         self.source = source
         self.problems = problems
-        lines = [f"invalid config {source}:"]
-        lines += [f"  {path}: {msg}" if path else f"  {msg}" for path, msg in problems]
-        super().__init__("\n".join(lines))
+        entries = [f"{path}: {msg}" if path else msg for path, msg in problems]
+        if len(entries) == 1:  # one line, as every other error the command prints
+            super().__init__(f"invalid config {source}: {entries[0]}")
+        else:
+            super().__init__("\n".join([f"invalid config {source}:", *(f"  {e}" for e in entries)]))
 
 
 class _Section(BaseModel):
@@ -53,6 +55,9 @@ class InferenceSection(_Section):
     request_timeout_s: float = Field(60.0, gt=0)
     max_retries: int = Field(2, ge=0)
     retry_backoff_s: float = Field(0.2, ge=0)
+    # At start-up every server must answer a one-token request within this many seconds, or the run
+    # does not start (naming it); a server that was up and went down is waited for longer (below).
+    startup_timeout_s: float = Field(30.0, gt=0)
     # With every server unhealthy the run waits (re-probing them); past this many seconds it stops.
     all_servers_down_timeout_s: float = Field(300.0, gt=0)
     max_tokens: int = Field(24, gt=0)

@@ -19,6 +19,10 @@ _LOG = logging.getLogger(__name__)
 FAILURE_FILE = "failure.json"
 
 
+class ServersNotReadyError(ValueError):
+    """At start-up, some inference server cannot serve the run (the message names each and why)."""
+
+
 class RunFailure(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

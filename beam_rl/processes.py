@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -126,7 +127,9 @@ class Supervisor:
     def raise_if_failed(self) -> None:
         child = self.failed()
         if child is not None:
-            raise ChildFailedError(f"the {child.name} exited with status {child.exit_code()}; see {child.log}")
+            cause = (_last_line(child.log) or _full_disk(child.log)) if child.log else None
+            raise ChildFailedError(f"the {child.name} exited with status {child.exit_code()}"
+                                   + (f" ({cause})" if cause else "") + f"; see {child.log}")
 
     def stop(self) -> None:
         """Stop every part, newest first; each is stopped even when an earlier stop raised, and the
@@ -152,5 +155,29 @@ class Supervisor:
         errors = self._stop_all()
         if errors and exc is None:
             raise errors[0]
-        for err in errors:  # the error that ended the block is the one to see
-            _LOG.warning("stopping a part of the job failed while handling %r", exc, exc_info=err)
+        for err in errors:  # the error that ended the block is the one to see; the traceback with -v
+            _LOG.warning("stopping a part of the job failed while handling %r: %s: %s", exc, type(err).__name__,
+                         str(err).strip().splitlines()[0] if str(err).strip() else "")
+            _LOG.info("stopping a part of the job failed", exc_info=err)
+
+
+def _last_line(log: Path, tail_bytes: int = 4096) -> str | None:
+    """The last line of a child's log when it names an exception (`OSError: [Errno 28] ...`): what stopped it."""
+    try:
+        with log.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return None
+    last = lines[-1].strip() if lines else ""
+    name = last.split(":", 1)[0]
+    return last if ":" in last and name.isidentifier() and name[0].isupper() else None
+
+
+def _full_disk(log: Path, below_bytes: int = 1 << 20) -> str | None:
+    """Where a child's log says nothing, it may not have been able to: its filesystem is full."""
+    try:
+        free = shutil.disk_usage(log.parent).free
+    except OSError:
+        return None
+    return f"the filesystem holding {log.parent} is full: {free} bytes free" if free < below_bytes else None

@@ -44,9 +44,10 @@ def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
         jobs.append(job)
         parts.add("rollout job", job.cancel)
         if threading.current_thread() is threading.main_thread():
-            # Beam's job-server wrapper installs a SIGINT handler that fails when called; Ctrl-C
-            # must reach this loop as KeyboardInterrupt so the parts are stopped in order.
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            # Beam's job-server wrapper installs a SIGINT handler that fails when called; Ctrl-C, and
+            # SIGTERM alike, must reach this loop as KeyboardInterrupt so the parts are stopped in order.
+            signal.signal(signal.SIGINT, _interrupt)
+            signal.signal(signal.SIGTERM, _interrupt)
         pipeline = _Waiter(job)
         trainer = None
         if config.trainer.kind == "reference":
@@ -56,6 +57,18 @@ def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
     plot = write_plot(run_dir)
     console.print(f"done in {time.monotonic() - started:.0f}s; steps under {run_dir.rollouts_dir}; plot {plot}")
     return run_dir
+
+
+class Interrupted(KeyboardInterrupt):
+    """The job was stopped by a signal (Ctrl-C's SIGINT, or SIGTERM); `signal` names it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signal = signal.Signals(signum)
+
+
+def _interrupt(signum: int, _frame) -> None:
+    raise Interrupted(signum)
 
 
 def _rollout_job(config: RunConfig, urls: list[str], run_dir: RunDir, console: Console) -> RolloutJob:
@@ -94,14 +107,18 @@ class _Waiter:
 
 def _follow(pipeline: _Waiter, trainer: Child | None, parts: Supervisor, view: _ProgressView) -> None:
     """Refresh the view until the pipeline and the trainer are both done; raise what stopped either."""
-    with Live(view.render(), console=view.console, refresh_per_second=2) as live:
-        while pipeline.running() or (trainer is not None and trainer.exit_code() is None):
-            parts.raise_if_failed()
-            if pipeline.error is not None:
-                break
-            time.sleep(REFRESH_S)
+    try:
+        with Live(view.render(), console=view.console, refresh_per_second=2) as live:
+            while pipeline.running() or (trainer is not None and trainer.exit_code() is None):
+                parts.raise_if_failed()
+                if pipeline.error is not None:
+                    break
+                time.sleep(REFRESH_S)
+                live.update(view.render())
             live.update(view.render())
-        live.update(view.render())
+    finally:
+        if not view.console.is_terminal:
+            view.console.line()  # a file or a pipe gets the last table without a newline after its caption
     if pipeline.error is not None:
         raise pipeline.error
     parts.raise_if_failed()  # a trainer that failed after the pipeline's end

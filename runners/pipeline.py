@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import apache_beam as beam
+import grpc
 from apache_beam.runners.runner import PipelineState
 
 from beam_rl import components
@@ -199,6 +200,11 @@ class RolloutJob:
         try:
             if self._handle.state() not in _ENDED:
                 self._handle.cancel()
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            # The job service is gone (Ctrl-C reaches Prism, in this process group, too): no job is left.
+            _LOG.debug("the job service is gone; nothing to cancel: %s", err.details())
         finally:
             self._release()
 
@@ -225,12 +231,15 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
     """Submit the rollout job for a run directory this process then follows (see RolloutJob)."""
     directory = RunDir(run_dir or config.run.dir)
     directory.check_writable()
-    components.check_servers(config, server_urls)  # a refused API key fails here, not rollout by rollout
-    lease = RunLease(directory.path).acquire()
+    lease = RunLease(directory.path).acquire()  # a run another process follows: said at once
     try:
+        components.check_servers(config, server_urls)  # a refused API key fails here, not rollout by rollout
         removed = directory.clean_uncommitted()  # what a killed run left half-written
         if removed:
             _LOG.warning("removed %d uncommitted leftovers of an earlier run: %s", len(removed), removed[:5])
+        torn = directory.repair_metrics()
+        if torn:
+            _LOG.warning("dropped the torn last line of %s (%d bytes, a crash mid-append)", directory.metrics_path, torn)
         directory.input_exhausted_path.unlink(missing_ok=True)  # this job decides afresh
         spec = _spec(config, server_urls, directory, with_trainer)
         job_server = None

@@ -258,7 +258,7 @@ def test_a_bad_config_fails_naming_file_and_key_and_touches_nothing(
     status, out = run_cli(monkeypatch, "rollouts", "--config", str(config))
     assert status == 2, out
     assert f"invalid config {config}" in out and fragment in out
-    assert key == "" or f"  {key}: " in out
+    assert key == "" or f" {key}: " in out
     assert snapshot(run_copy) == before
 
 

@@ -4,6 +4,7 @@ check that every server accepts it, over TLS this machine trusts, before a pipel
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from aiohttp import web
@@ -11,6 +12,7 @@ from aiohttp import web
 from beam_rl import components
 from beam_rl.config import config_from_dict
 from beam_rl.envs.base import SamplingParams
+from beam_rl.failures import ServersNotReadyError
 from beam_rl.inference.server import EmbeddedServer
 from tests.test_security import self_signed  # noqa: F401  (a fixture: a self-signed certificate and its key)
 
@@ -39,10 +41,25 @@ def test_the_right_key_passes_a_wrong_or_missing_one_stops_the_run_before_it_sta
             components.check_servers(config, [server.url])
 
 
-def test_a_server_down_at_start_is_left_to_the_dispatchers_re_probes():
+def test_no_server_answering_at_start_is_an_error_within_the_start_up_patience(caplog):
+    """Where nothing listens, the run does not start: named within inference.startup_timeout_s, not after
+    the minutes a run waits for servers that were up. One server that answers is enough to start; the
+    others are named in a warning and left to the dispatcher's re-probes."""
     with EmbeddedServer(mode="instant") as server:
-        url = server.url
-    components.check_servers(_config([url]), [url])  # nothing listens: no key problem to report
+        dead = server.url
+    started = time.monotonic()
+    with pytest.raises(ServersNotReadyError) as info:
+        components.check_servers(_config([dead], startup_timeout_s=1.0), [dead])
+    assert 1.0 <= time.monotonic() - started < 10
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"inference servers cannot serve this run: {dead} cannot "
+                                                       "be reached (")
+    assert message.endswith("; none answered within inference.startup_timeout_s = 1 s")
+    with EmbeddedServer(mode="instant") as live:
+        started = time.monotonic()
+        components.check_servers(_config([dead, live.url], startup_timeout_s=20.0), [dead, live.url])
+        assert time.monotonic() - started < 10  # not the patience: one server answered
+    assert f"left to the dispatcher's re-probes: {dead} cannot be reached" in caplog.text
 
 
 def test_https_servers_with_a_self_signed_certificate_need_its_ca_bundle(self_signed, monkeypatch):  # noqa: F811

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from beam_rl.rundir import RunDir
 from small_run import write_small_run_config
 
@@ -26,7 +28,8 @@ def _session_alive(session: int) -> list[int]:
     return alive
 
 
-def test_ctrl_c_stops_everything_and_resume_finishes(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_everything_and_resume_finishes(tmp_path, signum):
     run_dir = RunDir(tmp_path / "run")
     config = write_small_run_config(tmp_path / "run.toml", run_dir.path, max_steps=6, epochs=10)
     proc = subprocess.Popen([sys.executable, "-m", "beam_rl.cli", "run", str(config)],
@@ -35,10 +38,14 @@ def test_ctrl_c_stops_everything_and_resume_finishes(tmp_path):
     while not run_dir.committed_steps() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     assert run_dir.committed_steps(), "no step committed before the interrupt"
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends the whole foreground group
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends the whole foreground group
+    else:
+        proc.send_signal(signal.SIGTERM)  # what a process manager sends the command alone
     output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, output.decode(errors="replace")[-2000:]
-    assert b"interrupted: committed steps are kept" in output
+    assert proc.returncode == 128 + signum, output.decode(errors="replace")[-2000:]
+    assert f"interrupted ({signum.name}): committed steps are kept".encode() in output
+    assert b"Traceback" not in output, output.decode(errors="replace")[-4000:]  # Beam's account: beam.log
     time.sleep(1.0)
     assert _session_alive(proc.pid) == []  # no server, trainer or runner left behind
     committed = run_dir.committed_steps()

@@ -178,7 +178,7 @@ def test_a_source_bundle_that_fails_fails_the_job(tmp_path, without):
     config = config_from_dict({
         "run": {"dir": str(tmp_path)}, "envs": [{"name": "reverse_text", "group_size": 4, "limit": 8}],
         "batch": {"rollouts_per_step": 16},
-        "inference": {"max_tokens": 8, "max_inflight": 16, "all_servers_down_timeout_s": 1.0},
+        "inference": {"max_tokens": 8, "max_inflight": 16, "startup_timeout_s": 1.0},
     })
 
     def build(p):

@@ -15,7 +15,7 @@ from beam_rl.schedule import EnvSchedule, PromptSchedule
 from beam_rl.source import DispatchRange, InFlight, RolloutSource, Shard, SourceSpec
 from beam_rl.source.admission import AdmissionState, Hold, hold_reason, input_finished, limits_for
 from beam_rl.source.commits import CommittedSteps
-from beam_rl.source.status import StallWatch
+from beam_rl.source.status import AllServersDownError, ServersDownWatch, StallWatch
 from beam_rl.source.eval_rounds import EvalRounds, first_eval_after
 from beam_rl.types import TrainBatch
 
@@ -219,3 +219,23 @@ def test_a_restored_source_runs_again_exactly_the_attempts_in_flight_and_counts_
             assert source.poll(0.3) == [] and source.finished(all_claimed=True)
         finally:
             source.close()
+
+
+def test_servers_never_up_get_the_start_up_patience_and_a_probe_alone_does_not_restart_it():
+    """Until a server answers a request, all of them down is an error after inference.startup_timeout_s,
+    counted from the first time all were down, however often a health probe passes in between (a server
+    that answers every request with HTTP 500); after one has answered, the longer limit applies."""
+    watch = ServersDownWatch(["http://a"], limit_s=300.0, startup_limit_s=5.0)
+    watch.check(healthy=0, answered=False, now=100.0)
+    watch.check(healthy=1, answered=False, now=102.0)  # its /health passes; its requests still fail
+    watch.check(healthy=0, answered=False, now=104.0)
+    with pytest.raises(AllServersDownError, match=r"none of all 1 inference servers \(http://a\) has answered a "
+                                                  r"request since the run started: .* past inference.startup_timeout_s = 5"):
+        watch.check(healthy=0, answered=False, now=106.0)
+    up_once = ServersDownWatch(["http://a"], limit_s=300.0, startup_limit_s=5.0)
+    up_once.check(healthy=0, answered=True, now=100.0)
+    up_once.check(healthy=0, answered=True, now=399.0)
+    up_once.check(healthy=1, answered=True, now=399.5)  # back: the clock restarts
+    up_once.check(healthy=0, answered=True, now=600.0)
+    with pytest.raises(AllServersDownError, match="past inference.all_servers_down_timeout_s = 300"):
+        up_once.check(healthy=0, answered=True, now=901.0)

@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from beam_rl.rundir.atomic import TMP_MARK, atomic_write, json_bytes, write_atomic
-from beam_rl.rundir.errors import RunDirError, StepAlreadyCommittedError, StepCorruptError, StepNotCommittedError
+from beam_rl.rundir.errors import (
+    MetricsError,
+    RunDirError,
+    StepAlreadyCommittedError,
+    StepCorruptError,
+    StepNotCommittedError,
+)
 from beam_rl.rundir.layout import COMMIT_FILE, STABLE_FILE, WINDOW_FILE, RunLayout, rank_file_name
 from beam_rl.rundir.metrics import MetricsStore, MetricsTail
 from beam_rl.rundir.steps import StepStore, open_arrow_file
@@ -38,7 +44,17 @@ class RunDir(StepStore, WeightStore, MetricsStore):
         return self.config_path
 
     def read_config(self) -> dict[str, Any]:
-        return json.loads(self.config_path.read_text())
+        """The run's config as written; RunDirError naming the file when it is not a JSON object."""
+        try:
+            config = json.loads(self.config_path.read_bytes())
+        except OSError as err:
+            raise RunDirError(f"{self.config_path}: unreadable ({err.strerror or err})") from None
+        except ValueError as err:  # not UTF-8 or not JSON: damaged, or not a beam-rl run directory's
+            raise RunDirError(f"{self.config_path}: not a beam-rl run config ({err})") from None
+        if not isinstance(config, dict):
+            raise RunDirError(f"{self.config_path}: not a beam-rl run config (a JSON {type(config).__name__}, "
+                              "not an object)")
+        return config
 
 
 __all__ = [
@@ -47,6 +63,7 @@ __all__ = [
     "WINDOW_FILE",
     "CommitRecord",
     "CommitRecordError",
+    "MetricsError",
     "MetricsTail",
     "Offset",
     "RunDir",

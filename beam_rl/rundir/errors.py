@@ -9,6 +9,10 @@ class RunDirError(OSError):
     """The run directory cannot be used (not writable, not a directory, disk full while writing a step, ...)."""
 
 
+class MetricsError(RunDirError, ValueError):
+    """metrics.jsonl holds a line that is not a JSON object (other than a torn last line)."""
+
+
 class StepAlreadyCommittedError(FileExistsError):
     """Writing a step that is already committed: steps are written exactly once."""
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from beam_rl.rundir.atomic import atomic_write, json_bytes, json_default
+from beam_rl.rundir.errors import MetricsError
 from beam_rl.rundir.layout import RunLayout
 
 
@@ -31,14 +32,34 @@ class MetricsStore(RunLayout):
         data = json_bytes(status)
         atomic_write(self.status_path(shard), lambda f: f.write(data), fsync_dir=False)
 
+    def repair_metrics(self) -> int:
+        """Drop a torn last line (a crash mid-append) before anything appends again, which would glue the
+        next record to it; returns the bytes dropped. What follows the last newline was never a record."""
+        try:
+            with self.metrics_path.open("r+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                keep = max(0, size - (1 << 16))
+                f.seek(keep)
+                tail = f.read()
+                end = tail.rfind(b"\n")
+                if end == len(tail) - 1 or (end < 0 and keep > 0):
+                    return 0  # whole, or a last line longer than the look-back: left to the reader
+                f.truncate(keep + end + 1)
+                return size - (keep + end + 1)
+        except FileNotFoundError:
+            return 0
+
     def read_status(self) -> dict[str, Any]:
-        """Every dispatch shard's live state, merged (see merge_status); {} before any is written."""
+        """Every dispatch shard's live state, merged (see merge_status); {} before any is written. A status
+        file that is not JSON is skipped: its shard rewrites it within a second."""
         shards = []
         for path in sorted(self.path.glob("status-*.json")):
             try:
-                shards.append(json.loads(path.read_text()))
-            except (FileNotFoundError, json.JSONDecodeError):
+                status = json.loads(path.read_bytes())
+            except (FileNotFoundError, ValueError):
                 continue
+            if isinstance(status, dict):
+                shards.append(status)
         return merge_status(shards)
 
 
@@ -91,11 +112,14 @@ class MetricsTail:
         for index, line in enumerate(lines):
             if line.strip():
                 try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
+                    record = json.loads(line)
+                    if not isinstance(record, dict):
+                        raise ValueError(f"a JSON {type(record).__name__}, not an object")
+                except ValueError as exc:  # not JSON, or not UTF-8
                     if index == len(lines) - 1 and not unterminated:
                         break  # the file's last line
-                    raise ValueError(f"{self.path}:{self._line + 1}: not valid JSON: {exc}") from None
+                    raise MetricsError(f"{self.path}:{self._line + 1}: not valid JSON: {exc}") from None
+                records.append(record)
             self.offset += len(line) + 1
             self._line += 1
         return records

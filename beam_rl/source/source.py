@@ -83,7 +83,8 @@ class RolloutSource:
         self._status = StatusBoard(self._run_dir, shard.index)
         self._held = HeldBack()
         self._stall = StallWatch()
-        self._servers_down = ServersDownWatch(servers, config.inference.all_servers_down_timeout_s)
+        self._servers_down = ServersDownWatch(servers, config.inference.all_servers_down_timeout_s,
+                                              config.inference.startup_timeout_s)
         self._admitted: dict[str, int] = {}  # training group id -> schedule position, until returned whole
         self._evaluating: set[str] = set()  # evaluation group ids, until returned whole
         self._in_transit: set[int] = set()  # positions returned whole, not yet in a committed step
@@ -209,7 +210,7 @@ class RolloutSource:
     def _publish_status(self, now: float) -> None:
         counters, servers = self._dispatcher.counters_and_servers()
         try:
-            self._servers_down.check(counters.get("healthy_servers", 1), now)
+            self._servers_down.check(counters.get("healthy_servers", 1), counters.get("ok", 0) > 0, now)
         except AllServersDownError as err:
             record_failure(self._run_dir.path, "dispatch", err)
             raise

@@ -70,27 +70,39 @@ class StallWatch:
 
 
 class ServersDownWatch:
-    """Waiting for servers that are all down is fine for a while; forever is not."""
+    """Waiting for servers that are all down is fine for a while; forever is not.
 
-    def __init__(self, urls: list[str], limit_s: float) -> None:
+    - Servers that answered a request since this dispatcher started get `limit_s`.
+    - Until one has, `startup_limit_s`, counted from the first moment all were down; a server that passes
+      a health probe again without answering a request (one that answers every request with HTTP 500)
+      does not restart that clock.
+    """
+
+    def __init__(self, urls: list[str], limit_s: float, startup_limit_s: float) -> None:
         self._urls = urls
         self._limit_s = limit_s
+        self._startup_limit_s = startup_limit_s
         self.down_since: float | None = None
 
-    def check(self, healthy: int, now: float) -> None:
-        if healthy > 0:
+    def check(self, healthy: int, answered: bool, now: float) -> None:
+        if healthy > 0 and (answered or self.down_since is None):
             if self.down_since is not None:
                 _LOG.warning("an inference server is healthy again; dispatch resumes")
             self.down_since = None
             return
+        limit = self._limit_s if answered else self._startup_limit_s
         if self.down_since is None:
             self.down_since = now
             _LOG.warning("all %d inference servers are unhealthy; waiting for one to come back (limit %.0fs)",
-                         len(self._urls), self._limit_s)
-        elif now - self.down_since > self._limit_s:
-            raise AllServersDownError(
-                f"all {len(self._urls)} inference servers ({', '.join(self._urls)}) have been unhealthy for "
-                f"{now - self.down_since:.0f}s, past inference.all_servers_down_timeout_s = {self._limit_s:g}")
+                         len(self._urls), limit)
+        elif now - self.down_since > limit:
+            servers = f"all {len(self._urls)} inference servers ({', '.join(self._urls)})"
+            if answered:
+                raise AllServersDownError(f"{servers} have been unhealthy for {now - self.down_since:.0f}s, past "
+                                          f"inference.all_servers_down_timeout_s = {limit:g}")
+            raise AllServersDownError(f"none of {servers} has answered a request since the run started: all "
+                                      f"unhealthy {now - self.down_since:.0f}s ago, past "
+                                      f"inference.startup_timeout_s = {limit:g}")
 
 
 class StatusBoard:
