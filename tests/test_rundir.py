@@ -19,6 +19,7 @@ from beam_rl.rundir import steps as steps_module
 from beam_rl.config import config_from_dict
 from beam_rl.rundir import (
     CommitRecordError,
+    MetricsError,
     MetricsTail,
     RunDir,
     RunDirError,
@@ -223,6 +224,27 @@ def test_a_torn_last_metrics_line_is_skipped_but_a_torn_middle_line_is_an_error(
     with run.metrics_path.open("a") as f:
         f.write('\n{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
+        run.read_metrics()
+
+
+def test_a_torn_last_metrics_line_is_dropped_before_the_next_run_appends(tmp_path):
+    """A crash mid-append leaves a line without its end; a resumed run drops it first (repair_metrics), so
+    its own records do not glue onto it. Lines that are not JSON objects are named, as MetricsError."""
+    run = RunDir(tmp_path)
+    assert run.repair_metrics() == 0  # no file yet
+    run.append_metrics({"step": 1})
+    assert run.repair_metrics() == 0
+    _append(run, '{"step": 2, "rew')
+    assert run.repair_metrics() == len('{"step": 2, "rew')
+    run.append_metrics({"step": 3})
+    assert run.read_metrics() == [{"step": 1}, {"step": 3}]
+    _append(run, '\x00\xff\n[1, 2]\n')
+    run.append_metrics({"step": 4})
+    with pytest.raises(MetricsError, match=r"metrics.jsonl:3: not valid JSON"):
+        run.read_metrics()
+    lines = run.metrics_path.read_bytes().splitlines(keepends=True)
+    run.metrics_path.write_bytes(b"".join(lines[:2] + lines[3:]))
+    with pytest.raises(MetricsError, match=r"metrics.jsonl:3: not valid JSON: a JSON list, not an object"):
         run.read_metrics()
 
 
