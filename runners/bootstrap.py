@@ -135,7 +135,8 @@ def ensure_prism(version: str | None = None, patches: list[Path] | None = None) 
 # 2.70.0 runner calls have identical descriptors in both, and a streaming stateful pipeline and a
 # GroupByKey ran on it. (Compiling its `:sources` jar gives the same classes and would need a JDK and
 # auto-value besides; the jar as is needs only the Java runtime the job server needs anyway.) Its own
-# dependencies are excluded: the 2.70.0 runner brings every one of them at 2.70.0.
+# dependencies are excluded, so none comes at 2.65.0: the 2.70.0 runner brings all of them at 2.70.0 but
+# one, beam-sdks-java-expansion-service (the job server starts an expansion service), named here at 2.70.0.
 # slf4j-simple 2.0.x, not 1.7.x: the 2.70.0 runner uses slf4j-api 2.0.16, which ignores a 1.7 binding
 # ("No SLF4J providers were found"), and the job server would then log nothing, not even the
 # "Rest endpoint listening at" line runners/job_server.py waits for.
@@ -157,6 +158,10 @@ _JOB_SERVER_POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
       <groupId>org.apache.beam</groupId><artifactId>beam-runners-java-job-service</artifactId>
       <version>{job_service}</version>
       <exclusions><exclusion><groupId>*</groupId><artifactId>*</artifactId></exclusion></exclusions>
+    </dependency>
+    <dependency>
+      <groupId>org.apache.beam</groupId><artifactId>beam-sdks-java-expansion-service</artifactId>
+      <version>{beam}</version>
     </dependency>
     <dependency>
       <groupId>org.slf4j</groupId><artifactId>slf4j-simple</artifactId><version>{slf4j}</version>
@@ -187,6 +192,7 @@ def ensure_flink_job_server(version: str | None = None, flink: str = FLINK_VERSI
          cwd=home)
     jars = sorted(p.name for p in lib.glob("*.jar"))
     for needed in (f"beam-runners-flink-{flink}-{version}.jar", f"beam-runners-java-job-service-{JOB_SERVICE_VERSION}.jar",
+                   f"beam-sdks-java-expansion-service-{version}.jar",
                    f"slf4j-simple-{SLF4J_VERSION}.jar"):
         if needed not in jars:
             raise BootstrapError(f"Maven resolved no {needed} into {lib}")
