@@ -39,7 +39,8 @@ setup(
         # apache-beam's and verifiers' ranges decide.
         # Experiment trackers (imported only when [logging] enables them). Ranges as tested: W&B's
         # transaction-log format is read back on resume (beam_rl/observe/wandb_history.py); both must
-        # resolve with apache-beam's grpcio<1.66 (still its pin on Python 3.11 at 2.70).
+        # resolve with apache-beam's grpcio<1.66 (still its pin on Python 3.11 at 2.70): tensorboard 2.21
+        # needs grpcio>=1.74; the index serves no wandb newer than 0.31 (both re-checked with Beam 2.70).
         "wandb>=0.31,<0.32",
         "tensorboard>=2.20,<2.21",
         # The verifiers environment (beam_rl/envs/verifiers_env.py): its v1 tasksets' reward functions score
