@@ -4,9 +4,11 @@ from setuptools import find_packages, setup
 
 # One Beam version everywhere: the Python SDK, the Prism binary (built from the Go module at this
 # version) and the Flink job server (assembled from the Maven artifacts at this version) must match.
-# 2.62.0 is the newest release whose Flink runner artifacts resolve from the Maven registry reachable
-# here (see README, "Runners").
-BEAM_VERSION = "2.62.0"
+# 2.70.0 is the newest release whose Flink runner (beam-runners-flink-1.19) the Maven registry reachable
+# here serves and for which a Flink job server can be assembled (beam-runners-java-job-service stops at
+# 2.65.0; runners/bootstrap.py supplies it). 2.72+ would also pin pillow<13, which vllm 0.33 cannot share.
+# See README, "Runners".
+BEAM_VERSION = "2.70.0"
 
 setup(
     name="beam-rl",
@@ -18,7 +20,7 @@ setup(
                   "runners": ["prism_patches/*.patch"]},  # Prism is built with them (runners/bootstrap.py)
     install_requires=[
         f"apache-beam=={BEAM_VERSION}",
-        "pyarrow>=14,<17",  # the range apache-beam 2.62 supports
+        "pyarrow>=14,<19",  # apache-beam 2.70 requires pyarrow<19 (18.x is the newest it allows)
         "numpy>=1.26,<2.3",
         "pydantic>=2.6,<3",
         "xxhash>=2",  # the commit record's file checksums (XXH3-128)
@@ -33,11 +35,17 @@ setup(
         "safetensors>=0.4",
         "torch>=2.3",
         "matplotlib>=3.8",
+        # Beam 2.70 allows protobuf<7 (6.33.x resolves here); verifiers needs >= 6.31. No pin of our own:
+        # apache-beam's and verifiers' ranges decide.
         # Experiment trackers (imported only when [logging] enables them). Ranges as tested: W&B's
         # transaction-log format is read back on resume (beam_rl/observe/wandb_history.py); both must
-        # resolve with apache-beam's protobuf<6 and grpcio<1.66 (tensorboard 2.21 does not).
+        # resolve with apache-beam's grpcio<1.66 (still its pin on Python 3.11 at 2.70): tensorboard 2.21
+        # needs grpcio>=1.74; the index serves no wandb newer than 0.31 (both re-checked with Beam 2.70).
         "wandb>=0.31,<0.32",
         "tensorboard>=2.20,<2.21",
+        # The verifiers environment (beam_rl/envs/verifiers_env.py): its v1 tasksets' reward functions score
+        # rollouts inside the pipeline's workers. It needs protobuf>=6.31, which Beam 2.70 allows.
+        "verifiers==0.4.0",
     ],
     extras_require={
         "vllm": ["vllm"],

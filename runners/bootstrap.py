@@ -5,7 +5,9 @@
   `runners/prism_patches/`, and cached.
 - Flink job server: the shaded `beam-runners-flink-<flink>-job-server` jar is not served by the Maven
   registry reachable here, so it is assembled from the `beam-runners-flink-<flink>` runner artifact
-  and its dependencies (resolved by Maven) as a launcher jar whose manifest names them.
+  and its dependencies (resolved by Maven) as a launcher jar whose manifest names them. At 2.70.0 one
+  of those dependencies, `beam-runners-java-job-service`, is not served: the 2.65.0 one is used
+  (`_JOB_SERVER_POM` says why that works).
 Both are cached under `$BEAM_RL_CACHE` (default `~/.cache/beam-rl`); a second call costs a stat.
 `python -m runners.bootstrap prism --beam-version V` runs without Beam installed (with the system
 python3), so the set-up script builds Prism while the virtualenv installs.
@@ -98,7 +100,7 @@ def ensure_prism(version: str | None = None, patches: list[Path] | None = None) 
     target = prism_path(version, patches)
     if target.is_file():
         return target
-    go = require_tool("go", "install Go >= 1.22 (https://go.dev/doc/install) to build Prism")
+    go = require_tool("go", "install Go >= 1.25 (Beam 2.70's go.mod needs it; https://go.dev/doc/install) to build Prism")
     git = require_tool("git", "install git (its `git apply` patches Prism's source)")
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -127,6 +129,20 @@ def ensure_prism(version: str | None = None, patches: list[Path] | None = None) 
     return target
 
 
+# The Flink runner's own job-service module (`beam-runners-java-job-service`, 10 classes of
+# org.apache.beam.runners.jobsubmission) is served by the Maven registry only up to 2.65.0, while the runner
+# is served at 2.70.0. The 2.65.0 jar is put on the 2.70.0 class path as it is: the 11 members of it the
+# 2.70.0 runner calls have identical descriptors in both, and a streaming stateful pipeline and a
+# GroupByKey ran on it. (Compiling its `:sources` jar gives the same classes and would need a JDK and
+# auto-value besides; the jar as is needs only the Java runtime the job server needs anyway.) Its own
+# dependencies are excluded, so none comes at 2.65.0: the 2.70.0 runner brings all of them at 2.70.0 but
+# one, beam-sdks-java-expansion-service (the job server starts an expansion service), named here at 2.70.0.
+# slf4j-simple 2.0.x, not 1.7.x: the 2.70.0 runner uses slf4j-api 2.0.16, which ignores a 1.7 binding
+# ("No SLF4J providers were found"), and the job server would then log nothing, not even the
+# "Rest endpoint listening at" line runners/job_server.py waits for.
+JOB_SERVICE_VERSION = "2.65.0"
+SLF4J_VERSION = "2.0.16"
+
 _JOB_SERVER_POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
   <modelVersion>4.0.0</modelVersion>
   <groupId>beam-rl</groupId><artifactId>flink-job-server</artifactId><version>{beam}</version>
@@ -134,9 +150,21 @@ _JOB_SERVER_POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
     <dependency>
       <groupId>org.apache.beam</groupId><artifactId>beam-runners-flink-{flink}</artifactId>
       <version>{beam}</version>
+      <exclusions>
+        <exclusion><groupId>org.apache.beam</groupId><artifactId>beam-runners-java-job-service</artifactId></exclusion>
+      </exclusions>
     </dependency>
     <dependency>
-      <groupId>org.slf4j</groupId><artifactId>slf4j-simple</artifactId><version>1.7.36</version>
+      <groupId>org.apache.beam</groupId><artifactId>beam-runners-java-job-service</artifactId>
+      <version>{job_service}</version>
+      <exclusions><exclusion><groupId>*</groupId><artifactId>*</artifactId></exclusion></exclusions>
+    </dependency>
+    <dependency>
+      <groupId>org.apache.beam</groupId><artifactId>beam-sdks-java-expansion-service</artifactId>
+      <version>{beam}</version>
+    </dependency>
+    <dependency>
+      <groupId>org.slf4j</groupId><artifactId>slf4j-simple</artifactId><version>{slf4j}</version>
     </dependency>
   </dependencies>
 </project>
@@ -155,15 +183,22 @@ def ensure_flink_job_server(version: str | None = None, flink: str = FLINK_VERSI
     mvn = require_tool("mvn", "install Maven (e.g. `apt-get install maven`) to fetch the Flink runner")
     started = time.monotonic()
     home.mkdir(parents=True, exist_ok=True)
-    (home / "pom.xml").write_text(_JOB_SERVER_POM.format(beam=version, flink=flink))
+    (home / "pom.xml").write_text(_JOB_SERVER_POM.format(beam=version, flink=flink, job_service=JOB_SERVICE_VERSION,
+                                                         slf4j=SLF4J_VERSION))
     lib = home / "lib"
     _run([mvn, "-q", "-B", "dependency:copy-dependencies", f"-DoutputDirectory={lib}",
           "-DincludeScope=runtime"],
          f"Flink job server: fetching org.apache.beam:beam-runners-flink-{flink}:{version} and its dependencies",
          cwd=home)
     jars = sorted(p.name for p in lib.glob("*.jar"))
-    if not any(name.startswith(f"beam-runners-flink-{flink}-") for name in jars):
-        raise BootstrapError(f"Maven resolved no beam-runners-flink-{flink} jar into {lib}")
+    for needed in (f"beam-runners-flink-{flink}-{version}.jar", f"beam-runners-java-job-service-{JOB_SERVICE_VERSION}.jar",
+                   f"beam-sdks-java-expansion-service-{version}.jar",
+                   f"slf4j-simple-{SLF4J_VERSION}.jar"):
+        if needed not in jars:
+            raise BootstrapError(f"Maven resolved no {needed} into {lib}")
+    stale = [name for name in jars if name.startswith("slf4j-simple-") and name != f"slf4j-simple-{SLF4J_VERSION}.jar"]
+    if stale:  # a second binding on the class path: slf4j picks either
+        raise BootstrapError(f"{lib} holds {stale} beside slf4j-simple {SLF4J_VERSION}; remove {home} and rerun")
     _write_launcher_jar(jar, [f"lib/{name}" for name in jars])
     _LOG.debug("assembled Flink job server in %.1fs -> %s", time.monotonic() - started, jar)
     return jar

@@ -49,7 +49,11 @@ def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> Pipeli
     if settings.job_name:
         args.append(f"--job_name={settings.job_name}")
     if settings.name == "direct":
-        args += ["--runner=PrismRunner", f"--prism_location={settings.prism_location or bootstrap.ensure_prism()}"]
+        args += ["--runner=PrismRunner", f"--prism_location={settings.prism_location or bootstrap.ensure_prism()}",
+                 # Beam 2.70 shares one Prism among all the jobs of a process, started with the first job's
+                 # --prism_location: a later job naming another binary (tests/test_prism_patches.py builds
+                 # Prism without one patch) would silently run on the first. Each job gets its own, as in 2.62.
+                 "--experiments=disable_prism_server_singleton"]
     else:
         args += _flink_args(settings)
     return PipelineOptions(args)

@@ -5,8 +5,6 @@
 #     flink     the Flink job server (Maven) and a standalone Flink distribution
 #               (PyPI apache-flink), for the tests and Flink runners             (scripts/test.sh)
 #     sandbox   bubblewrap and a system python3 for the code environment's sandbox (scripts/test.sh)
-#     verifiers verifiers 0.4.0 in a directory of its own: it cannot share Beam's protobuf
-#               (docs/environments.md), so its adapter's test imports it apart  (scripts/test.sh)
 # Runner binaries are cached under ~/.cache/beam-rl, downloads under ~/.cache/uv and ~/go.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,17 +27,6 @@ sandbox() {
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap python3-minimal > /dev/null
   say "sandbox: ready ($(since "$t"))"
-}
-
-verifiers() {
-  local dir=${BEAM_RL_VERIFIERS_PATH:-$HOME/.cache/beam-rl/verifiers-0.4.0} t
-  [ -d "$dir/verifiers/v1" ] && return
-  t=$(date +%s)
-  say "verifiers: installing verifiers 0.4.0 into $dir ..."
-  rm -rf "$dir.partial"
-  "$python" -m pip install --quiet --disable-pip-version-check --target "$dir.partial" "verifiers==0.4.0"
-  mv "$dir.partial" "$dir"
-  say "verifiers: ready ($(since "$t"))"
 }
 
 venv() {
@@ -68,8 +55,7 @@ for part in "$@"; do
     prism) "$python" -m runners.bootstrap prism --beam-version "$beam" & pids+=($!) ;;
     flink) "$python" -m runners.bootstrap flink-job-server flink-cluster --beam-version "$beam" & pids+=($!) ;;
     sandbox) sandbox & pids+=($!) ;;
-    verifiers) verifiers & pids+=($!) ;;
-    *) say "unknown part '$part' (prism, flink, sandbox, verifiers)"; exit 2 ;;
+    *) say "unknown part '$part' (prism, flink, sandbox)"; exit 2 ;;
   esac
 done
 venv

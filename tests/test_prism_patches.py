@@ -36,7 +36,11 @@ def _run(build, without: str | None, timeout_s: float = 120):
     """Runs the pipeline `build` makes on Prism without the patch `without`; returns its end state."""
     pipeline = beam.Pipeline(options=pipeline_options(RunnerSettings(prism_location=_prism(without))))
     build(pipeline)
-    return pipeline.run().wait_until_finish(duration=int(timeout_s * 1000))
+    result = pipeline.run()
+    state = result.wait_until_finish(duration=int(timeout_s * 1000))
+    if state == "RUNNING":  # a job that hangs is cancelled, not left to run beside the next test's
+        result.cancel()
+    return state
 
 
 def _append(path: Path, record) -> None:  # LOOPBACK: the worker runs in this process
@@ -60,10 +64,11 @@ class _Count(beam.DoFn):
         self._out = out
 
     def process(self, keyed, count=beam.DoFn.StateParam(COUNT)):
-        _, i = keyed
-        if i == 0:
-            time.sleep(0.5)  # no progress for a few ticks: Prism asks to split the bundle
         total = (count.read() or 0) + 1
+        # The bundle's first element (Prism orders a key's elements as its heap yields them) makes no
+        # progress for a few ticks, so Prism asks to split the rest of the bundle; each later one takes a
+        # little, so the split's leftover bundle is scheduled while this one still runs.
+        time.sleep(0.5 if total == 1 else 0.02)
         count.write(total)
         _append(Path(self._out), total)
 
@@ -84,7 +89,7 @@ def test_a_slow_stateful_bundle_keeps_every_update_of_its_key(tmp_path, without)
         assert final < ELEMENTS
 
 
-# -- 0004: event-time timers wait for the watermark ----------------------------------------------------
+# -- upstream since 2.66: event-time timers wait for the watermark (0004 keeps the rest, below) --------
 
 CALLS = 6
 START = Timestamp(1_000_000)  # the source's watermark moves a second a call from here, far below an hour
@@ -146,6 +151,9 @@ class _TimerAnHourAhead(beam.DoFn):
 
 @pytest.mark.parametrize("without", [None, "0004"])
 def test_an_event_time_timer_fires_only_once_the_watermark_passes_it(tmp_path, without):
+    """Prism 2.62 fired a key's event-time timer with the key's next bundle, an hour of event time early.
+    Since 2.66 Prism compares the timer with the watermark itself: with 0004 or without it, the timer fires
+    at the end of input (the watermark's jump to +inf), once every element was seen."""
     out = tmp_path / "fired.jsonl"
 
     def build(p):
@@ -153,14 +161,121 @@ def test_an_event_time_timer_fires_only_once_the_watermark_passes_it(tmp_path, w
              | beam.ParDo(_TimerAnHourAhead(str(out))))
 
     _run(build, without)
-    fired = [seen for kind, seen, _ in _records(out) if kind == "fired"]
-    if without is None:  # at the end of input, the watermark's jump to +inf: every element was seen
-        assert fired == [CALLS]
-    else:  # fired with the key's next bundle, an hour of event time early
-        assert fired and fired[0] < CALLS
+    assert [seen for kind, seen, _ in _records(out) if kind == "fired"] == [CALLS]
 
 
-# -- 0005: a failed progress request never commits the bundle --------------------------------------------
+# -- 0004: a key holding only timers not yet due is not in progress ---------------------------------------
+
+SCHEDULE = [("b", "set-timer"), ("a", "slow"), ("b", "fast"), ("a", "tail"), ("a", "tail"), ("a", "tail")]
+assert len(SCHEDULE) == CALLS  # _Range's
+SLOW_S = 4.0
+
+
+class _Scheduled(beam.DoFn):
+    """SCHEDULE's elements, one a call, a call every ~0.5 s, the watermark a second an element past START."""
+
+    @beam.DoFn.unbounded_per_element()
+    def process(self, _, tracker=beam.DoFn.RestrictionParam(_Range()),
+                watermark=beam.DoFn.WatermarkEstimatorParam(_HeldWatermark())):
+        position = tracker.current_restriction().start
+        if not tracker.try_claim(position):
+            return
+        time.sleep(0.5)
+        at = START + Duration(seconds=position)
+        yield beam.window.TimestampedValue(SCHEDULE[position], at)
+        watermark.set_watermark(at)
+        tracker.defer_remainder(Duration.of(0))
+
+
+class _KeysAndTimers(beam.DoFn):
+    LATER = userstate.TimerSpec("later", TimeDomain.WATERMARK)
+
+    def __init__(self, out: str) -> None:
+        self._out = out
+
+    def process(self, keyed, later=beam.DoFn.TimerParam(LATER)):
+        key, what = keyed
+        _append(Path(self._out), [key, what, "start", time.time()])
+        if what == "set-timer":
+            later.set(START + Duration(seconds=3600))
+        elif what == "slow":
+            time.sleep(SLOW_S)
+        _append(Path(self._out), [key, what, "end", time.time()])
+
+    @userstate.on_timer(LATER)
+    def fire(self):
+        pass
+
+
+@pytest.mark.parametrize("without", [None, "0004"])
+def test_a_key_waiting_on_a_future_timer_is_not_held_by_another_keys_bundle(tmp_path, without):
+    """Key b holds only a timer an hour ahead when key a's slow element is bundled. Stock Prism 2.70 marks
+    every key it looks at in progress, b too, though it takes nothing of b's (the timer is not due): b's
+    next element then waits for a's slow bundle to end. With 0004 only keys something was taken from are
+    in progress, and b's element runs beside a's."""
+    out = tmp_path / "events.jsonl"
+
+    def build(p):
+        _ = (p | beam.Impulse() | beam.Map(lambda _: "go") | beam.ParDo(_Scheduled())
+             | beam.ParDo(_KeysAndTimers(str(out))))
+
+    _run(build, without)
+    at = {(key, what, edge): t for key, what, edge, t in _records(out)}
+    slow_end, fast_start = at[("a", "slow", "end")], at[("b", "fast", "start")]
+    if without is None:
+        assert fast_start < slow_end - 1.0
+    else:
+        assert fast_start >= slow_end
+
+
+# -- 0005: a failed split request never commits the bundle ----------------------------------------------
+
+
+class _UnsplittableTracker(OffsetRestrictionTracker):
+    def try_split(self, fraction_of_remainder):
+        raise RuntimeError("this restriction refuses to split")
+
+
+class _Unsplittable(RestrictionProvider):
+    def initial_restriction(self, element):
+        return OffsetRange(0, 4)
+
+    def create_tracker(self, restriction):
+        return _UnsplittableTracker(restriction)
+
+    def restriction_size(self, element, restriction):
+        return restriction.size()
+
+
+class _StallingReader(beam.DoFn):
+    """Claims a position, then makes no progress for a second: Prism asks to split the bundle, and the
+    SDK answers the split request with the tracker's error."""
+
+    def process(self, element, tracker=beam.DoFn.RestrictionParam(_Unsplittable())):
+        position = tracker.current_restriction().start
+        while tracker.try_claim(position):
+            time.sleep(1.0)
+            yield position
+            position += 1
+
+
+@pytest.mark.parametrize("without", [None, "0005"])
+def test_a_bundle_whose_split_request_fails_fails_the_job(without):
+    """Stock Prism 2.70 handles a failed split request with an inverted test (it keeps the bundle's error
+    only when there already is one) and returns nil: the bundle is then neither committed nor failed, and
+    the job never ends."""
+
+    def build(p):
+        _ = p | beam.Impulse() | beam.ParDo(_StallingReader())
+
+    if without is None:
+        with pytest.raises(Exception, match="this restriction refuses to split"):
+            _run(build, without, timeout_s=60)
+    else:
+        assert _run(build, without, timeout_s=20) == "RUNNING"  # 4 s of work, still running at 20 s
+
+
+# -- upstream since 2.66: a failed progress request no longer commits the bundle ---------------------------
 
 
 def _dead_url() -> str:
@@ -172,9 +287,11 @@ def _dead_url() -> str:
 @pytest.mark.parametrize("without", [None, "0005"])
 def test_a_source_bundle_that_fails_fails_the_job(tmp_path, without):
     """The rollout pipeline's source fails its bundle (its only server never answers, past the
-    limit). Stock Prism asked the worker for progress meanwhile, took the error that answered it for
+    limit). Stock Prism 2.62 asked the worker for progress meanwhile, took the error that answered it for
     the end of the bundle, committed the bundle with no response (its residual gone) and ended the job
-    DONE: the failure, and the rest of the run, silently lost."""
+    DONE: the failure, and the rest of the run, silently lost. Prism 2.70 stops asking for progress and
+    waits for the bundle's response (upstream's fix; 0005 no longer touches this path): the job fails
+    with the source's error, with the patch or without it."""
     config = config_from_dict({
         "run": {"dir": str(tmp_path)}, "envs": [{"name": "reverse_text", "group_size": 4, "limit": 8}],
         "batch": {"rollouts_per_step": 16},
@@ -184,8 +301,5 @@ def test_a_source_bundle_that_fails_fails_the_job(tmp_path, without):
     def build(p):
         build_rollout_pipeline(p, _spec(config, [_dead_url()], RunDir(tmp_path), with_trainer=False))
 
-    if without is None:
-        with pytest.raises(Exception, match="AllServersDownError"):
-            _run(build, without)
-    else:
-        assert _run(build, without) == "DONE"
+    with pytest.raises(Exception, match="AllServersDownError"):
+        _run(build, without)

@@ -1,16 +1,17 @@
 """A verifiers (v1) taskset's own reward functions scoring beam-rl rollouts, through the `verifiers`
-environment.
+environment: offline (the adapter's contract, in a process of its own), and inside the rollout pipeline,
+whose scoring workers import verifiers.v1 on Prism and on a standalone Flink cluster's worker pool.
 
-verifiers 0.4.0 and Apache Beam 2.62 need protobuf >= 6.31 and < 6, so pip cannot install both in one
-environment and they cannot be imported in one process. The test installs nothing: it runs verifiers from
-an install directory of its own (BEAM_RL_VERIFIERS_PATH, default ~/.cache/beam-rl/verifiers-0.4.0, made by
-`pip install --target DIR verifiers==0.4.0`), in a subprocess that imports beam_rl but never Beam.
+verifiers 0.4.0 is an ordinary dependency since Beam 2.70 (protobuf < 7; verifiers needs >= 6.31 through
+prime-sandboxes). Under Beam 2.62 (protobuf < 6) the two could not be imported in one process.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,13 +20,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-VERIFIERS_PATH = Path(os.environ.get("BEAM_RL_VERIFIERS_PATH", Path.home() / ".cache/beam-rl/verifiers-0.4.0"))
 
-pytestmark = [
-    pytest.mark.skipif(not (VERIFIERS_PATH / "verifiers" / "v1").is_dir(),
-                       reason=f"no verifiers install at {VERIFIERS_PATH} (pip install --target DIR verifiers==0.4.0)"),
-    pytest.mark.timeout(300),
-]
+pytestmark = pytest.mark.timeout(300)
 
 TASKSET = '''
 import verifiers.v1 as vf
@@ -73,6 +69,8 @@ from beam_rl.rewards import assign_rewards
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Rollout
 
+import apache_beam  # noqa: F401  (Beam and verifiers share one process and one protobuf now)
+
 tok = load_tokenizer("tiny")
 env = make_env("verifiers", tok, taskset="sums:Sums")
 rows = env.load_rows("train")
@@ -102,7 +100,8 @@ try:
     make_env("verifiers", tok, taskset="sums:NeedsSandbox")
 except ValueError as exc:
     out["refused"] = str(exc)
-out["beam_imported"] = "apache_beam" in sys.modules
+import google.protobuf
+out["protobuf"] = google.protobuf.__version__
 print(json.dumps(out))
 '''
 
@@ -110,7 +109,7 @@ print(json.dumps(out))
 def test_a_tasksets_own_rewards_score_beam_rl_rollouts(tmp_path: Path) -> None:
     (tmp_path / "sums.py").write_text(textwrap.dedent(TASKSET))
     (tmp_path / "driver.py").write_text(textwrap.dedent(DRIVER))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(VERIFIERS_PATH), str(REPO)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     proc = subprocess.run([sys.executable, str(tmp_path / "driver.py")], env=env, capture_output=True, text=True,
                           timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -126,16 +125,129 @@ def test_a_tasksets_own_rewards_score_beam_rl_rollouts(tmp_path: Path) -> None:
                              "grader crashed"] for errors in out["errors"])
     assert out["refused"] == ("verifiers rewards ['passes_tests'] need a runtime (a sandbox); "
                               "this adapter scores offline")
-    assert out["beam_imported"] is False
+    assert out["protobuf"].startswith("6.")
 
 
-def test_verifiers_cannot_be_imported_next_to_beams_protobuf(tmp_path: Path) -> None:
-    """Why the test above runs verifiers in a process of its own: with the virtualenv's protobuf first on the
-    path (the one Apache Beam 2.62 needs), verifiers.v1 does not import."""
-    code = "import apache_beam, google.protobuf; print(google.protobuf.__version__); import verifiers.v1"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", f"import sys; sys.path.append({str(VERIFIERS_PATH)!r}); {code}"],
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode != 0 and proc.stdout.startswith("5.")
-    assert "Detected incompatible Protobuf Gencode/Runtime versions" in proc.stderr
-    assert "prime_sandboxes" in proc.stderr
+# -- in the pipeline: the scoring workers import verifiers.v1 and run the taskset's reward ---------------
+
+PIPELINE_TASKSET = '''
+import os
+import verifiers.v1 as vf
+
+
+class EchoData(vf.TaskData):
+    answer: str
+
+
+class EchoTask(vf.Task[EchoData, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def answer_value(self, task) -> float:
+        # The row's own answer as the reward: the window shows which row each group was scored for. The
+        # completion adds 0.5 when it is empty, which the instant server's never are.
+        return float(task.answer)
+
+    @vf.reward(weight=0.5)
+    async def empty(self, trace) -> float:
+        return float(trace.last_reply == "")
+
+
+class Echo(vf.Taskset[EchoTask, vf.TasksetConfig]):
+    def load(self):
+        for i in range(PROMPTS):
+            yield EchoTask(EchoData(prompt=f"Say {i}.", answer=str(i)))
+'''
+
+PROMPTS, GROUP_SIZE = 8, 4
+
+
+def _pipeline_config(run_dir: Path, runner: dict) -> dict:
+    return {
+        "run": {"dir": str(run_dir), "max_steps": 100},
+        "envs": [{"name": "verifiers", "args": {"taskset": "vf_echo:Echo"}, "group_size": GROUP_SIZE}],
+        "batch": {"rollouts_per_step": 2 * GROUP_SIZE},
+        # A group's rollouts share their row's reward: zero advantage, trained anyway so every step is full.
+        "filters": {"zero_advantage": {"mode": "monitor"}},
+        "inference": {"max_tokens": 8, "max_inflight": 16},
+        "runner": runner,
+    }
+
+
+@pytest.fixture
+def echo_taskset(tmp_path: Path, monkeypatch) -> Path:
+    """The taskset as a module `vf_echo`, importable here (the pipeline's submitter, Prism's LOOPBACK
+    worker) and, through PYTHONPATH, in every process started from here (a Flink cluster's worker pools)."""
+    module_dir = tmp_path / "taskset"
+    module_dir.mkdir()
+    (module_dir / "vf_echo.py").write_text(f"PROMPTS = {PROMPTS}\n" + textwrap.dedent(PIPELINE_TASKSET))
+    monkeypatch.syspath_prepend(str(module_dir))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(module_dir), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    return module_dir
+
+
+def _servers():
+    from beam_rl.inference.server import EmbeddedServer
+
+    started = [EmbeddedServer(mode="instant", served_model_name="tiny", max_num_seqs=64) for _ in range(2)]
+    return started, [s.start() for s in started]
+
+
+def _assert_scored_by_the_taskset(run_dir: Path) -> set[str]:
+    """Every row's group was scored once, with the reward the taskset's functions give it; returns the
+    scoring workers (host:pid)."""
+    from beam_rl.rundir import RunDir
+
+    rd = RunDir(run_dir)
+    steps = rd.committed_steps()
+    assert steps == list(range(1, len(steps) + 1))
+    rewards: dict[int, list[float]] = collections.defaultdict(list)
+    workers: set[str] = set()
+    for step in steps:
+        window = rd.read_window(step).to_pydict()
+        assert set(window["status"]) == {"ok"}, window["errors"]
+        for index, reward in zip(window["index"], window["reward"]):
+            rewards[index].append(reward)
+        workers.update(window["score_worker"])
+    assert dict(rewards) == {i: [float(i)] * GROUP_SIZE for i in range(PROMPTS)}
+    return workers
+
+
+def test_prism_workers_score_with_a_verifiers_taskset(echo_taskset, tmp_path):
+    from beam_rl.config import config_from_dict
+    from runners.pipeline import run_rollouts
+
+    started, urls = _servers()
+    try:
+        run_rollouts(config_from_dict(_pipeline_config(tmp_path / "run", {"name": "direct"})), urls, with_trainer=False)
+    finally:
+        for s in started:
+            s.stop()
+    assert "verifiers.v1" in sys.modules  # LOOPBACK: Prism's worker is this process
+    _assert_scored_by_the_taskset(tmp_path / "run")
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="needs a Java 11+ runtime for Flink")
+@pytest.mark.timeout(600)
+def test_flink_cluster_workers_score_with_a_verifiers_taskset(echo_taskset, tmp_path):
+    """Submitted to a standalone Flink cluster with EXTERNAL workers: the taskset is scored in the worker
+    pool's processes, which import verifiers.v1 from the project's virtualenv."""
+    from beam_rl.config import config_from_dict
+    from runners.flink_cluster import start_cluster
+    from runners.pipeline import start_rollouts
+
+    cluster = start_cluster(taskmanagers=1, slots_per_taskmanager=2, workdir=tmp_path / "cluster")
+    started, urls = _servers()
+    try:
+        runner = {"name": "flink", "flink_master": cluster.master, "parallelism": 1, "environment": "external",
+                  "worker_pool": cluster.worker_pool, "checkpointing_interval_ms": 1000}
+        job = start_rollouts(config_from_dict(_pipeline_config(tmp_path / "run", runner)), urls,
+                             str(tmp_path / "run"), with_trainer=False)
+        try:
+            job.wait()
+        finally:
+            job.cancel()
+    finally:
+        for s in started:
+            s.stop()
+        cluster.stop()
+    workers = _assert_scored_by_the_taskset(tmp_path / "run")
+    assert workers and all(int(w.rsplit(":", 1)[1]) != os.getpid() for w in workers), workers

@@ -1,9 +1,9 @@
 """A verifiers (v1, PyPI 0.4.0) taskset as a single-turn beam-rl environment: its tasks are the rows, and
 its own `@vf.reward` functions score each completion, called the way verifiers calls them (Task.score).
 
-verifiers is imported when the environment is built, not with beam-rl: verifiers 0.4.0 needs protobuf
->= 6.31 (through prime-sandboxes) and Apache Beam 2.62 needs protobuf < 6, so the two do not import in
-one process (docs/environments.md, "verifiers").
+verifiers is imported when the environment is built, not with beam-rl: only runs that use it pay for its
+import. It is one of beam-rl's dependencies since Beam 2.70, whose protobuf < 7 admits the >= 6.31 that
+verifiers needs through prime-sandboxes (docs/environments.md, "verifiers").
 """
 
 from __future__ import annotations
