@@ -7,7 +7,7 @@ from setuptools import find_packages, setup
 # 2.70.0 is the newest release whose Flink runner (beam-runners-flink-1.19) the Maven registry reachable
 # here serves and for which a Flink job server can be assembled (beam-runners-java-job-service stops at
 # 2.65.0; runners/bootstrap.py supplies it). 2.72+ would also pin pillow<13, which vllm 0.33 cannot share.
-# See README, "Runners".
+# See docs/runners.md.
 BEAM_VERSION = "2.70.0"
 
 setup(

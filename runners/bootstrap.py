@@ -89,7 +89,7 @@ def prism_path(version: str | None = None, patches: list[Path] | None = None) ->
 
 def ensure_prism(version: str | None = None, patches: list[Path] | None = None) -> Path:
     """The Prism binary for `version`, built on first use from Beam's Go module with our fixes applied
-    (`runners/prism_patches/`, README "Runners"). The cache path names the patches (`prism_path`), so
+    (`runners/prism_patches/`, docs/runners.md). The cache path names the patches (`prism_path`), so
     changing them builds a new binary. `patches` selects a subset: tests build Prism without one of
     them to show what it fixes."""
     if not PRISM_PATCHES:

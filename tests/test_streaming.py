@@ -58,7 +58,7 @@ def test_every_element_in_exactly_one_complete_file(demo_run):
 def test_timer_kinds_fire_but_nothing_waits_on_them(demo_run):
     runner, out, _, _ = demo_run
     log = (Path(out) / "timers.log").read_text().split()
-    # Both kinds fire on both runners (how early or late differs: see README "Runners"); the
+    # Both kinds fire on both runners (how early or late differs: see docs/runners.md); the
     # batches above were all cut by count, so liveness never depended on either.
     assert "processing_time_timer_fired" in log and "event_time_timer_fired" in log, (runner, log)
 
