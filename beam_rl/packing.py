@@ -1,7 +1,7 @@
 """Batch packing: when a batch is full, and how its samples become micro-batches per trainer rank.
 
 Samples are never split and never padded: a micro-batch is samples laid end to end (the Arrow writer,
-schemas/train_batch.py, restarts position ids at 0 for each, so attention stays within a sample).
+beam_rl/rundir/arrow.py, restarts position ids at 0 for each, so attention stays within a sample).
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ import pyarrow as pa
 from beam_rl.advantages import get_algorithm
 from beam_rl.config import config_from_dict
 from beam_rl.filters import ZeroAdvantageFilter
+from beam_rl.rundir.arrow import rollouts_to_table, samples_to_table
 from beam_rl.sink import score_group
 from beam_rl.types import Rollout, Turn
-from schemas import rollouts_to_table, samples_to_table
 from transforms.pack import _PackFn
 
 GROUP_SIZE, ROLLOUTS_PER_STEP, PROMPT, COMPLETION = 8, 64, 32, 224

@@ -1,5 +1,6 @@
 """Arrow schemas shared by the run-directory writer and the trainer-side reader (the one source of both),
-derived from the field declarations in schemas/fields.py."""
+derived from the field declarations in schemas/fields.py. The leaf of the layering: it imports nothing
+of beam-rl, so the converters between these files and the domain's types are beam_rl/rundir/arrow.py's."""
 
 from schemas.fields import ROLLOUT_FIELDS, SAMPLE_FIELDS, TOKEN_FIELDS, TURN_FIELDS
 from schemas.train_batch import (
@@ -10,11 +11,8 @@ from schemas.train_batch import (
     SchemaError,
     check_schema,
     check_schema_version,
-    micro_batch_to_record_batch,
-    samples_to_table,
-    table_to_micro_batches,
 )
-from schemas.window import ROLLOUT_RECORD_SCHEMA, rollouts_to_table, table_to_records
+from schemas.window import ROLLOUT_RECORD_SCHEMA
 
 __all__ = [
     "ROLLOUT_FIELDS",
@@ -29,9 +27,4 @@ __all__ = [
     "SchemaError",
     "check_schema",
     "check_schema_version",
-    "micro_batch_to_record_batch",
-    "rollouts_to_table",
-    "samples_to_table",
-    "table_to_micro_batches",
-    "table_to_records",
 ]

@@ -1,18 +1,12 @@
 """The rank files' Arrow schema (one row per sample, one record batch per micro-batch), derived from the
-declarations in schemas/fields.py, and the schema version every run-directory Arrow file carries."""
+declarations in schemas/fields.py, and the schema version every run-directory Arrow file carries. The
+writer and reader that turn micro-batches into these files and back are beam_rl/rundir/arrow.py's."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-import numpy as np
 import pyarrow as pa
 
-from schemas.fields import SAMPLE_FIELDS, SAMPLE_TOKEN_FIELDS, TOKEN_FIELDS
-
-if TYPE_CHECKING:
-    from beam_rl.types import MicroBatch, Sample
+from schemas.fields import SAMPLE_FIELDS, TOKEN_FIELDS
 
 # 2: per-token policy_versions in the rank files; the rollouts' tokens and timeline in window.arrow.
 # 3: rewards as float64 in both (version 2 rounded them to float32, so replay could not match the run).
@@ -83,77 +77,3 @@ def in_version(table: pa.Table, version: int) -> pa.Table:
     schema = pa.schema([field.with_type(_OLDER_TYPES.get(version, {}).get(field.name, field.type))
                         for field in table.schema], metadata={SCHEMA_VERSION_KEY: str(version).encode()})
     return table.cast(schema)
-
-
-def micro_batch_to_record_batch(index: int, micro_batch: MicroBatch) -> pa.RecordBatch:
-    """One micro-batch as one record batch (a row per sample), built with one concatenate per column."""
-    samples = micro_batch.samples
-    for s in samples:
-        _check_sample(s)
-    lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
-    offsets = np.zeros(len(samples) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    list_offsets = pa.array(offsets)
-    # Positions restart at 0 on every sample: global index minus the start offset of its sample.
-    written = {
-        "micro_batch": np.full(len(samples), index, dtype=np.int32),
-        "seq_len": lengths.astype(np.int32),
-        "position_ids": np.arange(offsets[-1], dtype=np.int32) - np.repeat(offsets[:-1], lengths),
-    }
-    columns = []
-    for f in SAMPLE_FIELDS:
-        values = written[f.name] if f.written else [getattr(s, f.name) for s in samples]
-        columns.append(pa.array(values, f.arrow_type))
-    for f in TOKEN_FIELDS:
-        if f.written:
-            flat = written[f.name]
-        else:  # as the declared dtype first: a mask given as ints must still land as 0/1
-            parts = [np.asarray(getattr(s, f.name), dtype=f.dtype) for s in samples]
-            flat = np.concatenate(parts) if parts else np.empty(0, f.dtype)
-        if f.dtype == np.bool_:
-            flat = flat.view(np.uint8)
-        columns.append(pa.ListArray.from_arrays(list_offsets, pa.array(flat, f.arrow_type)))
-    return pa.RecordBatch.from_arrays(columns, schema=TRAIN_BATCH_SCHEMA)
-
-
-def samples_to_table(micro_batches: Sequence[MicroBatch]) -> pa.Table:
-    """All micro-batches of one rank as a table whose chunks are the micro-batches, in order."""
-    batches = [micro_batch_to_record_batch(i, mb) for i, mb in enumerate(micro_batches)]
-    return pa.Table.from_batches(batches, schema=TRAIN_BATCH_SCHEMA)
-
-
-def table_to_micro_batches(table: pa.Table, source: str = "<table>") -> list[MicroBatch]:
-    """The inverse of samples_to_table: rows grouped by their micro_batch column, in index order."""
-    from beam_rl.types import MicroBatch, Sample  # at call time: beam_rl.types derives Sample from schemas/
-
-    check_schema(table.schema, TRAIN_BATCH_SCHEMA, source)
-    table = table.combine_chunks()
-    mb_index = table.column("micro_batch").to_numpy()
-    seq_len = table.column("seq_len").to_numpy()
-    offsets = np.zeros(len(seq_len) + 1, dtype=np.int64)
-    np.cumsum(seq_len, out=offsets[1:])
-    flat: dict[str, np.ndarray] = {}
-    for f in SAMPLE_TOKEN_FIELDS:
-        column = table.column(f.name)
-        list_array = column.chunk(0) if column.num_chunks else pa.array([], column.type)
-        if not np.array_equal(np.diff(list_array.offsets.to_numpy()), seq_len):
-            raise SchemaError(f"{source}: column {f.name!r} disagrees with seq_len on some row's token count")
-        values = list_array.flatten().to_numpy()
-        flat[f.name] = values.view(np.bool_) if f.dtype == np.bool_ else values
-    per_sample = {f.name: table.column(f.name).to_pylist() for f in SAMPLE_FIELDS if not f.written}
-    by_index: dict[int, list[Sample]] = {}
-    for row in np.argsort(mb_index, kind="stable"):
-        start, end = offsets[row], offsets[row + 1]
-        by_index.setdefault(int(mb_index[row]), []).append(Sample(
-            **{name: values[start:end] for name, values in flat.items()},
-            **{name: values[row] for name, values in per_sample.items()},
-        ))
-    return [MicroBatch(by_index[i]) for i in sorted(by_index)]
-
-
-def _check_sample(sample: Sample) -> None:
-    n = len(sample)
-    for f in SAMPLE_TOKEN_FIELDS:
-        if np.shape(getattr(sample, f.name)) != (n,):
-            raise ValueError(f"sample {sample.rollout_id}: {f.name} has shape {np.shape(getattr(sample, f.name))}, "
-                             f"input_ids has ({n},)")

@@ -14,8 +14,9 @@ import pytest
 
 from beam_rl.reader import StepReader
 from beam_rl.rundir import CommitRecordError, RunDir, StepCorruptError, StepNotCommittedError
+from beam_rl.rundir.arrow import samples_to_table
 from beam_rl.types import MicroBatch, Sample, TrainBatch
-from schemas import TOKEN_FIELDS, TRAIN_BATCH_SCHEMA, SchemaError, samples_to_table
+from schemas import TOKEN_FIELDS, TRAIN_BATCH_SCHEMA, SchemaError
 from schemas.commit_record import FileEntry, checksum
 from step_damage import FILE_DAMAGE, RECORD_DAMAGE, truncate
 

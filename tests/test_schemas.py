@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from beam_rl.rundir.arrow import samples_to_table, table_to_micro_batches
 from beam_rl.types import MicroBatch, Sample
 from schemas import (
     ROLLOUT_RECORD_SCHEMA,
@@ -14,8 +15,6 @@ from schemas import (
     SchemaError,
     check_schema,
     check_schema_version,
-    samples_to_table,
-    table_to_micro_batches,
 )
 from schemas.fields import SAMPLE_TOKEN_FIELDS
 

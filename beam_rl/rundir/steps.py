@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import TypeAdapter, ValidationError
 
+from beam_rl.rundir.arrow import rollouts_to_table, samples_to_table
 from beam_rl.rundir.atomic import atomic_write, fsync_directory, is_temp, json_bytes, json_default, remove
 from beam_rl.rundir.errors import RunDirError, StepAlreadyCommittedError, StepCorruptError, StepNotCommittedError
 from beam_rl.rundir.layout import COMMIT_FILE, WINDOW_FILE, RunLayout, step_dirs
@@ -27,8 +28,8 @@ from schemas.commit_record import (
     first_error,
     new_checksum,
 )
-from schemas.train_batch import SCHEMA_VERSION, check_schema, samples_to_table
-from schemas.window import ROLLOUT_RECORD_SCHEMA, rollouts_to_table
+from schemas.train_batch import SCHEMA_VERSION, check_schema
+from schemas.window import ROLLOUT_RECORD_SCHEMA
 
 _TIMINGS = TypeAdapter(dict[str, float])
 
