@@ -25,6 +25,7 @@ setup(
         "pydantic>=2.6,<3",
         "xxhash>=2",  # the commit record's file checksums (XXH3-128)
         "httpx>=0.27",  # the benchmark's and tests' plain HTTP calls
+        "mmh3>=5,<6",  # Beam's Flink runner hashes keys with murmur3 (transforms/flink_keys.py)
         "orjson>=3.9",  # the dispatcher parses every completion; json was half its CPU
         "prometheus-client>=0.20",
         "pyyaml>=6",  # the Flink cluster config (runners/flink_cluster.py)

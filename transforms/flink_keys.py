@@ -1,12 +1,15 @@
 """Which parallel subtask Flink routes a keyed element to: Flink's own arithmetic on Beam's encoded key.
 
-Beam's Flink runner keys a stage by the key's bytes (the key coder's nested encoding, wrapped in a
-java.nio.ByteBuffer) and Flink assigns the ByteBuffer's hashCode, murmur-mixed, to one of maxParallelism
-key groups, each owned by one subtask. The dispatch transform uses it to give each shard's element a key that
-lands on a subtask of its own (tests/test_flink_keys.py checks this against Flink's own classes).
+Beam's Flink runner keys a stage by the key's bytes (the key coder's nested encoding) wrapped in a
+`FlinkKey`, whose hashCode is Guava's murmur3_128 of the bytes, as an int (Beam 2.62 wrapped them in a
+java.nio.ByteBuffer and used its hashCode); Flink murmur-mixes that hashCode into one of maxParallelism key
+groups, each owned by one subtask. The dispatch transform uses it to give each shard's element a key that
+lands on a subtask of its own (tests/test_flink_keys.py checks this against Beam's and Flink's own classes).
 """
 
 from __future__ import annotations
+
+import mmh3
 
 _MASK = 0xFFFFFFFF
 
@@ -21,12 +24,10 @@ def _rotl(x: int, bits: int) -> int:
     return ((x << bits) | (x >> (32 - bits))) & _MASK
 
 
-def byte_buffer_hash(data: bytes) -> int:
-    """java.nio.ByteBuffer.hashCode(): 31-polynomial over the signed bytes, last to first."""
-    h = 1
-    for b in reversed(data):
-        h = _int32(31 * h + (b - 256 if b > 127 else b))
-    return h
+def flink_key_hash(data: bytes) -> int:
+    """Beam's FlinkKey.hashCode(): Guava's `Hashing.murmur3_128().hashBytes(data).asInt()`, the first four
+    bytes of the 128-bit hash (seed 0), little-endian."""
+    return int.from_bytes(mmh3.hash_bytes(data, 0, True)[:4], "little", signed=True)
 
 
 def murmur_hash(code: int) -> int:
@@ -62,5 +63,5 @@ def default_max_parallelism(parallelism: int) -> int:
 def operator_index(key: bytes, parallelism: int, max_parallelism: int | None = None) -> int:
     """The subtask (0..parallelism-1) Flink routes the encoded key `key` to."""
     max_parallelism = max_parallelism or default_max_parallelism(parallelism)
-    key_group = murmur_hash(byte_buffer_hash(key)) % max_parallelism
+    key_group = murmur_hash(flink_key_hash(key)) % max_parallelism
     return key_group * parallelism // max_parallelism
