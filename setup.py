@@ -16,7 +16,7 @@ setup(
     description="RL rollout orchestration for LLMs as an Apache Beam streaming pipeline",
     python_requires=">=3.10",
     packages=find_packages(include=["beam_rl*", "transforms*", "runners*", "schemas*"]),
-    package_data={"beam_rl": ["envs/data/*.jsonl", "configs/*.toml"],
+    package_data={"beam_rl": ["envs/data/*.jsonl"],
                   "runners": ["prism_patches/*.patch"]},  # Prism is built with them (runners/bootstrap.py)
     install_requires=[
         f"apache-beam=={BEAM_VERSION}",

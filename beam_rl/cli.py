@@ -16,12 +16,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from beam_rl.config import ConfigError, RunConfig, load_config
-from beam_rl.datasets import DatasetError
-from beam_rl.failures import ServersNotReadyError, read_failure
-from beam_rl.lease import RunDirBusyError
+from beam_rl.envs.datasets import DatasetError
+from beam_rl.observe.report import COMMITTED_COLUMNS, StepRow, StepTable
 from beam_rl.processes import ChildFailedError
-from beam_rl.report import COMMITTED_COLUMNS, StepRow, StepTable
 from beam_rl.rundir import CommitRecord, CommitRecordError, RunDir, RunDirError, StepCorruptError
+from beam_rl.rundir.failures import ServersNotReadyError, read_failure
+from beam_rl.rundir.lease import RunDirBusyError
 from schemas.train_batch import SchemaError
 
 console = Console()
@@ -76,8 +76,8 @@ def _cmd_inspect_samples(args: argparse.Namespace) -> int:
     """Rollouts of one step's window as text (`--step N --samples K`, or `--rollout ID`); a bad step, an
     unknown rollout or a damaged window is one red line and exit status 2."""
     from beam_rl.components import tokenizer_for
-    from beam_rl.goodput import describe
-    from beam_rl.samples_text import RolloutNotFound, TokenText, find_step, rollout_panel, window_rows
+    from beam_rl.observe.rollout_text import RolloutNotFound, TokenText, find_step, rollout_panel, window_rows
+    from beam_rl.packing.goodput import describe
 
     run_dir = RunDir(args.run_dir)
     if not run_dir.path.is_dir():
@@ -125,7 +125,7 @@ def _run_model_name(run_dir: RunDir) -> str | None:
 def _cmd_replay(args: argparse.Namespace) -> int:
     """Replay committed steps from their windows and compare with the committed files; exit status 1 naming
     each differing step's first difference, 2 when a step cannot be replayed."""
-    from beam_rl.replay import ReplayError, replay_steps
+    from beam_rl.observe.replay import ReplayError, replay_steps
 
     run_dir = RunDir(args.run_dir)
     committed = run_dir.committed_steps() if run_dir.path.is_dir() else []
@@ -185,7 +185,7 @@ def check_model(config: RunConfig, source: str) -> None:
     """model.name is "tiny" or a local Hugging Face directory with a model config, a tokenizer that loads,
     and (where a server or the trainer here loads it) safetensors weights; ConfigError at model.name."""
     from beam_rl import components
-    from beam_rl.checkpoint_shapes import CheckpointError, tensor_shapes
+    from beam_rl.rundir.checkpoint_shapes import CheckpointError, tensor_shapes
 
     if config.model.name == "tiny":
         return
@@ -232,7 +232,7 @@ def check_published_weights(run_dir: RunDir, config: RunConfig) -> None:
     """The newest weights the trainer published (STABLE) fit the model: every server loads them before
     any group starts, and the trainer resumes from them. RunDirError naming the directory otherwise."""
     from beam_rl import components
-    from beam_rl.checkpoint_shapes import CheckpointError, validate_checkpoint
+    from beam_rl.rundir.checkpoint_shapes import CheckpointError, validate_checkpoint
 
     latest = run_dir.latest_stable_weights()
     if latest is None:
@@ -273,7 +273,7 @@ def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, 
 
 def _pipeline_stopped(err: BaseException, run_dir: RunDir, since: float, again: str) -> int:
     """A run stopped by one of our own errors (disk full, every server down), which the failing stage
-    recorded in the run directory since `since` (beam_rl/failures.py), or by a child process that failed
+    recorded in the run directory since `since` (beam_rl/rundir/failures.py), or by a child process that failed
     (the trainer): its message, not Beam's whole traceback, and what the run directory still holds. Any
     other error (a busy run directory) is raised as it is, for `main`."""
     failure = err if isinstance(err, ChildFailedError) else read_failure(run_dir.path, since)
@@ -363,7 +363,7 @@ def _run_complete(config: RunConfig, last: int | None) -> bool:
 def _cmd_train(args: argparse.Namespace) -> int:
     from beam_rl import components
     from beam_rl.config import config_from_dict
-    from beam_rl.training.trainer import run_trainer
+    from beam_rl.trainer.reference import run_trainer
 
     run_dir = RunDir(args.run_dir)
     config = load_config(args.config) if args.config else config_from_dict(
@@ -378,7 +378,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from beam_rl.report import weight_update_summary, write_plot
+    from beam_rl.observe.report import weight_update_summary, write_plot
 
     run_dir = RunDir(args.run_dir)
     if not run_dir.committed_steps():
@@ -401,7 +401,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _timeline_steps(run_dir: RunDir, steps_text: str | None) -> list[int] | None:
     """The committed steps `report --steps` names; None after a red line saying why there are none."""
-    from beam_rl.timeline import StepRangeError, parse_steps
+    from beam_rl.observe.timeline import StepRangeError, parse_steps
 
     try:
         return parse_steps(steps_text, run_dir.committed_steps())
@@ -412,7 +412,7 @@ def _timeline_steps(run_dir: RunDir, steps_text: str | None) -> list[int] | None
 
 def _report_timeline(run_dir: RunDir, steps: list[int]) -> int:
     """The latency table of the chosen steps and timeline.png (latency and each server's requests)."""
-    from beam_rl.timeline import latency_breakdown, latency_table, read_timelines, write_timeline
+    from beam_rl.observe.timeline import latency_breakdown, latency_table, read_timelines, write_timeline
 
     try:
         timelines = read_timelines(run_dir, steps)

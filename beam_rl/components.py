@@ -16,18 +16,20 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from beam_rl.advantages import AdvantageAlgorithm, get_algorithm
-from beam_rl.checkpoint_shapes import validate_checkpoint
 from beam_rl.config import RunConfig
 from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
 from beam_rl.envs import env_class, make_env
-from beam_rl.envs.base import Environment, SamplingParams
-from beam_rl.failures import ServersNotReadyError
-from beam_rl.filters import RolloutFilter, make_filter
+from beam_rl.envs.base import Environment
 from beam_rl.inference.client import InferenceAuthError, InferenceClient, InferenceError, InferenceHTTPError
-from beam_rl.packing import BatchCutter
-from beam_rl.schedule import EnvSchedule, PromptSchedule
-from beam_rl.sink import BatchBuilder
+from beam_rl.inference.types import SamplingParams
+from beam_rl.packing.batches import BatchBuilder
+from beam_rl.packing.packer import BatchCutter
+from beam_rl.rundir.checkpoint_shapes import validate_checkpoint
+from beam_rl.rundir.failures import ServersNotReadyError
+from beam_rl.scoring.advantages import AdvantageAlgorithm, get_algorithm
+from beam_rl.scoring.filters import RolloutFilter, make_filter
+from beam_rl.source.schedule import EnvSchedule, PromptSchedule
+from beam_rl.source.source import SourceParts
 from beam_rl.tinymodel import tiny_model_dir
 from beam_rl.tokenizer import load_tokenizer
 
@@ -238,3 +240,15 @@ def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str,
                           max_regenerations=config.off_policy.max_regenerations)
 
     return DispatcherThread(build, abandoned_after_s=ABANDONED_SOURCE_S)
+
+
+def source_parts(config: RunConfig) -> SourceParts:
+    """What a shard's RolloutSource runs with, built once per source on its worker."""
+    envs = build_envs(config)
+    return SourceParts(
+        envs=envs,
+        schedule=build_schedule(config, envs),
+        eval_schedule=eval_schedule(config, envs) if config.eval.every_steps else None,
+        dispatcher_thread=functools.partial(dispatcher_thread, config),
+        validate_checkpoint=checkpoint_validator(config),
+    )

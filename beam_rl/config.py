@@ -128,7 +128,7 @@ class JudgeVerdict(_Section):
 
 class JudgeSection(_Section):
     """An LLM judge that replaces the environment's reward: any OpenAI-compatible chat endpoint
-    (beam_rl/judge.py, docs/environments.md)."""
+    (beam_rl/scoring/judge.py, docs/environments.md)."""
 
     url: str  # base URL; the judge posts to <url>/v1/chat/completions
     model: str = Field(min_length=1)
@@ -360,7 +360,7 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
-        from beam_rl.advantages import algorithm_problems  # the registry: here, not when config is imported
+        from beam_rl.scoring.advantages import algorithm_problems  # the registry: here, not when config is imported
 
         problems: list[tuple[str, str]] = []
         batch, inference = self.batch, self.inference

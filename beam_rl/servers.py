@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 from beam_rl import components
 from beam_rl.config import RunConfig
-from beam_rl.inference.launch import spawn_subprocess_server, wait_until_ready
 from beam_rl.processes import stop_processes
+from beam_rl.standin.launch import spawn_subprocess_server, wait_until_ready
 
 _LOG = logging.getLogger(__name__)
 

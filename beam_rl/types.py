@@ -190,7 +190,7 @@ class RolloutTokens:
 
     A clean rollout's record and its Sample share the three arrays (one copy in memory). Stored next to
     what holds them (its sample in a scored group, its pending group in the packer's state), a record
-    drops them and gets them back when read (beam_rl.samples.share_sample_tokens,
+    drops them and gets them back when read (beam_rl.scoring.samples.share_sample_tokens,
     BatchBuilder.restore_pending).
     """
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from beam_rl.config import config_from_dict
-from beam_rl.inference.server import EmbeddedServer
 from beam_rl.rundir import RunDir
+from beam_rl.standin.server import EmbeddedServer
 from runners.flink_cluster import start_cluster
 from runners.pipeline import run_rollouts
 

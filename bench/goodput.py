@@ -24,16 +24,16 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from beam_rl import goodput as fates
 from beam_rl.config import config_from_dict
 from beam_rl.dispatch.thread_host import DispatcherThread
 from beam_rl.inference.inflight import UNKNOWN_VERSION
-from beam_rl.inference.launch import start_subprocess_server
+from beam_rl.packing import goodput as fates
 from beam_rl.processes import stop_processes
-from beam_rl.reader import StepReader
 from beam_rl.rundir import CommitRecord, RunDir
 from beam_rl.source import admission
+from beam_rl.standin.launch import start_subprocess_server
 from beam_rl.tinymodel import tiny_model_dir
+from beam_rl.trainer.reader import StepReader
 
 # "cancel" is the behaviour before issue 13: reload under running requests, no streaming, a failed server's
 # rollouts errored (no re-dispatch), a group past the bound cancelled whole (the dispatcher's `cancel_stale`,

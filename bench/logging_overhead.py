@@ -3,7 +3,7 @@
 
     .venv/bin/python -m bench.logging_overhead --pairs 6 --out bench/logging_overhead.json
 
-"On" is W&B offline (with its samples table: beam_rl.samples_text.tracker_sample_rows), TensorBoard and
+"On" is W&B offline (with its samples table: beam_rl.observe.rollout_text.tracker_sample_rows), TensorBoard and
 Prometheus /metrics scraped once a second. The bench's pipeline (runners.pipeline.run_rollouts) has no
 run observer; the job (runners/job.py) polls one every 0.5 s in the orchestrator's process beside the
 pipeline, so it runs here likewise, on a thread, then is closed. Runs alternate off, on, off, on, ... on the same servers. Per run: the
@@ -33,8 +33,8 @@ from typing import Any
 
 from beam_rl.config import LoggingSection, config_from_dict
 from beam_rl.observe import RunObserver
+from beam_rl.observe.rollout_text import tracker_sample_rows
 from beam_rl.rundir import RunDir
-from beam_rl.samples_text import tracker_sample_rows
 from bench import procs
 from bench.overhead import bench_config
 from bench.run import SIZES

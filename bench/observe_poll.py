@@ -7,7 +7,7 @@ configuration: no tracker (Prometheus snapshot only), TensorBoard, TensorBoard +
 opening the trackers, the first poll (reads the whole run), an idle poll (nothing new), and a poll
 after one more step (a commit, a trainer record, two load samples, a status update): the CPU of a loop
 that grows the run and polls, minus the same loop without polls, per step. Beside it, what re-reading
-the run whole costs (`beam_rl.report.step_rows`: every commit record and all of metrics.jsonl).
+the run whole costs (`beam_rl.observe.report.step_rows`: every commit record and all of metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from beam_rl.config import config_from_dict
 from beam_rl.observe import RunObserver
-from beam_rl.report import step_rows
+from beam_rl.observe.report import step_rows
 from beam_rl.rundir import RunDir
 from beam_rl.types import TrainBatch
 from bench.procs import cpu_s, tree_pids

@@ -16,9 +16,9 @@ import numpy as np
 from beam_rl import components
 from beam_rl.config import RunConfig, config_from_dict
 from beam_rl.envs.base import Trajectory
-from beam_rl.inference.generator import GenerationParams, InstantGenerator
 from beam_rl.rundir import RunDir
-from beam_rl.sink import score_group
+from beam_rl.scoring.group import score_group
+from beam_rl.standin.generator import GenerationParams, InstantGenerator
 from beam_rl.types import Rollout, Turn
 from bench import procs
 

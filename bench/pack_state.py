@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from beam_rl.advantages import get_algorithm
 from beam_rl.config import config_from_dict
-from beam_rl.filters import ZeroAdvantageFilter
 from beam_rl.rundir.arrow import rollouts_to_table, samples_to_table
-from beam_rl.sink import score_group
+from beam_rl.scoring.advantages import get_algorithm
+from beam_rl.scoring.filters import ZeroAdvantageFilter
+from beam_rl.scoring.group import score_group
 from beam_rl.types import Rollout, Turn
 from transforms.pack import _PackFn
 

@@ -7,8 +7,8 @@ import os
 import subprocess
 from collections.abc import Iterator
 
-from beam_rl.inference.launch import start_subprocess_server
 from beam_rl.processes import stop_processes, tree_pids  # noqa: F401  (tests and benches use tree_pids from here)
+from beam_rl.standin.launch import start_subprocess_server
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -20,9 +20,9 @@ from typing import Any, Callable
 from rich.console import Console
 
 from beam_rl.components import tokenizer_for
-from beam_rl.replay import replay_steps, run_config
+from beam_rl.observe.replay import replay_steps, run_config
+from beam_rl.observe.rollout_text import TokenText, rollout_panel, step_sample_rows, window_rows
 from beam_rl.rundir import RunDir
-from beam_rl.samples_text import TokenText, rollout_panel, step_sample_rows, window_rows
 
 
 def timed(fn: Callable[[], Any], repeat: int) -> dict[str, float]:

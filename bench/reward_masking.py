@@ -1,6 +1,6 @@
 """What a failing reward does to advantages, offline: the groups of a finished run (every training group
 whose rollouts were all scored), with `--failure-rate` of their rewards made to fail at random, scored
-three ways through beam_rl.sink.score_group: no failures (the truth); failures scored as 0; failures
+three ways through beam_rl.scoring.group.score_group: no failures (the truth); failures scored as 0; failures
 masked (reward_error, left out of the baseline, the group dropped below min_scored). Reports the mean
 absolute advantage error against the truth, over the rollouts whose rewards were known and over the
 failed ones a 0-scoring trainer trains on, averaged over `--draws` draws of failures.
@@ -20,10 +20,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from beam_rl.advantages import AdvantageAlgorithm, get_algorithm
-from beam_rl.rewards import mark_reward_error
 from beam_rl.rundir import RunDir
-from beam_rl.sink import score_group
+from beam_rl.scoring.advantages import AdvantageAlgorithm, get_algorithm
+from beam_rl.scoring.group import score_group
+from beam_rl.scoring.rewards import mark_reward_error
 from beam_rl.types import Rollout, Turn
 from bench.results import write_results
 

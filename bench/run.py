@@ -13,7 +13,7 @@ from typing import Any
 
 from bench import overhead, sink, utilization
 
-# Simulated engine settings of figures 1-2 (see beam_rl/inference/simulated.py for the cost model).
+# Simulated engine settings of figures 1-2 (see beam_rl/standin/simulated.py for the cost model).
 SIM_FULL = ("--sim-length-median", "64", "--sim-length-sigma", "1.0", "--sim-decode-base-s", "0.02",
             "--sim-decode-s-per-seq", "1e-4", "--sim-prefill-s-per-token", "2e-5")
 SIM_SMALL = ("--sim-length-median", "24", "--sim-length-sigma", "1.0", "--sim-decode-base-s", "0.01",

@@ -14,8 +14,8 @@ import time
 import httpx
 
 from beam_rl.config import config_from_dict
-from beam_rl.inference.server import EmbeddedServer
 from beam_rl.rundir import RunDir
+from beam_rl.standin.server import EmbeddedServer
 from beam_rl.tinymodel import tiny_model_dir
 from runners.pipeline import run_rollouts
 

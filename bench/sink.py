@@ -9,9 +9,9 @@ import time
 from typing import Any
 
 from beam_rl import components
-from beam_rl.inference.generator import InstantGenerator
 from beam_rl.rundir import RunDir
-from beam_rl.sink import score_group
+from beam_rl.scoring.group import score_group
+from beam_rl.standin.generator import InstantGenerator
 from bench.overhead import ENV, bench_config, instant_rollouts
 
 

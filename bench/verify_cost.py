@@ -23,8 +23,8 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from beam_rl.reader import StepReader
 from beam_rl.rundir import RunDir
+from beam_rl.trainer.reader import StepReader
 from beam_rl.types import MicroBatch, Sample, TrainBatch
 from schemas.fields import TOKEN_FIELDS
 

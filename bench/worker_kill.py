@@ -96,8 +96,8 @@ class _Request:
 def _recording_server(requests: list[_Request], seed: int):
     from aiohttp import web
 
-    from beam_rl.inference.server import EmbeddedServer
-    from beam_rl.inference.simulated import SimulatedParams
+    from beam_rl.standin.server import EmbeddedServer
+    from beam_rl.standin.simulated import SimulatedParams
 
     class RecordingServer(EmbeddedServer):
         def app(self) -> web.Application:

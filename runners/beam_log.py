@@ -4,7 +4,7 @@
   bundle it prints the whole traceback to `sys.stderr` and logs it again (`sdk_worker.py`, `_execute`),
   among them the ones a cancelled job's last bundles raise on the way out (Ctrl-C, a stage that stopped
   the run). The user gets one line instead: the CLI's, or the typed failure a stage recorded
-  (beam_rl/failures.py). `beam.log` keeps Beam's account.
+  (beam_rl/rundir/failures.py). `beam.log` keeps Beam's account.
 - So, for the `beam-rl` command only: the `apache_beam` loggers write to that file, as do records Beam's
   code logs on the root logger, and `sys.stderr` (what Python code prints there; not file descriptor 2,
   which child processes share).

@@ -14,9 +14,9 @@ from rich.live import Live
 
 from beam_rl.config import RunConfig
 from beam_rl.observe import RunObserver
-from beam_rl.samples_text import tracker_sample_rows
+from beam_rl.observe.report import LIVE_COLUMNS, RunTail, StepTable, fitting_columns, write_plot
+from beam_rl.observe.rollout_text import tracker_sample_rows
 from beam_rl.processes import Child, Supervisor
-from beam_rl.report import LIVE_COLUMNS, RunTail, StepTable, fitting_columns, write_plot
 from beam_rl.rundir import RunDir
 from beam_rl.servers import inference_servers
 from runners.pipeline import RolloutJob, attach_rollouts, start_rollouts

@@ -19,9 +19,9 @@ from apache_beam.runners.runner import PipelineState
 
 from beam_rl import components
 from beam_rl.config import RunConfig
-from beam_rl.lease import RunLease, read_job_record, write_job_record
 from beam_rl.processes import worker_id
 from beam_rl.rundir import RunDir
+from beam_rl.rundir.lease import RunLease, read_job_record, write_job_record
 from beam_rl.source import SourceSpec
 from runners.flink_rest import TERMINAL, FlinkRest
 from runners.job_server import JobServer, start_job_server

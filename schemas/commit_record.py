@@ -88,7 +88,7 @@ class StepCounts(BaseModel):
 
 class WindowStats(BaseModel):
     """Statistics of the observation window (every rollout since the previous step), as the packer
-    computed them (beam_rl/sink.py); window.arrow holds the rollouts themselves.
+    computed them (beam_rl/packing/batches.py); window.arrow holds the rollouts themselves.
 
     A typed model, not a free dict: every stat a reader may look up is declared here, and a new one
     needs a new record_version. Every field defaults to "nothing observed" because writers that compute
@@ -114,7 +114,7 @@ class WindowStats(BaseModel):
     tokens: NonNegativeInt = 0
     micro_batches: list[NonNegativeInt] = []  # per rank
     group_ids: list[str] = []  # every group seen in the window, trained or not
-    # Generated tokens by what became of them (goodput, beam_rl/goodput.py): trained, stale, server_failure,
+    # Generated tokens by what became of them (goodput, beam_rl/packing/goodput.py): trained, stale, server_failure,
     # cancelled, errored, reward_error, filtered/<filter>; each counted once, in the step that decided it.
     tokens_by_fate: dict[str, NonNegativeInt] = {}
 

@@ -140,7 +140,7 @@ TURN_FIELDS: tuple[TurnField, ...] = (
 
 TURNS_TYPE = pa.list_(pa.struct([pa.field(f.name, f.column_type, nullable=f.nullable) for f in TURN_FIELDS]))
 
-# Why tokens generated for a rollout were thrown away (beam_rl/goodput.py): too stale (regenerated or
+# Why tokens generated for a rollout were thrown away (beam_rl/packing/goodput.py): too stale (regenerated or
 # cancelled), lost with a failed server, cancelled at shutdown, lost with an error of the rollout's own.
 DISCARD_FATES = ("stale", "server_failure", "cancelled", "errored")
 DISCARDED_TOKENS_TYPE = pa.struct([pa.field(fate, pa.int32()) for fate in DISCARD_FATES])

@@ -18,7 +18,7 @@ def observe_config(**logging: Any) -> RunConfig:
 
 
 def window(step: int) -> dict[str, Any]:
-    """A step's window stats as the packer computes them (beam_rl/sink.py), with figures other work adds."""
+    """A step's window stats as the packer computes them (beam_rl/packing/batches.py), with figures other work adds."""
     return {
         "step": step, "rollouts": 64 + step, "status": {"ok": 60 + step, "error": 4, "cancelled": 0},
         "errored": 4, "filtered": {"zero_advantage": step % 3}, "flagged": {"monitored": {"gibberish": 1}, "enforced": {}},

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from beam_rl.inference.admission import Admission
+from beam_rl.standin.admission import Admission
 
 
 async def _settle() -> None:

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from beam_rl.advantages import ALGORITHMS, get_algorithm, register_algorithm
+from beam_rl.scoring.advantages import ALGORITHMS, get_algorithm, register_algorithm
 from beam_rl.types import Rollout, Sample
 
 

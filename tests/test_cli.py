@@ -8,13 +8,13 @@ import re
 
 import pytest
 from rich.console import Console
+from step_damage import FILE_DAMAGE, RECORD_DAMAGE
+from test_reader import batch
 
 from beam_rl import cli
 from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.rundir import RunDir
 from beam_rl.types import TrainBatch
-from step_damage import FILE_DAMAGE, RECORD_DAMAGE
-from test_reader import batch
 
 RED, YELLOW = "\x1b[31m", "\x1b[33m"
 _STYLE = re.compile(r"\x1b\[[0-9;]*m")
@@ -139,7 +139,7 @@ kind = "none"
 
 @pytest.mark.parametrize("command", ["run", "rollouts"])
 def test_a_run_directory_another_process_follows_is_a_one_line_error(tmp_path, monkeypatch, command):
-    from beam_rl.lease import RunLease
+    from beam_rl.rundir.lease import RunLease
 
     run = RunDir(tmp_path / "run")
     config = tmp_path / "run.toml"

@@ -14,8 +14,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from beam_rl.envs.base import SamplingParams
-from beam_rl.envs.base import Completion
 from beam_rl.inference.client import (
     InferenceAborted,
     InferenceAuthError,
@@ -30,6 +28,7 @@ from beam_rl.inference.client import (
     parse_server_load,
 )
 from beam_rl.inference.inflight import UNKNOWN_VERSION, LiveRequest, Progress
+from beam_rl.inference.types import Completion, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -533,7 +532,7 @@ def test_weight_version_spans_replace_the_stamps_of_the_tokens_this_request_brou
 def test_a_load_refused_on_the_generate_route_gives_the_old_weights_their_label_back(tmp_path):
     """Label and load go at once while paused: when the load fails, the label set beside it must not
     name the old weights as the new version once they sample again."""
-    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.standin.server import EmbeddedServer
     from beam_rl.tinymodel import tiny_model_dir
 
     server = EmbeddedServer(tiny_model_dir(), mode="instant")
@@ -567,7 +566,7 @@ def test_a_busy_requests_loop_holds_the_server_paused_only_to_read_what_came_bef
     at once). The pause, the load and the resume run on a loop of their own, so the server is paused for a
     moment. On the completions route, keep waits for the streams to drain on the requests' loop, and so
     does continue for answers that are not streamed (docs/weight-updates.md, "Where the pause runs")."""
-    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.standin.server import EmbeddedServer
     from beam_rl.tinymodel import tiny_model_dir
 
     server = EmbeddedServer(tiny_model_dir(), mode="instant")
@@ -604,7 +603,7 @@ def test_requests_held_back_by_an_update_go_out_in_the_first_pass_after_the_resu
     """The server samples nothing from the pause to its resume; requests that would only queue are held back
     meanwhile (continue's continuations among them). Every pass of a busy requests' loop costs the engine
     time, so they are released from the pause's loop at the resume's answer, not a chain of passes later."""
-    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.standin.server import EmbeddedServer
     from beam_rl.tinymodel import tiny_model_dir
 
     server = EmbeddedServer(tiny_model_dir(), mode="instant")
@@ -662,7 +661,7 @@ def test_a_server_on_this_machine_is_told_by_its_address(url, local):
 def test_the_drains_quiet_is_a_margin_for_servers_across_a_network(on_this_machine):
     """A server answers a keep pause once it has sent every token sampled before it: one on this machine has
     put them in the client's sockets by then, one across a network may still have some on their way."""
-    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.standin.server import EmbeddedServer
     from beam_rl.tinymodel import tiny_model_dir
 
     server = EmbeddedServer(tiny_model_dir(), mode="instant")
@@ -720,8 +719,8 @@ def test_tails_read_after_a_continue_update_keep_the_version_that_sampled_them(m
     """A continue update while the requests' loop is busy: tokens sampled before the pause are read only after
     the load, when what arrives may come from either side of it. A request the pause aborted, and one that
     finished just before it (it had tokens before the resume), were sampled before: their tokens say so."""
-    from beam_rl.inference.faults import FaultConfig
-    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.standin.faults import FaultConfig
+    from beam_rl.standin.server import EmbeddedServer
     from beam_rl.tinymodel import tiny_model_dir
     from tests.server_helpers import served_versions
 

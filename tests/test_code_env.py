@@ -15,16 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import children
 import pytest
 
-import children
-
-from beam_rl.datasets import DatasetError
 from beam_rl.envs import make_env
 from beam_rl.envs.base import RewardUnavailable, Trajectory
 from beam_rl.envs.code import Code, extract_program, same, split_test
-from beam_rl.rewards import assign_rewards
-from beam_rl.sandbox import SandboxLimits
+from beam_rl.envs.datasets import DatasetError
+from beam_rl.envs.sandbox import SandboxLimits
+from beam_rl.scoring.rewards import assign_rewards
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus, Turn
 

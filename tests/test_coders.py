@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from apache_beam.typehints.native_type_compatibility import convert_to_beam_type
 
-from beam_rl.advantages import AdvantageAlgorithm
+from beam_rl.scoring.advantages import AdvantageAlgorithm
+from beam_rl.scoring.group import ScoredGroup, score_group
 from beam_rl.source import EndOfInput
-from beam_rl.sink import ScoredGroup, score_group
 from beam_rl.types import Rollout, Turn
 from runners.options import pipeline_options
 from transforms import coders

@@ -1,4 +1,4 @@
-"""Tests of beam_rl.datasets: JSONL, Parquet and Hugging Face directories, and their error messages."""
+"""Tests of beam_rl.envs.datasets: JSONL, Parquet and Hugging Face directories, and their error messages."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from beam_rl.datasets import DatasetError, PromptText, load_rows, read_dataset
+from beam_rl.envs.datasets import DatasetError, PromptText, load_rows, read_dataset
 
 
 class QARow(BaseModel):

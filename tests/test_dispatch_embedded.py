@@ -21,9 +21,9 @@ from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
 from beam_rl.envs import make_env
 from beam_rl.envs.base import Environment, SamplingParams
 from beam_rl.inference.client import InferenceClient
-from beam_rl.inference.faults import FaultConfig, FaultInjector
-from beam_rl.inference.server import EmbeddedServer
-from beam_rl.inference.simulated import SimulatedParams
+from beam_rl.standin.faults import FaultConfig, FaultInjector
+from beam_rl.standin.server import EmbeddedServer
+from beam_rl.standin.simulated import SimulatedParams
 from beam_rl.tinymodel import tiny_model_dir
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import GroupRequest, Rollout, RolloutStatus, make_group_id

@@ -125,7 +125,7 @@ def test_a_replayed_older_residual_rebuilds_the_source_from_it(fn):
 def test_on_flink_groups_are_dealt_round_robin_over_the_subtasks_by_position():
     from apache_beam.coders import StrUtf8Coder
 
-    from beam_rl.schedule import EnvSchedule, PromptSchedule
+    from beam_rl.source.schedule import EnvSchedule, PromptSchedule
     from transforms.flink_keys import operator_index
 
     class _Schedule:  # what _GroupKeys asks of a source

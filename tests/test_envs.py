@@ -11,20 +11,18 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-import beam_rl.envs as envs
-from beam_rl.datasets import DatasetError
-from beam_rl.envs import ENVIRONMENTS, make_env, register_env
+from beam_rl.envs import ENVIRONMENTS, make_env, register_env, registry
 from beam_rl.envs.arithmetic import Arithmetic, ArithmeticEasy, first_integer
 from beam_rl.envs.base import Completion, SamplingParams, Trajectory, chat_prompt_ids
 from beam_rl.envs.code import Code
-from beam_rl.types import Turn
 from beam_rl.envs.data import make_datasets
+from beam_rl.envs.datasets import DatasetError
 from beam_rl.envs.guess_number import CORRECT, HIGHER, LOWER, NO_GUESS, GuessNumber, hint
 from beam_rl.envs.reverse_text import ReverseText, similarity
 from beam_rl.envs.tool_use import ToolArithmetic
 from beam_rl.envs.verifiers_env import VerifiersTaskset
 from beam_rl.tokenizer import load_tokenizer
-
+from beam_rl.types import Turn
 
 ROW = {"secret": 7, "low": 1, "high": 10}
 QUESTION = "Guess my secret integer between 1 and 10. Reply with one number."
@@ -106,7 +104,7 @@ def test_make_env_errors_name_the_environment(tok: Any) -> None:
 
 
 def test_register_env_refuses_clashes_and_non_environments(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(envs, "ENVIRONMENTS", dict(ENVIRONMENTS))
+    monkeypatch.setattr(registry, "ENVIRONMENTS", dict(ENVIRONMENTS))
 
     class Impostor(Arithmetic):
         name = "arithmetic"
@@ -125,7 +123,7 @@ def test_register_env_refuses_clashes_and_non_environments(monkeypatch: pytest.M
     class Fresh(Arithmetic):
         name = "fresh_arithmetic"
 
-    assert register_env(Fresh) is Fresh and envs.ENVIRONMENTS["fresh_arithmetic"] is Fresh
+    assert register_env(Fresh) is Fresh and registry.ENVIRONMENTS["fresh_arithmetic"] is Fresh
     assert "fresh_arithmetic" not in ENVIRONMENTS  # the monkeypatched copy took it
 
 

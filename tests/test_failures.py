@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from beam_rl.failures import FAILURE_FILE, read_failure, record_failure
 from beam_rl.rundir import RunDirError
+from beam_rl.rundir.failures import FAILURE_FILE, read_failure, record_failure
 from beam_rl.source import AllServersDownError
 
 

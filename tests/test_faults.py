@@ -21,9 +21,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.config import RunConfig, config_from_dict
-from beam_rl.failures import read_failure
-from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.rundir import RunDir
+from beam_rl.rundir.failures import read_failure
+from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from runners.pipeline import run_rollouts
 
 pytestmark = pytest.mark.timeout(120)

@@ -80,11 +80,11 @@ def test_a_field_added_to_the_declarations_reaches_the_rank_file_the_reader_and_
     fields.write_text(source)
     script = textwrap.dedent("""
         import pickle, numpy as np
-        from beam_rl.advantages import get_algorithm
-        from beam_rl.reader import StepReader
+        from beam_rl.scoring.advantages import get_algorithm
+        from beam_rl.trainer.reader import StepReader
         from beam_rl.rundir import RunDir
-        from beam_rl.samples import samples_from_columns, samples_to_columns
-        from beam_rl.sink import score_group
+        from beam_rl.scoring.samples import samples_from_columns, samples_to_columns
+        from beam_rl.scoring.group import score_group
         from beam_rl.types import MicroBatch, Rollout, TrainBatch, Turn
         from transforms import coders
 

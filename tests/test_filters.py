@@ -6,16 +6,16 @@ import math
 
 import pytest
 
-from beam_rl.filters import (
+from beam_rl.scoring.filters import (
     FilterCounts,
     GibberishFilter,
     OverlongFilter,
     RepetitionFilter,
     StaleFilter,
-    oldest_policy_version,
     ZeroAdvantageFilter,
     apply_filters,
     make_filter,
+    oldest_policy_version,
 )
 from beam_rl.types import Rollout, RolloutStatus, Turn
 

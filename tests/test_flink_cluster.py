@@ -25,10 +25,10 @@ import time
 import pytest
 
 from beam_rl.config import config_from_dict
-from beam_rl.inference.server import EmbeddedServer, FaultConfig
-from beam_rl.lease import RunDirBusyError, read_job_record
 from beam_rl.processes import tree_pids
 from beam_rl.rundir import RunDir
+from beam_rl.rundir.lease import RunDirBusyError, read_job_record
+from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from runners.flink_cluster import start_cluster
 from runners.pipeline import attach_rollouts, start_rollouts
 

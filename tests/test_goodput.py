@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from beam_rl.goodput import describe, goodput
+from beam_rl.packing.goodput import describe, goodput
 from beam_rl.rundir import RunDir
 from beam_rl.types import TrainBatch
 

@@ -12,15 +12,15 @@ import time
 import httpx
 import pytest
 from rich.console import Console
+from test_live_table import commit, dispatch, trainer
 
 from beam_rl.config import load_config
-from beam_rl.inference.server import EmbeddedServer
 from beam_rl.observe import RunObserver
-from beam_rl.report import LIVE_COLUMNS, STEP_COLUMNS
+from beam_rl.observe.report import LIVE_COLUMNS, STEP_COLUMNS
 from beam_rl.rundir import RunDir
+from beam_rl.standin.server import EmbeddedServer
 from runners import job as job_module
 from runners.pipeline import start_rollouts
-from test_live_table import commit, dispatch, trainer
 
 TINY = "configs/tiny.toml"
 

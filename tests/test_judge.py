@@ -16,10 +16,10 @@ import pytest
 from beam_rl.config import JudgeSection, config_from_dict
 from beam_rl.envs import make_env
 from beam_rl.envs.base import RewardUnavailable
-from beam_rl.inference.faults import FaultInjector
-from beam_rl.inference.server import EmbeddedServer, FaultConfig
-from beam_rl.judge import Judge, JudgeError, answer_text
-from beam_rl.rewards import EnvReward, Rewarder, RewardLoop
+from beam_rl.scoring.judge import Judge, JudgeError, answer_text
+from beam_rl.scoring.rewards import EnvReward, Rewarder, RewardLoop
+from beam_rl.standin.faults import FaultInjector
+from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus, Turn
 

@@ -27,33 +27,16 @@ PACKAGES = ("beam_rl", "transforms", "runners", "schemas")
 # imports Beam.
 CLI_MAY_IMPORT_RUNNERS = "beam_rl.cli"
 
-# The cycles that remain, each as the set of modules of its strongly connected component. They are
-# known and wait for the restructuring of issue 31. The test fails on a new cycle, on one that grows,
-# and on one that is gone, so that these lists shrink with each fix and never grow unnoticed.
-
-_BUNDLED_ENVS = {f"beam_rl.envs.{name}"
-                 for name in ("arithmetic", "code", "guess_number", "reverse_text", "tool_use", "verifiers_env")}
-
-# Module-level. beam_rl/envs/__init__.py defines the registry (register_env, ENVIRONMENTS), then imports
-# the bundled environments at its end, and each of them imports register_env back from the half-run
-# package: it works only because of the order of the lines. The way out is the registry in a module of
-# its own, but tests/test_envs.py monkeypatches beam_rl.envs.ENVIRONMENTS and expects register_env to
-# see the patch, so that move changes a test and belongs with the envs restructuring.
-KNOWN_MODULE_LEVEL_CYCLES: frozenset[frozenset[str]] = frozenset({
-    frozenset({"beam_rl.envs", *_BUNDLED_ENVS}),
-})
+# The cycles that remain, each as the set of modules of its strongly connected component. The test fails
+# on a new cycle, on one that grows, and on one that is gone, so that these lists shrink with each fix
+# and never grow unnoticed.
+KNOWN_MODULE_LEVEL_CYCLES: frozenset[frozenset[str]] = frozenset()
 
 # Counting function-local and TYPE_CHECKING imports too.
 KNOWN_HIDDEN_CYCLES: frozenset[frozenset[str]] = frozenset({
-    # The envs <-> inference cycle: envs/__init__.py's make_env and env_class import envs/plugins.py in
-    # the function (its comment says why), plugins.py imports the client's errors from
-    # inference/client.py, and the client (and inference/inflight.py) import its types from
-    # envs/base.py, which runs envs/__init__.py. Gone once the client's types and errors live in the
-    # client's package (issue 31). It contains the module-level cycle above.
-    frozenset({"beam_rl.envs", *_BUNDLED_ENVS, "beam_rl.envs.plugins", "beam_rl.inference.client",
-               "beam_rl.inference.inflight"}),
     # observe/observer.py starts the Prometheus endpoint through a function-local import of
-    # observe/prometheus.py, which imports the observer's types under TYPE_CHECKING for its annotations.
+    # observe/prometheus.py (prometheus_client is imported only when the endpoint is on), which imports
+    # the observer's types under TYPE_CHECKING for its annotations: never a cycle at run time.
     frozenset({"beam_rl.observe.observer", "beam_rl.observe.prometheus"}),
 })
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from beam_rl.report import RunTail, step_rows
+from beam_rl.observe.report import RunTail, step_rows
 from beam_rl.rundir import RunDir
 from beam_rl.types import TrainBatch
 

@@ -18,9 +18,9 @@ _MUTATORS = {"append", "add", "update", "pop", "popitem", "setdefault", "clear",
 
 # name -> why it is not a channel between stages
 EXPLAINED = {
-    "beam_rl/envs/__init__.py:ENVIRONMENTS": "environment classes, registered by decorators as modules import",
-    "beam_rl/advantages.py:ALGORITHMS": "advantage functions, registered by decorators as the module imports",
-    "beam_rl/sandbox.py:_netns_checked": "whether this machine allows network namespaces, learned once per "
+    "beam_rl/envs/registry.py:ENVIRONMENTS": "environment classes, registered by decorators as modules import",
+    "beam_rl/scoring/advantages.py:ALGORITHMS": "advantage functions, registered by decorators as the module imports",
+    "beam_rl/envs/sandbox.py:_netns_checked": "whether this machine allows network namespaces, learned once per "
                                           "process: a fact about the machine, the same in every worker",
 }
 

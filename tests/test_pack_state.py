@@ -8,10 +8,11 @@ from __future__ import annotations
 import pickle
 
 from beam_rl import components
-from beam_rl.advantages import get_algorithm
-from beam_rl.filters import ZeroAdvantageFilter
 from beam_rl.config import config_from_dict
-from beam_rl.sink import InputExhausted, score_group
+from beam_rl.packing.batches import InputExhausted
+from beam_rl.scoring.advantages import get_algorithm
+from beam_rl.scoring.filters import ZeroAdvantageFilter
+from beam_rl.scoring.group import score_group
 from beam_rl.source import EndOfInput
 from beam_rl.types import Rollout, Turn
 from transforms.pack import _PackFn

@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from beam_rl.packing import BatchCutter, pack_for_ranks, pack_micro_batches
+from beam_rl.packing.packer import BatchCutter, pack_for_ranks, pack_micro_batches
 from beam_rl.types import MicroBatch, Rollout, Sample, Turn
 
 

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pytest
 
 from beam_rl.config import config_from_dict
-from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.rundir import RunDir
 from beam_rl.source import admission
+from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.tinymodel import tiny_model_dir
 from runners.pipeline import run_rollouts, runner_settings, start_rollouts
 

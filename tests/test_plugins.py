@@ -26,7 +26,7 @@ from beam_rl.envs.arithmetic import Arithmetic
 from beam_rl.envs.base import Completion, SamplingParams, Trajectory
 from beam_rl.envs.plugins import PluginEnvironment, PluginError, PluginFailure
 from beam_rl.inference.client import InferenceTimeout
-from beam_rl.rewards import assign_rewards
+from beam_rl.scoring.rewards import assign_rewards
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus, Turn
 
@@ -292,10 +292,11 @@ def test_an_installed_package_is_found_through_its_entry_point(example_installed
 
 @pytest.mark.timeout(300)
 def test_an_installed_plugin_runs_end_to_end_through_the_pipeline(example_installed: Path, tmp_path: Path) -> None:
-    from beam_rl.inference.server import EmbeddedServer
-    from beam_rl.rundir import RunDir
-    from beam_rl.tinymodel import tiny_model_dir
     from beam_rl_example_env.letter_words import score
+
+    from beam_rl.rundir import RunDir
+    from beam_rl.standin.server import EmbeddedServer
+    from beam_rl.tinymodel import tiny_model_dir
     from runners.pipeline import run_rollouts
 
     config = config_from_dict({
@@ -340,8 +341,8 @@ def test_an_installed_plugin_runs_end_to_end_through_the_pipeline(example_instal
 def test_a_reward_that_breaks_stops_the_run_with_a_typed_failure_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from beam_rl.failures import read_failure
-    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.rundir.failures import read_failure
+    from beam_rl.standin.server import EmbeddedServer
     from runners.pipeline import run_rollouts
 
     module = write_module(tmp_path, PLUGIN + "\nclass Env(Toy):\n    def load_rows(self, split='train'):\n"

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
-from beam_rl.training.policy_loss import (
+from beam_rl.trainer.policy_loss import (
     PolicyLossStats,
     check_packed_attention,
     clipped_policy_loss,
     sampled_token_logprobs,
 )
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

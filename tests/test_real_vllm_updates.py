@@ -21,12 +21,12 @@ import torch
 
 from beam_rl import components
 from beam_rl.config import config_from_dict
-from beam_rl.envs.base import SamplingParams
 from beam_rl.inference.client import InferenceAuthError, InferenceClient
 from beam_rl.inference.inflight import Progress
+from beam_rl.inference.types import SamplingParams
 from beam_rl.rundir import RunDir
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
-from beam_rl.training.checkpoint import publish_weights
+from beam_rl.trainer.checkpoint import publish_weights
 from tests.test_pipeline import run_publishing_every_step, trained_token_versions
 from tests.test_real_vllm import TEMPERATURE, VllmServer, _vllm_python
 

@@ -14,21 +14,21 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from rich.console import Console
+from test_cli import RED, coloured, run_cli
 
 from beam_rl import components
 from beam_rl.config import config_from_dict, load_config
-from beam_rl.inference.server import EmbeddedServer, FaultConfig
-from beam_rl.replay import ReplayError, _fresh_start, first_table_difference, replay_steps
+from beam_rl.observe.replay import ReplayError, _fresh_start, first_table_difference, replay_steps
 from beam_rl.rundir import RunDir
-from beam_rl.sink import score_group
+from beam_rl.scoring.group import score_group
 from beam_rl.source import admission
+from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.tinymodel import tiny_model_dir
 from beam_rl.types import Rollout, TrainBatch, Turn
 from runners.job import run_job
 from runners.pipeline import run_rollouts
 from schemas.commit_record import FileEntry, checksum
 from schemas.train_batch import in_version
-from test_cli import RED, coloured, run_cli
 
 GREEN = "\x1b[32m"
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from beam_rl.report import STEP_COLUMNS, plot_tokens_by_fate, step_rows  # noqa: E402
+from beam_rl.observe.report import STEP_COLUMNS, plot_tokens_by_fate, step_rows  # noqa: E402
 from beam_rl.rundir import RunDir  # noqa: E402
 from beam_rl.types import TrainBatch  # noqa: E402
 

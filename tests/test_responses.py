@@ -9,9 +9,9 @@ import pytest
 from server_helpers import sse_data
 from tokenizers.decoders import DecodeStream
 
-from beam_rl.inference.generator import ChoiceResult, GenerationParams
-from beam_rl.inference.protocol import CompletionRequest
-from beam_rl.inference.responses import CompletionStream, TokenTexts, visible_text
+from beam_rl.standin.generator import ChoiceResult, GenerationParams
+from beam_rl.standin.protocol import CompletionRequest
+from beam_rl.standin.responses import CompletionStream, TokenTexts, visible_text
 from beam_rl.tokenizer import load_tokenizer
 
 

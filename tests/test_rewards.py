@@ -13,7 +13,7 @@ import pytest
 
 from beam_rl.config import RewardSection
 from beam_rl.envs.base import Environment, RewardUnavailable, Trajectory
-from beam_rl.rewards import EnvReward, RewardFailed, Rewarder, RewardLoop, assign_rewards
+from beam_rl.scoring.rewards import EnvReward, Rewarder, RewardFailed, RewardLoop, assign_rewards
 from beam_rl.types import Rollout, RolloutStatus, Turn
 
 

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from beam_rl.config import load_config
-from beam_rl.report import step_rows
+from beam_rl.observe.report import step_rows
 from beam_rl.rundir import RunDir
 from runners.job import run_job
 

@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 
-from beam_rl.samples import (
+from beam_rl.scoring.samples import (
     samples_from_columns,
     samples_to_columns,
     share_sample_tokens,

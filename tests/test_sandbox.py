@@ -16,12 +16,11 @@ import threading
 import time
 from pathlib import Path
 
+import children
 import pytest
 
-import children
-
-from beam_rl import sandbox
-from beam_rl.sandbox import (
+from beam_rl.envs import sandbox
+from beam_rl.envs.sandbox import (
     OUTPUT_LIMIT,
     SandboxLimits,
     SandboxResult,

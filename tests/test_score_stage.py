@@ -13,11 +13,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from beam_rl.advantages import get_algorithm
 from beam_rl.config import config_from_dict
 from beam_rl.envs.base import Environment, RewardUnavailable, Trajectory
-from beam_rl.inference.server import EmbeddedServer, FaultConfig
 from beam_rl.rundir import RunDir
+from beam_rl.scoring.advantages import get_algorithm
+from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.types import Rollout, Turn
 from runners.options import pipeline_options
 from runners.pipeline import run_rollouts

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from beam_rl.inference.server import EmbeddedServer, start_subprocess_server
+from beam_rl.standin.server import EmbeddedServer, start_subprocess_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,7 +63,7 @@ def test_a_subprocess_server_never_prints_its_key(tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "beam_rl.inference.server", "--port", "0", "--mode", "instant", "--api-key", KEY],
+            [sys.executable, "-m", "beam_rl.standin.server", "--port", "0", "--mode", "instant", "--api-key", KEY],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = _ready_url(log, proc)

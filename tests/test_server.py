@@ -21,10 +21,10 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
 
-from beam_rl.inference.faults import add_fault_args, fault_config_from_args
-from beam_rl.inference.generator import Weights
-from beam_rl.inference.responses import label_spans, visible_text
-from beam_rl.inference.server import EmbeddedServer, FaultConfig, start_subprocess_server
+from beam_rl.standin.faults import add_fault_args, fault_config_from_args
+from beam_rl.standin.generator import Weights
+from beam_rl.standin.responses import label_spans, visible_text
+from beam_rl.standin.server import EmbeddedServer, FaultConfig, start_subprocess_server
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
 from beam_rl.tokenizer import load_tokenizer
 

@@ -9,9 +9,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from beam_rl.inference.generator import GenerationParams, WeightsError
-from beam_rl.inference.server import EmbeddedServer
-from beam_rl.inference.simulated import BlockPrefixCache, SimulatedEngine, SimulatedParams
+from beam_rl.standin.generator import GenerationParams, WeightsError
+from beam_rl.standin.server import EmbeddedServer
+from beam_rl.standin.simulated import BlockPrefixCache, SimulatedEngine, SimulatedParams
 
 FAST = SimulatedParams(decode_base_s=0.001, decode_s_per_seq=1e-5, prefill_s_per_token=0.0, length_median=8)
 
@@ -137,7 +137,7 @@ def test_each_token_carries_the_weights_version_of_its_step(tmp_path):
 
 
 def test_a_pause_stalls_the_engine_only_while_it_holds_work_back():
-    from beam_rl.inference.backend import PauseGate, PauseState
+    from beam_rl.standin.backend import PauseGate, PauseState
 
     async def main():
         gate = PauseGate()

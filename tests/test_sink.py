@@ -7,11 +7,12 @@ import pickle
 import numpy as np
 import pytest
 
-from beam_rl.advantages import get_algorithm
-from beam_rl.filters import OverlongFilter, StaleFilter, ZeroAdvantageFilter
-from beam_rl.packing import BatchCutter
-from beam_rl.rewards import mark_reward_error
-from beam_rl.sink import TOO_FEW_SCORED, BatchBuilder, score_group
+from beam_rl.packing.batches import BatchBuilder
+from beam_rl.packing.packer import BatchCutter
+from beam_rl.scoring.advantages import get_algorithm
+from beam_rl.scoring.filters import OverlongFilter, StaleFilter, ZeroAdvantageFilter
+from beam_rl.scoring.group import TOO_FEW_SCORED, score_group
+from beam_rl.scoring.rewards import mark_reward_error
 from beam_rl.types import Rollout, RolloutStatus, Turn
 
 DR_GRPO = get_algorithm("dr_grpo")

@@ -8,15 +8,16 @@ import uuid
 
 import pytest
 
+from beam_rl import components
 from beam_rl.config import EvalSection, config_from_dict
-from beam_rl.inference.server import EmbeddedServer
 from beam_rl.rundir import RunDir
-from beam_rl.schedule import EnvSchedule, PromptSchedule
 from beam_rl.source import DispatchRange, InFlight, RolloutSource, Shard, SourceSpec
 from beam_rl.source.admission import AdmissionState, Hold, hold_reason, input_finished, limits_for
 from beam_rl.source.commits import CommittedSteps
-from beam_rl.source.status import AllServersDownError, ServersDownWatch, StallWatch
 from beam_rl.source.eval_rounds import EvalRounds, first_eval_after
+from beam_rl.source.schedule import EnvSchedule, PromptSchedule
+from beam_rl.source.status import AllServersDownError, ServersDownWatch, StallWatch
+from beam_rl.standin.server import EmbeddedServer
 from beam_rl.types import TrainBatch
 
 LIMITS = limits_for(rollouts_per_step=64, group_size=8, permits=64, max_async_level=1, with_trainer=True,
@@ -189,7 +190,7 @@ def _source(tmp_path, url: str, restored: DispatchRange) -> RolloutSource:
     })
     spec = SourceSpec(config=config, server_urls=(url,), run_dir=str(tmp_path), run_id=uuid.uuid4().hex,
                       with_trainer=False, schedule_groups=6)
-    return RolloutSource(spec, Shard(), restored)
+    return RolloutSource(spec, Shard(), restored, components.source_parts(config))
 
 
 def _drain(source: RolloutSource, expected: int) -> list:

@@ -8,9 +8,9 @@ import re
 import matplotlib.image
 import numpy as np
 import pytest
+from test_cli import RED, coloured, run_cli
 
-from beam_rl.rundir import RunDir
-from beam_rl.timeline import (
+from beam_rl.observe.timeline import (
     StepRangeError,
     latency_breakdown,
     parse_steps,
@@ -18,8 +18,8 @@ from beam_rl.timeline import (
     server_lanes,
     write_timeline,
 )
+from beam_rl.rundir import RunDir
 from beam_rl.types import Rollout, RolloutStatus, TrainBatch
-from test_cli import RED, coloured, run_cli
 
 _STYLE = re.compile(r"\x1b\[[0-9;]*m")
 A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"

@@ -10,16 +10,17 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from step_damage import FILE_DAMAGE, RECORD_DAMAGE
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from beam_rl.config import TrainerSection
-from beam_rl.packing import pack_for_ranks
+from beam_rl.packing.packer import pack_for_ranks
 from beam_rl.rundir import CommitRecordError, RunDir, StepAlreadyCommittedError, StepCorruptError
+from beam_rl.rundir.checkpoint_shapes import CheckpointError, validate_checkpoint
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
-from beam_rl.training import CheckpointError, ReferenceTrainer, publish_weights, run_trainer, validate_checkpoint
-from beam_rl.training.checkpoint import optimizer_state_path
+from beam_rl.trainer.checkpoint import optimizer_state_path, publish_weights
+from beam_rl.trainer.reference import ReferenceTrainer, run_trainer
 from beam_rl.types import Sample, TrainBatch
-from step_damage import FILE_DAMAGE, RECORD_DAMAGE
 
 TEMPERATURE = 0.8
 

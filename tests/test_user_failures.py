@@ -17,10 +17,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from beam_rl.inference.server import EmbeddedServer, FaultConfig
-from beam_rl.rundir import RunDir
 from small_run import write_small_run_config
+
+from beam_rl.rundir import RunDir
+from beam_rl.standin.server import EmbeddedServer, FaultConfig
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -65,7 +65,7 @@ DRIVER = '''
 import asyncio, json, sys
 from beam_rl.envs import make_env
 from beam_rl.envs.base import Completion, SamplingParams
-from beam_rl.rewards import assign_rewards
+from beam_rl.scoring.rewards import assign_rewards
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Rollout
 
@@ -185,7 +185,7 @@ def echo_taskset(tmp_path: Path, monkeypatch) -> Path:
 
 
 def _servers():
-    from beam_rl.inference.server import EmbeddedServer
+    from beam_rl.standin.server import EmbeddedServer
 
     started = [EmbeddedServer(mode="instant", served_model_name="tiny", max_num_seqs=64) for _ in range(2)]
     return started, [s.start() for s in started]

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from beam_rl import components
 from beam_rl.config import config_from_dict
-from beam_rl.inference.server import EmbeddedServer, FaultConfig
-from beam_rl.source import DispatchRange, RolloutSource, Shard, SourceSpec
+from beam_rl.dispatch.weight_sync import WeightSync
 from beam_rl.rundir import RunDir
+from beam_rl.source import DispatchRange, RolloutSource, Shard, SourceSpec
+from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
-from beam_rl.training.checkpoint import publish_weights
-from beam_rl.weight_sync import WeightSync
+from beam_rl.trainer.checkpoint import publish_weights
 from tests.server_helpers import metrics
 
 
@@ -40,7 +41,7 @@ def _source(tmp_path, url, **off_policy) -> RolloutSource:
         "off_policy": off_policy or {"max_async_level": 1, "max_off_policy_steps": 1},
     })
     spec = SourceSpec(config=config, server_urls=(url,), run_dir=str(tmp_path), run_id=uuid.uuid4().hex)
-    return RolloutSource(spec, Shard(), DispatchRange(0, 9))
+    return RolloutSource(spec, Shard(), DispatchRange(0, 9), components.source_parts(config))
 
 
 def _drain(source: RolloutSource, expected: int, timeout_s: float = 60.0):
@@ -145,7 +146,7 @@ def test_the_dispatch_worker_checks_a_checkpoint_without_importing_torch(tmp_pat
         "import sys\n"
         "import transforms.dispatch, transforms.score, transforms.pack\n"
         "from beam_rl import components\n"
-        "from beam_rl.checkpoint_shapes import CheckpointError\n"
+        "from beam_rl.rundir.checkpoint_shapes import CheckpointError\n"
         "from beam_rl.config import config_from_dict\n"
         "from beam_rl.tinymodel import tiny_model_dir\n"
         "check = components.checkpoint_validator(config_from_dict({'envs': [{'name': 'reverse_text'}]}))\n"

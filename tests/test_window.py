@@ -9,7 +9,7 @@ import pyarrow.compute as pc
 import pytest
 
 from beam_rl.rundir.arrow import rollouts_to_table, table_to_records
-from beam_rl.samples import without_token_arrays
+from beam_rl.scoring.samples import without_token_arrays
 from beam_rl.types import Rollout, RolloutStatus, Turn
 from schemas import ROLLOUT_RECORD_SCHEMA, SchemaError
 

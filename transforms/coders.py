@@ -18,7 +18,8 @@ from typing import Any
 
 import apache_beam as beam
 
-from beam_rl.sink import InputExhausted, ScoredGroup
+from beam_rl.packing.batches import InputExhausted
+from beam_rl.scoring.group import ScoredGroup
 from beam_rl.source import EndOfInput
 from beam_rl.types import Rollout, RolloutRecord, Sample, TrainBatch
 from schemas.fields import SAMPLE_TOKEN_FIELDS, SHARED_TOKEN_ARRAYS

@@ -22,6 +22,7 @@ from apache_beam.typehints.native_type_compatibility import convert_to_beam_type
 from apache_beam.utils import shared
 from apache_beam.utils.timestamp import Duration, Timestamp
 
+from beam_rl import components
 from beam_rl.source import DispatchRange, EndOfInput, RolloutSource, Shard, SourceSpec
 from beam_rl.types import Rollout
 from transforms import coders  # noqa: F401  (registers the coder of Rollout)
@@ -111,7 +112,8 @@ class _WorkerSources:
                 source.close()
                 source = None
             if source is None:
-                source = self._by_shard[shard] = RolloutSource(spec, Shard(shard, spec.shards), restriction)
+                source = self._by_shard[shard] = RolloutSource(spec, Shard(shard, spec.shards), restriction,
+                                                                components.source_parts(spec.config))
                 _freeze_long_lived_heap()
             return source
 

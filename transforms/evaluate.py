@@ -10,8 +10,8 @@ from apache_beam.transforms import userstate
 
 from beam_rl import components
 from beam_rl.config import RunConfig
-from beam_rl.evaluation import summarize_round
 from beam_rl.rundir import RunDir
+from beam_rl.scoring.evaluation import summarize_round
 from beam_rl.types import RolloutRecord
 from transforms.coders import DomainCoder
 

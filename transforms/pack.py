@@ -23,8 +23,8 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from beam_rl import components
 from beam_rl.config import RunConfig
+from beam_rl.packing.batches import BatchBuilder, InputExhausted
 from beam_rl.rundir import RunDir
-from beam_rl.sink import BatchBuilder, InputExhausted
 from beam_rl.source import EndOfInput
 from transforms.coders import PackerItem, PackerOutput
 

@@ -1,5 +1,5 @@
-"""Score: each complete group's rewards (beam_rl.rewards), then its advantages, temperatures and pre-batch
-filters (beam_rl.sink.score_group). Evaluation groups are only rewarded, and leave on their own output."""
+"""Score: each complete group's rewards (beam_rl.scoring.rewards), then its advantages, temperatures and pre-batch
+filters (beam_rl.scoring.group.score_group). Evaluation groups are only rewarded, and leave on their own output."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from beam_rl import components
 from beam_rl.config import RunConfig
-from beam_rl.processes import worker_id
 from beam_rl.envs.plugins import PluginFailure
-from beam_rl.failures import record_failure
-from beam_rl.rewards import GroupRewards, RewardFailed, Rewarder, RewardLoop, wait_for_any
-from beam_rl.sink import TOO_FEW_SCORED, ScoredGroup, score_group
+from beam_rl.processes import worker_id
+from beam_rl.rundir.failures import record_failure
+from beam_rl.scoring.group import TOO_FEW_SCORED, ScoredGroup, score_group
+from beam_rl.scoring.rewards import GroupRewards, Rewarder, RewardFailed, RewardLoop, wait_for_any
 from beam_rl.types import RolloutRecord, RolloutStatus
 from transforms import coders  # noqa: F401  (registers the coder of ScoredGroup)
 

@@ -7,10 +7,10 @@ import time
 
 import apache_beam as beam
 
-from beam_rl.failures import record_failure
-from beam_rl.goodput import goodput
+from beam_rl.packing.batches import InputExhausted
+from beam_rl.packing.goodput import goodput
 from beam_rl.rundir import RunDir, RunDirError
-from beam_rl.sink import InputExhausted
+from beam_rl.rundir.failures import record_failure
 from beam_rl.types import TrainBatch
 
 

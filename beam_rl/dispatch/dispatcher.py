@@ -23,8 +23,9 @@ from beam_rl.dispatch.failover import LaunchClient
 from beam_rl.dispatch.ledger import DispatchCounters, Launch, OpenGroup, rollout_seed
 from beam_rl.dispatch.permits import Permits
 from beam_rl.dispatch.server_pool import Server, ServerPool
-from beam_rl.envs.base import CompletionClient, Environment, SamplingParams, Trajectory
+from beam_rl.envs.base import Environment, Trajectory
 from beam_rl.inference.inflight import UNKNOWN_VERSION
+from beam_rl.inference.types import CompletionClient, SamplingParams
 from beam_rl.types import GroupRequest, Rollout, RolloutStatus
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from beam_rl.dispatch.ledger import Launch
 from beam_rl.dispatch.server_pool import Server, ServerPool
-from beam_rl.envs.base import Completion, SamplingParams
 from beam_rl.inference.client import InferenceConnectionError, InferenceError
+from beam_rl.inference.types import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from beam_rl.dispatch.server_pool import Server
-from beam_rl.envs.base import Completion, Environment, SamplingParams
+from beam_rl.envs.base import Environment
 from beam_rl.inference.inflight import Progress
+from beam_rl.inference.types import Completion, SamplingParams
 from beam_rl.types import GroupRequest
 
 

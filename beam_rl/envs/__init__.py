@@ -8,46 +8,27 @@ calling), `verifiers` (a verifiers taskset's own rewards).
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
+# Each bundled module registers its environments as it is imported.
+from beam_rl.envs import arithmetic, code, guess_number, plugins, registry, reverse_text, tool_use, verifiers_env  # noqa: F401
 from beam_rl.envs.base import Environment
+from beam_rl.envs.registry import ENVIRONMENTS, register_env
 
-ENVIRONMENTS: dict[str, type[Environment]] = {}
+__all__ = ["ENVIRONMENTS", "env_class", "is_plugin", "make_env", "register_env"]
 
-_E = TypeVar("_E", bound=type[Environment])
-
-
-def register_env(cls: _E) -> _E:
-    """Class decorator: make `cls` constructible by `make_env(cls.name, ...)`."""
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise TypeError(f"register_env expects an Environment subclass, got {cls!r}")
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} has no `name` to register under")
-    existing = ENVIRONMENTS.get(cls.name)
-    # Re-registering the same class (a module imported twice) is harmless; two classes under one
-    # name would make which one runs depend on import order.
-    if existing is not None and _qualified(existing) != _qualified(cls):
-        raise ValueError(f"environment {cls.name!r} is already registered by {_qualified(existing)}")
-    ENVIRONMENTS[cls.name] = cls
-    return cls
-
-
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def env_class(kind: str) -> type[Environment]:
     """The class `kind` names. A built-in name wins over an entry point of the same name; "module:Class"
     is always an import path. Raises KeyError for an unknown name, PluginError for a broken plug-in."""
-    from beam_rl.envs import plugins  # here: it imports the inference client, which imports this package
-
-    if kind in ENVIRONMENTS:
-        return ENVIRONMENTS[kind]
+    if kind in registry.ENVIRONMENTS:
+        return registry.ENVIRONMENTS[kind]
     cls = plugins.load_plugin_class(kind)
     if cls is None:
         hint = " (an import path is written 'package.module:Class')" if "." in kind else ""
         raise KeyError(
-            f"unknown environment {kind!r} (registered: {sorted(ENVIRONMENTS)}; "
+            f"unknown environment {kind!r} (registered: {sorted(registry.ENVIRONMENTS)}; "
             f"{plugins.ENTRY_POINT_GROUP} entry points: {sorted(plugins.entry_points())}){hint}"
         )
     return cls
@@ -55,7 +36,7 @@ def env_class(kind: str) -> type[Environment]:
 
 def is_plugin(kind: str) -> bool:
     """Whether `kind` comes from outside beam-rl's own registry."""
-    return kind not in ENVIRONMENTS
+    return kind not in registry.ENVIRONMENTS
 
 
 def make_env(kind: str, tokenizer: Any, *, env_name: str | None = None, **kwargs: Any) -> Environment:
@@ -63,8 +44,6 @@ def make_env(kind: str, tokenizer: Any, *, env_name: str | None = None, **kwargs
 
     A plug-in's instance comes wrapped in plugins.PluginEnvironment, named `env_name` (its env entry).
     """
-    from beam_rl.envs import plugins
-
     cls = env_class(kind)
     try:
         env = cls(tokenizer, **kwargs)
@@ -81,7 +60,3 @@ def make_env(kind: str, tokenizer: Any, *, env_name: str | None = None, **kwargs
     if env_name is not None:
         env.name = env_name  # the instance answers to its env entry's name (errors, metrics)
     return env
-
-
-# Imported last: each module registers its environments with the decorator defined above.
-from beam_rl.envs import arithmetic, code, guess_number, reverse_text, tool_use, verifiers_env  # noqa: E402,F401

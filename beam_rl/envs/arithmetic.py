@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from beam_rl.datasets import BadRows, PromptText
-from beam_rl.envs import register_env
 from beam_rl.envs.base import DatasetEnvironment, Trajectory, chat_prompt_ids
+from beam_rl.envs.datasets import BadRows, PromptText
+from beam_rl.envs.registry import register_env
 
 # ASCII digits only, with an optional minus sign glued to them: "-3" is -3, "5-3" starts with 5,
 # "7.5" starts with 7. Unicode digits (str.isdigit) are not answers to an ASCII question.

@@ -13,39 +13,16 @@ import dataclasses
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel
 
-from beam_rl.datasets import BadRows, DatasetError, RowProblem, prompt_fields, read_dataset
+from beam_rl.envs.datasets import BadRows, DatasetError, RowProblem, prompt_fields, read_dataset
+from beam_rl.inference.types import Completion, CompletionClient, SamplingParams
 from beam_rl.types import Turn
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 32
-    temperature: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class Completion:
-    """One choice of a completions response, exactly as the server returned it, with the policy version
-    that sampled each token when the client knows it (empty: unknown; -1 for one token: unknown)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str | None
-    policy_versions: list[int] = field(default_factory=list)
-
-
-class CompletionClient(Protocol):
-    """The slice of the inference client an environment uses (see beam_rl.inference.client)."""
-
-    async def complete(
-        self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1
-    ) -> list[Completion]: ...
+__all__ = ["Completion", "CompletionClient", "DatasetEnvironment", "Environment", "RewardUnavailable",
+           "SamplingParams", "Trajectory", "chat_prompt_ids"]
 
 
 @dataclass
@@ -155,7 +132,7 @@ class DatasetEnvironment(Environment):
     """An environment whose rows come from a dataset validated by `row_model`.
 
     `dataset=None` reads the bundled `<data_dir>/<data_name>_<split>.jsonl`; otherwise `dataset` is a
-    directory of splits (see beam_rl.datasets.read_dataset). `bad_rows="skip"` drops malformed rows
+    directory of splits (see beam_rl.envs.datasets.read_dataset). `bad_rows="skip"` drops malformed rows
     instead of failing; the ones dropped per split are kept in `skipped_rows` for metrics.
 
     With `max_context` (model.max_context), a row whose rendered prompt leaves no room to generate is

@@ -1,5 +1,5 @@
 """Write a Python function: the reward is the share of the task's tests that the program passes, run in
-the sandbox (beam_rl.sandbox), one sandbox per rollout.
+the sandbox (beam_rl.envs.sandbox), one sandbox per rollout.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from beam_rl.datasets import BadRows, PromptText
-from beam_rl.envs import register_env
 from beam_rl.envs.base import DatasetEnvironment, RewardUnavailable, Trajectory, chat_prompt_ids
-from beam_rl.sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, run_python
+from beam_rl.envs.datasets import BadRows, PromptText
+from beam_rl.envs.registry import register_env
+from beam_rl.envs.sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, run_python
 
 HARNESS = (Path(__file__).resolve().parent / "code_harness.py").read_text()
 # Opening fence with an optional language tag, the code, then a closing fence or the end of the text

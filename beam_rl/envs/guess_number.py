@@ -11,10 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-from beam_rl.datasets import BadRows
-from beam_rl.envs import register_env
 from beam_rl.envs.arithmetic import first_integer
 from beam_rl.envs.base import CompletionClient, DatasetEnvironment, SamplingParams, Trajectory, chat_prompt_ids
+from beam_rl.envs.datasets import BadRows
+from beam_rl.envs.registry import register_env
 from beam_rl.tokenizer import IM_END, IM_START
 from beam_rl.types import Turn
 

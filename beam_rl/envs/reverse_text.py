@@ -8,9 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from beam_rl.datasets import PromptText
-from beam_rl.envs import register_env
 from beam_rl.envs.base import DatasetEnvironment, Trajectory, chat_prompt_ids
+from beam_rl.envs.datasets import PromptText
+from beam_rl.envs.registry import register_env
 
 
 class ReverseTextRow(BaseModel):

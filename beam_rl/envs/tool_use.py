@@ -11,11 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-
-from beam_rl.datasets import BadRows
-from beam_rl.envs import register_env
 from beam_rl.envs.arithmetic import ArithmeticRow
 from beam_rl.envs.base import CompletionClient, DatasetEnvironment, SamplingParams, Trajectory, chat_prompt_ids
+from beam_rl.envs.datasets import BadRows
+from beam_rl.envs.registry import register_env
 from beam_rl.envs.tools import TOOLS, BadToolCall, Tool, ToolCall, ToolError, parse_tool_calls
 from beam_rl.types import Turn
 

@@ -160,9 +160,9 @@ RunPython = Callable[[str], Awaitable[Any]]  # source -> SandboxResult (exit_cod
 
 
 class PythonTool(Tool):
-    """Runs the model's code in beam_rl.sandbox and answers with what it printed.
+    """Runs the model's code in beam_rl.envs.sandbox and answers with what it printed.
 
-    `run_python` replaces the sandbox (same call and result shape); by default beam_rl.sandbox.run_python
+    `run_python` replaces the sandbox (same call and result shape); by default beam_rl.envs.sandbox.run_python
     is imported at the first call. SandboxUnavailable (the sandbox itself failed) is not the model's doing:
     it propagates, and the rollout leaves as an error instead of being scored.
     """
@@ -182,7 +182,7 @@ class PythonTool(Tool):
         code = self._argument(arguments, "code")
         run = self._run_python
         if run is None:
-            from beam_rl.sandbox import run_python as run  # the sandbox module is optional until used
+            from beam_rl.envs.sandbox import run_python as run  # the sandbox module is optional until used
         result = await run(code)
         parts = [result.stdout]
         if result.timed_out:

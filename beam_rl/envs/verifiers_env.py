@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from beam_rl.envs import register_env
 from beam_rl.envs.base import Environment, RewardUnavailable, Trajectory, chat_prompt_ids
+from beam_rl.envs.registry import register_env
 
 
 def _verifiers() -> Any:

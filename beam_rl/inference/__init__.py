@@ -1,2 +1,2 @@
-"""Inference: the client of real or embedded vLLM servers (client.py), and the embedded vLLM-compatible
-server (server.py) with its backends (stepped.py: model and instant; simulated.py)."""
+"""The client of vLLM servers, real or stand-in: `client.py` (requests, streaming, weight updates),
+`inflight.py` (what is in flight at a pause), `types.py` (what it takes and returns), `sse.py`."""

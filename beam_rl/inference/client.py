@@ -29,9 +29,9 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from beam_rl.envs.base import Completion, SamplingParams
 from beam_rl.inference.inflight import ABORT, UNKNOWN_VERSION, LiveRequest, Progress, UpdateTiming, copy_completion
 from beam_rl.inference.sse import EventData
+from beam_rl.inference.types import Completion, SamplingParams
 from beam_rl.loop_thread import LoopThread
 
 log = logging.getLogger(__name__)

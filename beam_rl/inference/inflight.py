@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from beam_rl.envs.base import Completion
+from beam_rl.inference.types import Completion
 
 # A token whose sampling version cannot be known from outside the server (a reload while it generated).
 UNKNOWN_VERSION = -1

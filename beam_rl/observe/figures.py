@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from beam_rl.goodput import goodput
+from beam_rl.packing.goodput import goodput
 
 Figures = dict[str, float]
 

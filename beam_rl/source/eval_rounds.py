@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from beam_rl.config import EvalSection
-from beam_rl.schedule import PromptSchedule
+from beam_rl.source.schedule import PromptSchedule
 from beam_rl.source.shard import Shard
 from beam_rl.types import GroupRequest
 

@@ -11,23 +11,26 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from beam_rl import components
 from beam_rl.config import RunConfig
-from beam_rl.failures import record_failure
+from beam_rl.dispatch import DispatcherThread
+from beam_rl.dispatch.weight_sync import WeightSync
+from beam_rl.envs.base import Environment
+from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.processes import worker_id
 from beam_rl.rundir import RunDir
+from beam_rl.rundir.failures import record_failure
 from beam_rl.source.admission import AdmissionState, Hold, hold_reason, input_finished, limits_for
 from beam_rl.source.commits import CommittedSteps
 from beam_rl.source.eval_rounds import EvalRounds
 from beam_rl.source.restriction import DispatchRange, InFlight
+from beam_rl.source.schedule import PromptSchedule
 from beam_rl.source.shard import Shard
 from beam_rl.source.status import AllServersDownError, HeldBack, ServersDownWatch, StallWatch, StatusBoard
-from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.types import Rollout
-from beam_rl.weight_sync import WeightSync
 
 _LOG = logging.getLogger(__name__)
 
@@ -50,6 +53,19 @@ class SourceSpec:
 
 
 @dataclass(frozen=True)
+class SourceParts:
+    """The parts a source runs with, built from the config by its caller (`components.source_parts`):
+    the environments, the prompt schedules, how to start a dispatcher, how to check published weights."""
+
+    envs: dict[str, Environment]
+    schedule: PromptSchedule
+    eval_schedule: PromptSchedule | None  # None: the run does not evaluate
+    # (server urls, envs, the policy version to stamp, permits) -> a dispatcher on its own thread
+    dispatcher_thread: Callable[[list[str], dict[str, Environment], Callable[[], int], int], DispatcherThread]
+    validate_checkpoint: Callable[[Path], None]
+
+
+@dataclass(frozen=True)
 class EndOfInput:
     """Sent once by each shard when its input is over: `groups` training groups left it whole in this
     pipeline run (counted as the packer's state counts them, across restores)."""
@@ -59,13 +75,13 @@ class EndOfInput:
 
 
 class RolloutSource:
-    def __init__(self, spec: SourceSpec, shard: Shard, restored: DispatchRange) -> None:
+    def __init__(self, spec: SourceSpec, shard: Shard, restored: DispatchRange, parts: SourceParts) -> None:
         config = spec.config
         self.spec, self.shard = spec, shard
         self.token = restored.in_flight.token  # the token the next process() call must bring (see InFlight)
         self.emitted = restored.in_flight.emitted  # training groups returned whole, this pipeline run
-        self.envs = components.build_envs(config)
-        self.schedule = components.build_schedule(config, self.envs)
+        self.envs = parts.envs
+        self.schedule = parts.schedule
         self._run_dir = RunDir(spec.run_dir)
         self._commits = CommittedSteps(self._run_dir)
         permits = shard.permits(config.inference.max_inflight)
@@ -74,12 +90,11 @@ class RolloutSource:
                                   config.off_policy.max_async_level, spec.with_trainer, shard.count,
                                   max_off_policy_steps=config.off_policy.max_off_policy_steps)
         self._max_inflight = permits
-        self._dispatcher = components.dispatcher_thread(config, servers, self.envs, self.policy_version, permits)
+        self._dispatcher = parts.dispatcher_thread(servers, self.envs, self.policy_version, permits)
         self._weights = WeightSync(self._run_dir, update=self._update_servers,
-                                   validate=components.checkpoint_validator(config))
+                                   validate=parts.validate_checkpoint)
         self._weights.poll()  # servers start on the newest published policy, not the initial one
-        eval_schedule = components.eval_schedule(config, self.envs) if config.eval.every_steps else None
-        self._evals = EvalRounds(config.eval, eval_schedule, shard, self._commits.last_step)
+        self._evals = EvalRounds(config.eval, parts.eval_schedule, shard, self._commits.last_step)
         self._status = StatusBoard(self._run_dir, shard.index)
         self._held = HeldBack()
         self._stall = StallWatch()

@@ -1,5 +1,5 @@
 """Publishing the policy's weights into the run directory, and the trainer's own resume state (optimizer
-moments). Whether a checkpoint fits the served model is beam_rl.checkpoint_shapes."""
+moments). Whether a checkpoint fits the served model is beam_rl.rundir.checkpoint_shapes."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from beam_rl.inference.backend import IntervalClock, PauseGate
+from beam_rl.standin.backend import IntervalClock, PauseGate
 
 
 class Aborted(Exception):

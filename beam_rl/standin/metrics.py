@@ -11,7 +11,7 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from beam_rl.inference.backend import PauseState
+from beam_rl.standin.backend import PauseState
 
 KV_BLOCK_SIZE = 16  # vLLM's default block size
 

@@ -14,8 +14,8 @@ from typing import Any
 from beam_rl.config import RewardSection, RunConfig
 from beam_rl.envs.base import Environment, RewardUnavailable, Trajectory
 from beam_rl.envs.plugins import PluginFailure
-from beam_rl.judge import Judge, JudgeError
 from beam_rl.loop_thread import CLOSE_TIMEOUT_S, LoopThread
+from beam_rl.scoring.judge import Judge, JudgeError
 from beam_rl.types import Rollout, RolloutStatus
 
 

@@ -4,7 +4,7 @@ fault injection, served by one of three backends: a tiny real model ("model"), r
 or a simulated continuous-batching engine ("simulated").
 
 Run in-process (`EmbeddedServer(...).start()`) or as a subprocess
-(`python -m beam_rl.inference.server --port 0`, which prints `READY <url>` once listening).
+(`python -m beam_rl.standin.server --port 0`, which prints `READY <url>` once listening).
 """
 
 from __future__ import annotations
@@ -26,18 +26,30 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from beam_rl.inference.backend import Backend, PauseGate, PauseState
-from beam_rl.inference.faults import FaultConfig, FaultInjector, add_fault_args, fault_config_from_args, scripted_choice
-from beam_rl.inference.generator import ChoiceResult, GenerationParams, WeightsError
-from beam_rl.inference.launch import start_subprocess_server
-from beam_rl.inference.metrics import ServerMetrics
-from beam_rl.inference.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
-                                       SamplingRequest)
-from beam_rl.inference.responses import (CompletionStream, GenerateStream, TokenTexts, chat_body,
-                                        completion_body, dumps, generate_body)
-from beam_rl.inference.security import api_key_middleware, server_ssl_context
-from beam_rl.inference.simulated import SimulatedEngine, SimulatedParams, add_simulated_args, simulated_params_from_args
-from beam_rl.inference.stepped import InstantBackend, ModelBackend
+from beam_rl.standin.backend import Backend, PauseGate, PauseState
+from beam_rl.standin.faults import FaultConfig, FaultInjector, add_fault_args, fault_config_from_args, scripted_choice
+from beam_rl.standin.generator import ChoiceResult, GenerationParams, WeightsError
+from beam_rl.standin.launch import start_subprocess_server
+from beam_rl.standin.metrics import ServerMetrics
+from beam_rl.standin.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    RequestError,
+    SamplingRequest,
+)
+from beam_rl.standin.responses import (
+    CompletionStream,
+    GenerateStream,
+    TokenTexts,
+    chat_body,
+    completion_body,
+    dumps,
+    generate_body,
+)
+from beam_rl.standin.security import api_key_middleware, server_ssl_context
+from beam_rl.standin.simulated import SimulatedEngine, SimulatedParams, add_simulated_args, simulated_params_from_args
+from beam_rl.standin.stepped import InstantBackend, ModelBackend
 from beam_rl.tokenizer import load_tokenizer
 
 __all__ = ["EmbeddedServer", "FaultConfig", "start_subprocess_server", "main"]

@@ -24,23 +24,23 @@ The cost model, one engine step at a time (all times multiplied by `time_scale`)
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import heapq
 import itertools
 import math
-import time
-import bisect
 import pathlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from beam_rl.inference.backend import IntervalClock, PauseGate
-from beam_rl.inference.faults import FaultConfig, FaultInjector
-from beam_rl.inference.generator import ChoiceResult, GenerationParams, Weights, WeightsError
-from beam_rl.inference.metrics import KV_BLOCK_SIZE
+from beam_rl.standin.backend import IntervalClock, PauseGate
+from beam_rl.standin.faults import FaultConfig, FaultInjector
+from beam_rl.standin.generator import ChoiceResult, GenerationParams, Weights, WeightsError
+from beam_rl.standin.metrics import KV_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -531,9 +531,9 @@ def simulated_params_from_args(args: Any) -> SimulatedParams:
 
 
 def add_simulated_args(parser: Any) -> None:
-    """The `--sim-*` flags of `python -m beam_rl.inference.server --mode simulated`."""
+    """The `--sim-*` flags of `python -m beam_rl.standin.server --mode simulated`."""
     d = SimulatedParams()
-    group = parser.add_argument_group("simulated mode (see beam_rl/inference/simulated.py)")
+    group = parser.add_argument_group("simulated mode (see beam_rl/standin/simulated.py)")
     group.add_argument("--sim-decode-base-s", type=float, default=d.decode_base_s)
     group.add_argument("--sim-decode-s-per-seq", type=float, default=d.decode_s_per_seq)
     group.add_argument("--sim-prefill-s-per-token", type=float, default=d.prefill_s_per_token)

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from beam_rl.inference.generator import ChoiceResult, GenerationParams, Weights
+from beam_rl.standin.generator import ChoiceResult, GenerationParams, Weights
 
 
 class ScriptedReply(BaseModel):

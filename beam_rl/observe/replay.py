@@ -18,9 +18,10 @@ import pyarrow as pa
 
 from beam_rl import components
 from beam_rl.config import RunConfig, config_from_dict
+from beam_rl.packing.batches import BatchBuilder
 from beam_rl.rundir import WINDOW_FILE, CommitRecord, RunDir, rank_file_name
 from beam_rl.rundir.arrow import samples_to_table
-from beam_rl.sink import BatchBuilder, score_group
+from beam_rl.scoring.group import score_group
 from beam_rl.types import Rollout, RolloutStatus, TrainBatch, Turn
 from schemas.commit_record import checksum
 from schemas.fields import ROLLOUT_FIELDS

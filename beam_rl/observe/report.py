@@ -13,7 +13,7 @@ from typing import Any
 
 from rich.table import Table
 
-from beam_rl import goodput
+from beam_rl.packing import goodput
 from beam_rl.rundir import CommitRecord, MetricsTail, RunDir
 
 
@@ -29,7 +29,7 @@ class StepRow:
     filtered: dict[str, int]
     policy_version_min: int | None
     staleness_max: int | None
-    tokens_by_fate: dict[str, int]  # generated tokens whose fate this step decided (beam_rl/goodput.py)
+    tokens_by_fate: dict[str, int]  # generated tokens whose fate this step decided (beam_rl/packing/goodput.py)
     rollouts_per_s: float | None = None  # window rollouts / time since the previous commit
     trainer: dict[str, Any] | None = None
     permits_in_use: float | None = None  # mean share of max_inflight running since the previous commit

@@ -14,24 +14,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from beam_rl.checkpoint_shapes import validate_checkpoint
 from beam_rl.config import TrainerSection
-from beam_rl.reader import MicroBatchArrays, StepReader
 from beam_rl.rundir import RunDir
+from beam_rl.rundir.checkpoint_shapes import validate_checkpoint
 from beam_rl.tinymodel import load_tiny_model
-from beam_rl.training.checkpoint import (
+from beam_rl.trainer.checkpoint import (
     load_optimizer_state,
     prune_optimizer_states,
     publish_weights,
     quiet_progress_bars,
     save_optimizer_state,
 )
-from beam_rl.training.policy_loss import (
+from beam_rl.trainer.policy_loss import (
     PolicyLossStats,
     check_packed_attention,
     clipped_policy_loss,
     sampled_token_logprobs,
 )
+from beam_rl.trainer.reader import MicroBatchArrays, StepReader
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from beam_rl.inference.generator import ChoiceResult, GenerationParams, Weights
+from beam_rl.standin.generator import ChoiceResult, GenerationParams, Weights
 
 
 class PauseState(enum.IntEnum):

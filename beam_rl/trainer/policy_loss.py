@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from beam_rl.inference.generator import GREEDY_EPS
+from beam_rl.standin.generator import GREEDY_EPS
 
 
 def sampled_token_logprobs(

@@ -1,4 +1,4 @@
-"""Start the embedded server as a subprocess (`python -m beam_rl.inference.server`) and wait until
+"""Start the embedded server as a subprocess (`python -m beam_rl.standin.server`) and wait until
 it prints `READY <url>`.
 """
 
@@ -43,7 +43,7 @@ def spawn_subprocess_server(
     die_with_parent: bool = False,
 ) -> subprocess.Popen:
     """Start a server without waiting for it (`wait_until_ready`), so several can start side by side."""
-    cmd = [sys.executable, "-m", "beam_rl.inference.server", "--port", "0", "--mode", mode]
+    cmd = [sys.executable, "-m", "beam_rl.standin.server", "--port", "0", "--mode", mode]
     if model_dir is not None:
         cmd += ["--model-dir", str(model_dir)]
     if max_num_seqs is not None:

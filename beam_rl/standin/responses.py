@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 from tokenizers.decoders import DecodeStream
 
-from beam_rl.inference.generator import ChoiceResult, GenerationParams, Weights
-from beam_rl.inference.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from beam_rl.standin.generator import ChoiceResult, GenerationParams, Weights
+from beam_rl.standin.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 
 class TokenTexts:

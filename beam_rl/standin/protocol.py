@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from beam_rl.inference.generator import GenerationParams
+from beam_rl.standin.generator import GenerationParams
 
 
 class StreamOptions(BaseModel):

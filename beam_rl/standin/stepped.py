@@ -15,12 +15,18 @@ from typing import Any
 
 import torch
 
-from beam_rl.inference.admission import Aborted, Admission
-from beam_rl.inference.backend import PauseGate
-from beam_rl.inference.faults import FaultInjector
-from beam_rl.inference.generator import (ChoiceResult, GenerationParams, InstantGenerator, ModelGenerator, Weights,
-                                         WeightsError)
-from beam_rl.inference.metrics import KV_BLOCK_SIZE, PrefixCache, kv_cache_usage
+from beam_rl.standin.admission import Aborted, Admission
+from beam_rl.standin.backend import PauseGate
+from beam_rl.standin.faults import FaultInjector
+from beam_rl.standin.generator import (
+    ChoiceResult,
+    GenerationParams,
+    InstantGenerator,
+    ModelGenerator,
+    Weights,
+    WeightsError,
+)
+from beam_rl.standin.metrics import KV_BLOCK_SIZE, PrefixCache, kv_cache_usage
 
 
 @dataclass(eq=False)
