@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from beam_rl.config import RunConfig
-from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
+from beam_rl.dispatch import Dispatcher, DispatcherThread, Restore
 from beam_rl.envs import env_class, make_env
 from beam_rl.envs.base import Environment
 from beam_rl.inference.client import InferenceAuthError, InferenceClient, InferenceError, InferenceHTTPError
@@ -32,6 +32,7 @@ from beam_rl.source.schedule import EnvSchedule, PromptSchedule
 from beam_rl.source.source import SourceParts
 from beam_rl.tinymodel import tiny_model_dir
 from beam_rl.tokenizer import load_tokenizer
+from beam_rl.types import Rollout
 
 _LOG = logging.getLogger(__name__)
 
@@ -232,12 +233,13 @@ def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str,
     sampling = sampling_params(config, envs)
     key = api_key(config)
 
-    def build(emit) -> Dispatcher:
+    def build(emit: Callable[[Rollout], None], restore: Restore) -> Dispatcher:
         # At version 0 like the WeightSync that then brings them to the newest published weights.
         clients = [inference_client(config, url, key) for url in server_urls]
-        return Dispatcher(ServerPool(clients), envs, modes, sampling, max_inflight or inf.max_inflight,
+        return Dispatcher(clients, envs, modes, sampling, max_inflight or inf.max_inflight,
                           policy_version, emit, seed=config.run.seed, max_redispatches=inf.max_redispatches,
-                          max_regenerations=config.off_policy.max_regenerations)
+                          max_regenerations=config.off_policy.max_regenerations,
+                          stale_rule=config.off_policy.stale_rule, restore=restore)
 
     return DispatcherThread(build, abandoned_after_s=ABANDONED_SOURCE_S)
 

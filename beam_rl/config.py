@@ -248,6 +248,10 @@ class OffPolicySection(_Section):
     # A rollout still generating when new weights put its oldest token past the bound is generated again
     # under the new policy, at most this many times; then it is cancelled (0: cancelled at once).
     max_regenerations: int = Field(2, ge=0)
+    # What happens to work new weights put past the bound while it generates: "regenerate" (above), or
+    # "cancel_group": every group whose first rollout started too long ago is cancelled whole (the rule
+    # before regeneration, bench/goodput.py's baseline).
+    stale_rule: Literal["regenerate", "cancel_group"] = "regenerate"
 
 
 class WeightsSection(_Section):

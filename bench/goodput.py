@@ -25,7 +25,6 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.config import config_from_dict
-from beam_rl.dispatch.thread_host import DispatcherThread
 from beam_rl.inference.inflight import UNKNOWN_VERSION
 from beam_rl.packing import goodput as fates
 from beam_rl.processes import stop_processes
@@ -36,12 +35,12 @@ from beam_rl.tinymodel import tiny_model_dir
 from beam_rl.trainer.reader import StepReader
 
 # "cancel" is the behaviour before issue 13: reload under running requests, no streaming, a failed server's
-# rollouts errored (no re-dispatch), a group past the bound cancelled whole (the dispatcher's `cancel_stale`,
-# which the source no longer calls: `_cancel_whole_groups` puts it back for this run), and admission blind to
-# the off-policy bound (`_admission_blind_to_the_bound`). "keep-blind" is keep with that admission alone.
+# rollouts errored (no re-dispatch), a group past the bound cancelled whole (off_policy.stale_rule
+# "cancel_group": the dispatcher's `cancel_stale`), and admission blind to the off-policy bound
+# (`_admission_blind_to_the_bound`). "keep-blind" is keep with that admission alone.
 CONFIGS: dict[str, dict[str, Any]] = {
     "cancel": {"update_mode": "reload", "stream": False, "max_redispatches": 0, "max_regenerations": 0,
-               "blind_admission": True, "cancel_whole_groups": True},
+               "blind_admission": True, "stale_rule": "cancel_group"},
     "keep-blind": {"update_mode": "keep", "blind_admission": True},
     "reload": {"update_mode": "reload"},
     "keep": {"update_mode": "keep"},
@@ -194,23 +193,6 @@ class Chaos(threading.Thread):
 
 
 @contextmanager
-def _cancel_whole_groups() -> Iterator[None]:
-    """The source's stale rule as it was: cancel every group that started too long ago, whole."""
-    regenerate = DispatcherThread.regenerate_stale
-
-    def cancel(self: DispatcherThread, min_version: int) -> tuple[int, int]:
-        before = self.counters()["cancelled_stale"]
-        self.cancel_stale(min_version)
-        return 0, self.counters()["cancelled_stale"] - before
-
-    DispatcherThread.regenerate_stale = cancel  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        DispatcherThread.regenerate_stale = regenerate  # type: ignore[method-assign]
-
-
-@contextmanager
 def _admission_blind_to_the_bound() -> Iterator[None]:
     """Admission as it was: no Hold.OFF_POLICY, however much work is queued ahead of a new group."""
     rule = admission.staleness_at_training
@@ -237,7 +219,7 @@ def run_config(name: str, bound: int, size: dict[str, Any], max_async_level: int
                           "request_timeout_s": 30.0, "all_servers_down_timeout_s": 120.0,
                           **{k: overrides[k] for k in ("stream", "max_redispatches", "route") if k in overrides}},
             "off_policy": {"max_async_level": max_async_level, "max_off_policy_steps": bound,
-                           **{k: overrides[k] for k in ("max_regenerations",) if k in overrides}},
+                           **{k: overrides[k] for k in ("max_regenerations", "stale_rule") if k in overrides}},
             "weights": {"update_mode": overrides["update_mode"]},
         })
         trainer, chaos = PublishEveryStep(run_dir), None
@@ -249,8 +231,6 @@ def run_config(name: str, bound: int, size: dict[str, Any], max_async_level: int
             t0 = time.time()
             chaos.running.set()
             with ExitStack() as old_rules:
-                if overrides.get("cancel_whole_groups"):
-                    old_rules.enter_context(_cancel_whole_groups())
                 if overrides.get("blind_admission"):
                     old_rules.enter_context(_admission_blind_to_the_bound())
                 run_rollouts(config, fleet.urls, with_trainer=True)

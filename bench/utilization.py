@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
+from beam_rl.dispatch import Dispatcher, DispatcherThread
 from beam_rl.envs.base import CompletionClient, Environment, SamplingParams, Trajectory
 from beam_rl.inference.client import InferenceClient
 from beam_rl.tokenizer import load_tokenizer
@@ -74,10 +74,10 @@ def _dispatcher_thread(urls: list[str], cls: type[Dispatcher], permits: int, max
     env = SyntheticEnv(tokenizer)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, stop_token_ids=(tokenizer.eos_token_id,))
 
-    def build(next_group) -> Dispatcher:
+    def build(emit, restore) -> Dispatcher:  # noqa: ANN001 - DispatcherThread's build
         clients = [InferenceClient(u, model="tiny", timeout_s=600.0) for u in urls]
-        return cls(ServerPool(clients), {"synthetic": env}, {"synthetic": "rollout"},
-                   {"synthetic": sampling}, permits, lambda: 0, next_group)
+        return cls(clients, {"synthetic": env}, {"synthetic": "rollout"},
+                   {"synthetic": sampling}, permits, lambda: 0, emit, restore=restore)
 
     return DispatcherThread(build, refresh_s=1.0, tick_s=0.05)
 

@@ -99,3 +99,16 @@ def test_the_generate_route_is_checked_before_the_run_starts(monkeypatch):
                                              "start vLLM 0.32 or later with --enable-scale-out"):
             components.check_servers(config, [server.url])
         components.check_servers(_config([server.url], api_key_env="BEAM_RL_TEST_KEY"), [server.url])
+
+
+@pytest.mark.parametrize("rule", [None, "cancel_group"])
+def test_the_dispatcher_gets_the_configs_stale_rule_and_its_pool_the_hooks_of_its_owners(rule):
+    off_policy = {"stale_rule": rule} if rule else {}
+    config = config_from_dict({"envs": [{"name": "reverse_text"}], "off_policy": off_policy})
+    with components.dispatcher_thread(config, ["http://127.0.0.1:9"], {}, lambda: 0) as thread:
+        dispatcher = thread.dispatcher
+        assert dispatcher.stale_rule == (rule or "regenerate")
+        # Handed down at construction: the host restores a server that was back, the dispatcher redoes
+        # what ran on one that restarted.
+        assert dispatcher.pool._restore == thread._restore
+        assert dispatcher.pool._on_restart == dispatcher.redo_on_restarted

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from beam_rl.dispatch import Dispatcher, DispatcherThread, ServerPool
+from beam_rl.dispatch import Dispatcher, DispatcherThread, Restore
 from beam_rl.envs import make_env
 from beam_rl.envs.base import Environment, SamplingParams
 from beam_rl.inference.client import InferenceClient
@@ -86,17 +86,16 @@ def dispatcher_thread(
     stop = tuple(env.stop_token_ids())
     sampling = {ENV: SamplingParams(max_tokens=max_tokens, temperature=1.0, stop_token_ids=stop)}
 
-    def build(next_group: Callable[[], GroupRequest | None]) -> Dispatcher:
+    def build(emit: Callable[[Rollout], None], restore: Restore) -> Dispatcher:
         clients = [
             InferenceClient(url, model="tiny", timeout_s=timeout_s, max_retries=max_retries, backoff_s=0.01,
                             stream=stream, extra_body=extra_body, route=route)
             for url in urls
         ]
         # A short re-probe: a server taken out of service by injected faults comes back within the test.
-        pool = ServerPool(clients, reprobe_s=0.5)
         return Dispatcher(
-            pool, {ENV: env}, {ENV: mode}, sampling, max_inflight, version, next_group, seed=3,
-            max_redispatches=max_redispatches,
+            clients, {ENV: env}, {ENV: mode}, sampling, max_inflight, version, emit, seed=3,
+            max_redispatches=max_redispatches, restore=restore, reprobe_s=0.5,
         )
 
     return DispatcherThread(build, refresh_s=0.5, tick_s=0.05)

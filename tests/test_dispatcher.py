@@ -15,15 +15,19 @@ from beam_rl.dispatch import (
     Dispatcher,
     DispatcherThread,
     Permits,
+    PoolClient,
+    Restore,
     ServerPool,
     rollout_seed,
 )
 from beam_rl.envs.base import Completion, Environment, SamplingParams, Trajectory
 from beam_rl.inference.client import (
+    InferenceClient,
     InferenceConnectionError,
     InferenceHTTPError,
     ServerLoad,
 )
+from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.types import GroupRequest, Rollout, RolloutStatus, Turn, make_group_id
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,11 +64,14 @@ class Tracker:
 
 
 class FakeClient:
+    """A PoolClient: an idle server that never restarts, whose calls `behave` decides."""
+
     def __init__(self, url: str, tracker: Tracker, behave: Behaviour | None = None) -> None:
         self.base_url = url
         self.tracker = tracker
         self.behave = behave
         self.healthy = True
+        self.tokens_received = 0
 
     async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1, *,
                        partial: list[Completion] | None = None, progress: Any = None) -> list[Completion]:
@@ -85,6 +92,24 @@ class FakeClient:
 
     async def health(self) -> bool:
         return self.healthy
+
+    async def load(self) -> ServerLoad:
+        return ServerLoad()
+
+    async def restarted(self) -> bool:
+        return False
+
+    async def update_weights(self, path: Any, version: int, mode: str = "keep", *, drain_quiet_s: float = 0.0,
+                             timeout_s: float | None = None) -> UpdateTiming:
+        return UpdateTiming(self.base_url, mode, version, 0.0, 0.0)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_the_inference_client_and_the_fake_are_pool_clients():
+    assert isinstance(InferenceClient("http://s0"), PoolClient)
+    assert isinstance(FakeClient("http://s0", Tracker()), PoolClient)
 
 
 class FakeEnv(Environment):
@@ -141,14 +166,14 @@ def make(
     seed: int = 0,
     max_redispatches: int = 3,
     max_regenerations: int = 2,
-    **pool_kwargs: Any,
+    **dispatcher_kwargs: Any,
 ) -> tuple[Dispatcher, Tracker]:
     tracker = Tracker()
     clients = [FakeClient(f"http://s{i}", tracker, behave) for i in range(n_servers)]
     version = version if version is not None else [0]
     outbox = Outbox()
     dispatcher = Dispatcher(
-        ServerPool(clients, **pool_kwargs),
+        clients,
         {"math": FakeEnv()},
         modes or {"math": "rollout"},
         SAMPLING,
@@ -158,6 +183,7 @@ def make(
         seed=seed,
         max_redispatches=max_redispatches,
         max_regenerations=max_regenerations,
+        **dispatcher_kwargs,
     )
     dispatcher.outbox = outbox
     dispatcher.add(requests)
@@ -581,10 +607,9 @@ def test_group_mode_failure_emits_one_errored_placeholder_per_permit():
 
 
 def test_group_mode_rejects_multi_turn_envs_and_groups_larger_than_the_cap():
-    pool = ServerPool([FakeClient("http://s0", Tracker())])
     with pytest.raises(ValueError, match="multi-turn"):
         Dispatcher(
-            pool,
+            [FakeClient("http://s0", Tracker())],
             {"chat": FakeEnv("chat", multi_turn=True)},
             {"chat": "group"},
             SAMPLING,
@@ -853,6 +878,41 @@ def test_a_rollout_still_too_stale_after_its_regenerations_is_cancelled_and_coun
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("rule, handled, counted", [
+    ("regenerate", (2, 0), {"regenerated": 2, "cancelled_stale": 0}),
+    ("cancel_group", (0, 2), {"regenerated": 0, "cancelled_stale": 2}),
+])
+def test_the_stale_rule_says_whether_new_weights_regenerate_rollouts_or_cancel_their_group(rule, handled, counted):
+    version = [0]
+
+    async def streams_then_waits(call: Call) -> None:
+        call.progress.received(0, 2, version[0])
+        await call.release.wait()
+
+    async def main() -> None:
+        dispatcher, tracker = make(1, 4, groups(1, 2), streams_then_waits, version=version, stale_rule=rule)
+        dispatcher.fill()
+        await settle()
+        version[0] = 2
+        assert dispatcher.handle_stale(2) == handled
+        await settle()
+        assert {k: getattr(dispatcher.counters, k) for k in counted} == counted
+        assert [c.cancelled for c in tracker.calls] == [True, True]
+        if rule == "cancel_group":  # the whole group leaves, cancelled
+            assert dispatcher.open_groups == []
+            assert [r.status for r in await collect(dispatcher, 2)] == [RolloutStatus.CANCELLED] * 2
+        else:  # the group stays open and both attempts start again
+            assert dispatcher.open_groups == [make_group_id(0, 0)]
+            assert dispatcher.fill() == 2
+
+    asyncio.run(main())
+
+
+def test_an_unknown_stale_rule_is_refused():
+    with pytest.raises(ValueError, match="stale_rule"):
+        make(1, 1, [], stale_rule="drop")
+
+
 def test_cancelled_rollouts_count_their_streamed_tokens_as_cancelled():
     async def streams_then_waits(call: Call) -> None:
         call.progress.received(0, 5, 0)
@@ -878,16 +938,17 @@ def host(
 ) -> tuple[DispatcherThread, Tracker]:
     tracker = Tracker()
 
-    def build(emit: Callable[[Rollout], None]) -> Dispatcher:
+    def build(emit: Callable[[Rollout], None], restore: Restore) -> Dispatcher:
         clients = [FakeClient(f"http://s{i}", tracker, behave) for i in range(n_servers)]
         return Dispatcher(
-            ServerPool(clients),
+            clients,
             {"math": FakeEnv()},
             {"math": "rollout"},
             SAMPLING,
             max_inflight,
             lambda: 0,
             emit,
+            restore=restore,
         )
 
     return DispatcherThread(build, tick_s=0.05), tracker
@@ -949,7 +1010,7 @@ def test_thread_host_runs_the_dispatcher_for_synchronous_callers():
 
 
 def test_thread_host_surfaces_a_failed_build():
-    def build(emit: Callable[[Rollout], None]) -> Dispatcher:
+    def build(emit: Callable[[Rollout], None], restore: Restore) -> Dispatcher:
         raise OSError("no servers configured")
 
     with pytest.raises(RuntimeError, match="no servers configured"):
@@ -978,8 +1039,6 @@ def test_thread_host_with_real_clients_against_a_stub_server():
 
     from aiohttp import web
 
-    from beam_rl.inference.client import InferenceClient
-
     seen: list[dict[str, Any]] = []
 
     async def completions(request: web.Request) -> web.Response:
@@ -1003,10 +1062,11 @@ def test_thread_host_with_real_clients_against_a_stub_server():
     server_thread = threading.Thread(target=loop.run_forever, daemon=True)
     server_thread.start()
 
-    def build(emit: Callable[[Rollout], None]) -> Dispatcher:
-        pool = ServerPool([InferenceClient(url, timeout_s=10)])  # made on the dispatcher's own loop
+    def build(emit: Callable[[Rollout], None], restore: Restore) -> Dispatcher:
+        clients = [InferenceClient(url, timeout_s=10)]  # made on the dispatcher's own loop
         return Dispatcher(
-            pool, {"math": FakeEnv()}, {"math": "rollout"}, SAMPLING, 8, lambda: 0, emit, seed=1
+            clients, {"math": FakeEnv()}, {"math": "rollout"}, SAMPLING, 8, lambda: 0, emit, seed=1,
+            restore=restore,
         )
 
     try:

@@ -3,9 +3,10 @@
 Every rule has one home: permits (`_schedule_group_rollout`), group affinity (`_pin_server`, `_moved`),
 open groups first (`_try_schedule`), version stamps (`_schedule_group_rollout` / `_stamp_versions`),
 re-dispatch on a failed server (failover.LaunchClient), regeneration of too-stale rollouts
-(`regenerate_stale`) and of those a restarted server ran (`redo_on_restarted`), and exactly-once
-emission (`_on_finished`, `_cancel_group`). Groups come in through `add` (any thread) and every finished
-rollout goes out through the `emit` callback, once, as it finishes.
+(`regenerate_stale`, or `cancel_stale` as `stale_rule` says: `handle_stale`) and of those a restarted
+server ran (`redo_on_restarted`), and exactly-once emission (`_on_finished`, `_cancel_group`). Groups
+come in through `add` (any thread) and every finished rollout goes out through the `emit` callback, once,
+as it finishes.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import collections
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Literal
 
 from beam_rl.dispatch.failover import LaunchClient
 from beam_rl.dispatch.ledger import DispatchCounters, Launch, OpenGroup, rollout_seed
 from beam_rl.dispatch.permits import Permits
-from beam_rl.dispatch.server_pool import Server, ServerPool
+from beam_rl.dispatch.server_pool import PoolClient, Restore, Server, ServerPool
 from beam_rl.envs.base import Environment, Trajectory
 from beam_rl.inference.inflight import UNKNOWN_VERSION
 from beam_rl.inference.types import CompletionClient, SamplingParams
@@ -32,14 +33,22 @@ log = logging.getLogger(__name__)
 
 EnvMode = Literal["rollout", "group"]
 ENV_MODES: tuple[str, ...] = ("rollout", "group")
+# What `handle_stale` does with work new weights made too stale: "regenerate" (`regenerate_stale`) or
+# "cancel_group" (`cancel_stale`, the rule before regeneration: bench/goodput.py's baseline).
+StaleRule = Literal["regenerate", "cancel_group"]
+STALE_RULES: tuple[str, ...] = ("regenerate", "cancel_group")
 
 
 class Dispatcher:
-    """Keeps the inference servers as busy as permits allow; finished rollouts leave via `wait_completed`."""
+    """Keeps the inference servers as busy as permits allow; finished rollouts leave via `emit`.
+
+    It builds its server pool from `clients`, so the pool is told of a restarted server
+    (`redo_on_restarted`) from the start; `restore`, `unhealthy_after` and `reprobe_s` are the pool's
+    (ServerPool)."""
 
     def __init__(
         self,
-        pool: ServerPool,
+        clients: Sequence[PoolClient],
         envs: Mapping[str, Environment],
         env_modes: Mapping[str, EnvMode],
         sampling: Mapping[str, SamplingParams],
@@ -50,6 +59,11 @@ class Dispatcher:
         clock: Callable[[], float] = time.time,
         max_redispatches: int = 3,
         max_regenerations: int = 2,
+        *,
+        stale_rule: StaleRule = "regenerate",
+        restore: Restore | None = None,
+        unhealthy_after: int = 3,
+        reprobe_s: float = 5.0,
     ) -> None:
         for name, env in envs.items():
             mode = env_modes.get(name, "rollout")
@@ -59,7 +73,10 @@ class Dispatcher:
                 raise ValueError(f"env {name!r} is multi-turn: it cannot run in 'group' mode")
             if name not in sampling:
                 raise ValueError(f"env {name!r} has no SamplingParams")
-        self.pool = pool
+        if stale_rule not in STALE_RULES:
+            raise ValueError(f"stale_rule must be one of {STALE_RULES}, got {stale_rule!r}")
+        self.pool = ServerPool(clients, restore=restore, on_restart=self.redo_on_restarted,
+                               unhealthy_after=unhealthy_after, reprobe_s=reprobe_s)
         self.envs = dict(envs)
         self.env_modes = {name: env_modes.get(name, "rollout") for name in envs}
         self.sampling = dict(sampling)
@@ -68,6 +85,7 @@ class Dispatcher:
             raise ValueError("max_redispatches and max_regenerations must be >= 0")
         self.max_redispatches = max_redispatches
         self.max_regenerations = max_regenerations
+        self.stale_rule = stale_rule
         self.counters = DispatchCounters()
         self._permits = Permits(max_inflight)
         self._policy_version = policy_version
@@ -79,7 +97,6 @@ class Dispatcher:
         self._groups: dict[str, OpenGroup] = {}  # insertion order = admission order
         self._inflight: dict[asyncio.Task, Launch] = {}
         self._wakeup = asyncio.Event()
-        pool.on_restart = self.redo_on_restarted
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -409,6 +426,16 @@ class Dispatcher:
                 cancelled.append(group_id)
         return cancelled
 
+    def handle_stale(self, min_version: int) -> tuple[int, int]:
+        """New weights put work whose oldest token may come from a policy older than `min_version` past
+        the off-policy bound: `stale_rule` says what happens to it. Returns (rollouts regenerated,
+        rollouts cancelled)."""
+        if self.stale_rule == "regenerate":
+            return self.regenerate_stale(min_version)
+        before = self.counters.cancelled_stale
+        self.cancel_stale(min_version)
+        return 0, self.counters.cancelled_stale - before
+
     def regenerate_stale(self, min_version: int) -> tuple[int, int]:
         """Rule: regenerate, not cancel. Every launch in flight whose oldest token may come from a policy
         older than `min_version` (new weights put it past the off-policy bound: it could only be dropped)
@@ -434,7 +461,8 @@ class Dispatcher:
 
     def cancel_stale(self, min_version: int) -> list[str]:
         """Cancel groups whose first rollout started on a policy version older than `min_version`, whole:
-        the behaviour `regenerate_stale` replaced, kept as the baseline bench/goodput.py measures it against."""
+        the behaviour `regenerate_stale` replaced, kept as the baseline bench/goodput.py measures it against
+        (stale_rule "cancel_group")."""
         stale = [
             g for g in self._groups.values()
             if g.version_start is not None and g.version_start < min_version

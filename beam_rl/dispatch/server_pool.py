@@ -7,18 +7,47 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
-from beam_rl.inference.client import ServerLoad
+from beam_rl.inference.client import DRAIN_QUIET_S, ServerLoad, UpdateMode
+from beam_rl.inference.inflight import Progress, UpdateTiming
+from beam_rl.inference.types import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class PoolClient(Protocol):
+    """What the dispatcher calls on the client of one inference server: the pool polls and probes it, a
+    launch sends to it (failover.LaunchClient), the thread host updates its weights
+    (beam_rl.inference.client:InferenceClient is one)."""
+
+    base_url: str
+    tokens_received: int  # completion tokens that came back from this server, all requests
+
+    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1, *,
+                       partial: list[Completion] | None = None,
+                       progress: Progress | None = None) -> list[Completion]: ...
+
+    async def load(self) -> ServerLoad: ...
+
+    async def health(self) -> bool: ...
+
+    async def restarted(self) -> bool: ...
+
+    async def update_weights(self, path: str | Path, version: int, mode: UpdateMode = "keep", *,
+                             drain_quiet_s: float = DRAIN_QUIET_S,
+                             timeout_s: float | None = None) -> UpdateTiming: ...
+
+    async def aclose(self) -> None: ...
 
 
 @dataclass(eq=False)
 class Server:
     """One inference server as the dispatcher sees it."""
 
-    client: Any  # a CompletionClient; InferenceClient adds load() and health()
+    client: PoolClient
     order: int  # position in the pool: the tie-breaker of least-loaded selection
     url: str
     inflight: int = 0  # rollouts this dispatcher has running on it (a group call of n counts n)
@@ -34,12 +63,25 @@ class Server:
         return (self.inflight, self.load.queued if self.load else 0.0, self.order)
 
 
+# Brings a server that was down to the current policy before it takes requests again.
+Restore = Callable[[Server], Awaitable[None]]
+# Told of a server found restarted since its last weight update, before it is restored.
+OnRestart = Callable[[Server], object]
+
+
 class ServerPool:
-    """Least-loaded selection over healthy servers; servers failing repeatedly are skipped until re-probed."""
+    """Least-loaded selection over healthy servers; servers failing repeatedly are skipped until re-probed.
+
+    `restore` is the dispatcher's host's (a restarted server is back on its initial weights; None: nothing
+    to restore), `on_restart` the dispatcher's (what runs on a restarted server was sampled with the wrong
+    weights; None: nobody to tell)."""
 
     def __init__(
         self,
-        clients: Sequence[Any],
+        clients: Sequence[PoolClient],
+        *,
+        restore: Restore | None = None,
+        on_restart: OnRestart | None = None,
         unhealthy_after: int = 3,
         reprobe_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
@@ -48,19 +90,12 @@ class ServerPool:
             raise ValueError("a server pool needs at least one inference client")
         if unhealthy_after < 1:
             raise ValueError(f"unhealthy_after must be at least 1, got {unhealthy_after}")
-        self.servers = [
-            Server(client, i, str(getattr(client, "base_url", f"server-{i}")))
-            for i, client in enumerate(clients)
-        ]
+        self.servers = [Server(client, i, str(client.base_url)) for i, client in enumerate(clients)]
         self.unhealthy_after = unhealthy_after
         self.reprobe_s = reprobe_s
         self._clock = clock
-        # Brings a server that was down to the current policy before it takes requests again: a restarted
-        # server is back on its initial weights (set by the dispatcher's host; None: nothing to restore).
-        self.restore: Callable[[Server], Awaitable[None]] | None = None
-        # Told of a server found restarted since its last weight update, before it is restored (set by the
-        # dispatcher: what runs on it now was sampled with the wrong weights).
-        self.on_restart: Callable[[Server], object] | None = None
+        self._restore = restore
+        self._on_restart = on_restart
 
     def healthy(self) -> list[Server]:
         return [s for s in self.servers if s.healthy]
@@ -107,14 +142,13 @@ class ServerPool:
 
     async def _refresh_one(self, server: Server) -> None:
         if server.healthy:
-            if hasattr(server.client, "load"):
-                try:
-                    server.load = await server.client.load()
-                except Exception as exc:  # load is advisory: a failed scrape changes nothing
-                    log.debug("polling load of %s failed: %s", server.url, exc)
+            try:
+                server.load = await server.client.load()
+            except Exception as exc:  # load is advisory: a failed scrape changes nothing
+                log.debug("polling load of %s failed: %s", server.url, exc)
             await self.confirm_weights(server)
             return
-        if self._clock() - server.unhealthy_since < self.reprobe_s or not hasattr(server.client, "health"):
+        if self._clock() - server.unhealthy_since < self.reprobe_s:
             return
         if await server.client.health():
             await self._bring_back(server)
@@ -125,7 +159,7 @@ class ServerPool:
         """Take a server that restarted since its last weight update (it reports other weights than it
         was given: its initial ones) out of selection, and bring it back on the current weights. Checked
         at every refresh and after a connection failure, the sign of a restart under load."""
-        if not server.healthy or not hasattr(server.client, "restarted"):
+        if not server.healthy:
             return
         if server.checking is None:  # one check at a time: a restart fails many requests together
             server.checking = asyncio.ensure_future(self._check_weights(server))
@@ -141,14 +175,14 @@ class ServerPool:
             return
         if restarted and server.healthy:
             self.mark_down(server, "it restarted since its last weight update and serves its initial weights")
-            if self.on_restart is not None:
-                self.on_restart(server)
+            if self._on_restart is not None:
+                self._on_restart(server)
             await self._bring_back(server)
 
     async def _bring_back(self, server: Server) -> None:
-        if self.restore is not None:
+        if self._restore is not None:
             try:
-                await self.restore(server)
+                await self._restore(server)
             except Exception as exc:  # noqa: BLE001  (down a while longer; probed again later)
                 log.warning("server %s is up but did not take the current weights: %s", server.url, exc)
                 server.unhealthy_since = self._clock()
@@ -159,5 +193,4 @@ class ServerPool:
 
     async def aclose(self) -> None:
         for server in self.servers:
-            if hasattr(server.client, "aclose"):
-                await server.client.aclose()
+            await server.client.aclose()

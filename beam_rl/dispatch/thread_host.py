@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from beam_rl.dispatch.dispatcher import Dispatcher
-from beam_rl.dispatch.server_pool import Server
+from beam_rl.dispatch.server_pool import Restore, Server
 from beam_rl.inference.client import DRAIN_QUIET_S, InferenceConnectionError, InferenceTimeout
 from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.types import GroupRequest, Rollout
@@ -30,13 +30,15 @@ _LOOP_DIED = object()  # put on the output queue to wake a blocked poll() when t
 class DispatcherThread:
     """A Dispatcher running on its own thread.
 
-    `build(emit)` is called on that thread, so clients bound to an event loop are created on the loop
-    that uses them; the Dispatcher it returns must emit every finished rollout through `emit`.
+    `build(emit, restore)` is called on that thread, so clients bound to an event loop are created on the
+    loop that uses them; the Dispatcher it returns must emit every finished rollout through `emit`, and
+    have its pool bring a server back through `restore` (Dispatcher's `restore`): this host keeps the
+    newest weights a server that was down must load first.
     """
 
     def __init__(
         self,
-        build: Callable[[Emit], Dispatcher],
+        build: Callable[[Emit, Restore], Dispatcher],
         refresh_s: float = 5.0,
         tick_s: float = 0.5,
         name: str = "beam-rl-dispatcher",
@@ -139,9 +141,9 @@ class DispatcherThread:
     def cancel_stale(self, min_version: int) -> list[str]:
         return self._call(lambda: self.dispatcher.cancel_stale(min_version))
 
-    def regenerate_stale(self, min_version: int) -> tuple[int, int]:
-        """Dispatcher.regenerate_stale on the loop: (rollouts regenerated, rollouts cancelled)."""
-        return self._call(lambda: self.dispatcher.regenerate_stale(min_version))
+    def handle_stale(self, min_version: int) -> tuple[int, int]:
+        """Dispatcher.handle_stale on the loop: (rollouts regenerated, rollouts cancelled)."""
+        return self._call(lambda: self.dispatcher.handle_stale(min_version))
 
     def update_weights(self, path: object, version: int, mode: str = "keep", *, drain_quiet_s: float = DRAIN_QUIET_S,
                        timeout_s: float = 600.0) -> list[UpdateTiming]:
@@ -207,8 +209,7 @@ class DispatcherThread:
 
     async def _serve(self) -> None:
         try:
-            self.dispatcher = self._build(self._out.put)
-            self.dispatcher.pool.restore = self._restore
+            self.dispatcher = self._build(self._out.put, self._restore)
             self._stop = asyncio.Event()
         except BaseException as exc:
             self._error = exc
@@ -267,7 +268,7 @@ class DispatcherThread:
             "running": server.load.running if server.load else None,
             "waiting": server.load.waiting if server.load else None,
             "kv_cache_usage": server.load.kv_cache_usage if server.load else None,
-            "tokens_received": getattr(server.client, "tokens_received", None),
+            "tokens_received": server.client.tokens_received,
         } for server in self.dispatcher.pool.servers]
 
     def _call(self, fn: Callable[[], T], timeout_s: float = 30.0) -> T:

@@ -210,7 +210,7 @@ class RolloutSource:
         if update is not None:
             # The earliest step that could still train a rollout is version + 1, where its staleness is
             # version - its oldest token's; past max_off_policy_steps it could only ever be filtered out.
-            regenerated, cancelled = self._dispatcher.regenerate_stale(
+            regenerated, cancelled = self._dispatcher.handle_stale(
                 update.version - self.spec.config.off_policy.max_off_policy_steps)
             self._run_dir.append_metrics({"weight_update": {
                 "t": time.time(), "shard": self.shard.index, **update.as_dict(),
