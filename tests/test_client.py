@@ -616,7 +616,7 @@ def test_requests_held_back_by_an_update_go_out_in_the_first_pass_after_the_resu
         at_resume.append(passes)
 
     async def counted_update_finished(self: InferenceClient) -> None:
-        held = self._update_over is not None and not self._update_over.is_set()
+        held = self._updates.over is not None and not self._updates.over.is_set()
         await update_finished(self)
         if held:
             released.append(passes)
@@ -702,7 +702,7 @@ def test_a_drain_waits_for_bytes_its_loop_has_read_but_the_stream_has_not_yet_ta
                 request.body.feed_data(b"data: " + json.dumps(token).encode() + b"\n\n")
                 now = time.monotonic()
                 request.last_data_at = now - 1.0  # quiet for a second, as far as the stream has taken
-                client._check_drained(drained, 0.05, now - 1.0, now + 5.0)
+                client._updates.check_drained(drained, 0.05, now - 1.0, now + 5.0)
 
             asyncio.get_running_loop().call_soon(read_then_timer)
             await asyncio.sleep(0.01)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from beam_rl.inference.parsing import chunk_choices
 from beam_rl.inference.types import Completion
 
 # A token whose sampling version cannot be known from outside the server (a reload while it generated).
@@ -103,29 +104,11 @@ class LiveRequest:
             self.progress.received(self.targets[index], len(token_ids), floor)
 
     def add_chunk(self, chunk: Any, bad: Any) -> None:
-        """One server-sent event of a streamed answer, or a whole answer: each choice's new token ids and
-        their logprobs, in vLLM's completions shape (`logprobs.token_logprobs`) or generate shape
-        (`logprobs.content`, and `weight_versions` when a choice ends). `bad(reason)` makes the exception
-        for a malformed one."""
-        if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
-            raise bad("a stream chunk without a 'choices' list")
-        for choice in chunk["choices"]:
-            index = choice.get("index", 0)
-            if not isinstance(index, int) or not 0 <= index < len(self.choices):
-                raise bad(f"a stream chunk for choice {index!r} of {len(self.choices)}")
-            token_ids = choice.get("token_ids") or []
-            logprobs = choice.get("logprobs") or {}
-            if "content" in logprobs:
-                try:
-                    logprobs = [entry["logprob"] for entry in logprobs["content"] or ()]
-                except (KeyError, TypeError) as exc:
-                    raise bad(f"choice {index}: unreadable logprobs.content ({exc!r})") from None
-            else:
-                logprobs = logprobs.get("token_logprobs") or []
-            if len(token_ids) != len(logprobs):
-                raise bad(f"choice {index}: a chunk of {len(token_ids)} token ids with {len(logprobs)} logprobs")
-            self.add(index, token_ids, logprobs, choice.get("finish_reason"))
-            spans = choice.get("weight_versions")
+        """One server-sent event of a streamed answer, or a whole generate answer (read by
+        `parsing.chunk_choices`): each choice's new tokens, and the versions its `weight_versions` spans name
+        when it ends. `bad(reason)` makes the exception for a malformed one."""
+        for index, token_ids, logprobs, finish_reason, spans in chunk_choices(chunk, len(self.choices), bad):
+            self.add(index, token_ids, logprobs, finish_reason)
             if spans and self.label_version is not None:
                 self._stamp_spans(index, spans, bad)
 

@@ -1,6 +1,6 @@
-"""What the inference client takes and returns: sampling parameters and completions, and the slice of the
-client an environment calls. The client's types live here, beside it, so that environments and the
-dispatcher import them without importing each other."""
+"""What the inference client takes and returns: sampling parameters, completions and a server's load, and
+the slice of the client an environment calls. The client's types live here, beside it, so that environments
+and the dispatcher import them without importing each other."""
 
 from __future__ import annotations
 
@@ -25,6 +25,31 @@ class Completion:
     logprobs: list[float]
     finish_reason: str | None
     policy_versions: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """A server's load from its Prometheus `/metrics`, summed over engines and models
+    (`beam_rl.inference.parsing:parse_server_load`).
+
+    Counts missing from the scrape read as 0; fractions and counters missing read as None.
+    """
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_cache_usage: float | None = None  # max over engines: a fraction does not add up
+    prefix_cache_hits: float | None = None
+    prefix_cache_queries: float | None = None
+
+    @property
+    def queued(self) -> float:
+        return self.running + self.waiting
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        if not self.prefix_cache_queries or self.prefix_cache_hits is None:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 class CompletionClient(Protocol):
