@@ -11,15 +11,9 @@ from typing import Any
 import pytest
 
 from beam_rl.envs.base import Completion, SamplingParams
-from beam_rl.tokenizer import load_tokenizer
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "environments.md"
 ROW = {"word": "blue"}
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return load_tokenizer("tiny")
 
 
 @pytest.fixture(scope="module")
