@@ -22,3 +22,44 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The tiny ChatML tokenizer (beam_rl.tokenizer.load_tokenizer("tiny"))."""
+    from beam_rl.tokenizer import load_tokenizer
+
+    return load_tokenizer("tiny")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A module's own model cache: its tiny models are built there, not in the user's cache."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def model_dir(cache_dir):
+    """The tiny model (seed 0) as a model directory, in the module's cache."""
+    from beam_rl.tinymodel import tiny_model_dir
+
+    return tiny_model_dir(0, cache_dir=cache_dir)
+
+
+@pytest.fixture
+def start_embedded():
+    """start_embedded(*args, **kwargs): a started EmbeddedServer(*args, **kwargs); every server it
+    started is stopped after the test, in the order they were started."""
+    from beam_rl.standin.server import EmbeddedServer
+
+    started = []
+
+    def start(*args, **kwargs):
+        server = EmbeddedServer(*args, **kwargs)
+        server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

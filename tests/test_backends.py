@@ -31,25 +31,13 @@ GENERATED = "vllm:generation_tokens_total"
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def model_dir(cache_dir):
-    return tiny_model_dir(0, cache_dir=cache_dir)
-
-
-@pytest.fixture(scope="module")
 def other_weights(cache_dir):
     return tiny_model_dir(1, cache_dir=cache_dir)
 
 
 @pytest.fixture
-def start(model_dir):
+def start(model_dir, start_embedded):
     """start(backend, slow=True, **kwargs): a started server; slow ones take >= STEP_S per step."""
-    started: list[EmbeddedServer] = []
-
     def make(backend: str, slow: bool = True, **kwargs) -> EmbeddedServer:
         if backend == "simulated":
             # ignore_eos and no stop ids: every choice runs to max_tokens, like the other backends.
@@ -57,14 +45,9 @@ def start(model_dir):
             kwargs["simulated"] = SimulatedParams(decode_base_s=step, decode_s_per_seq=0.0, prefill_s_per_token=0.0)
         elif slow:
             kwargs["faults"] = FaultConfig(step_delay_s=STEP_S)
-        server = EmbeddedServer(model_dir if backend == "model" else None, mode=backend, **kwargs)
-        server.start()
-        started.append(server)
-        return server
+        return start_embedded(model_dir if backend == "model" else None, mode=backend, **kwargs)
 
-    yield make
-    for server in started:
-        server.stop()
+    return make
 
 
 def complete(s: EmbeddedServer, **payload) -> dict:

@@ -24,7 +24,6 @@ from beam_rl.envs.code import Code, extract_program, same, split_test
 from beam_rl.envs.datasets import DatasetError
 from beam_rl.envs.sandbox import SandboxLimits
 from beam_rl.scoring.rewards import assign_rewards
-from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus, Turn
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/setup.sh)")
@@ -38,11 +37,6 @@ FIB_ROW = {
 FIB = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
 # One row for the containment checks: the program must return "sealed" from probe().
 PROBE_ROW = {"task_id": "probe", "prompt": "def probe() -> str:\n", "tests": ["assert probe() == 'sealed'"]}
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return load_tokenizer("tiny")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ its run directory: no step lost, none written twice, no group trained in two ste
 
 from __future__ import annotations
 
-import collections
 import os
 import random
 import signal
@@ -12,9 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
-
 from beam_rl.rundir import RunDir
+from run_checks import assert_each_group_and_offset_once
 from small_run import write_small_run_config
 
 KILLS = 5
@@ -60,16 +58,7 @@ def test_killed_runs_resume_without_losing_or_duplicating_a_step(tmp_path):
 
     steps = run_dir.committed_steps()
     assert steps == list(range(1, MAX_STEPS + 1))  # contiguous from 1, none missing or repeated
-    seen_groups: collections.Counter[str] = collections.Counter()
-    seen_offsets: collections.Counter[tuple] = collections.Counter()
-    for step in steps:
-        commit = run_dir.read_commit(step)
-        seen_groups.update(commit.window.group_ids)
-        seen_offsets.update(commit.offsets)
-        table = pa.ipc.open_file(pa.memory_map(str(run_dir.rank_path(step, 0)))).read_all()
-        assert set(table.column("group_id").to_pylist()) <= set(commit.group_ids)
-    assert max(seen_groups.values()) == 1, "a group was consumed by two steps"
-    assert max(seen_offsets.values()) == 1, "a prompt offset was consumed twice"
+    assert_each_group_and_offset_once(run_dir, steps)
     assert run_dir.latest_stable_weights()[0] == MAX_STEPS  # the trainer resumed too
     leftovers = [p for p in run_dir.rollouts_dir.rglob("*") if p.name.endswith(".tmp")]
     assert not leftovers

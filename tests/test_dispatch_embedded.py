@@ -11,7 +11,7 @@ import shutil
 import socket
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -24,7 +24,6 @@ from beam_rl.inference.client import InferenceClient
 from beam_rl.standin.faults import FaultConfig, FaultInjector
 from beam_rl.standin.server import EmbeddedServer
 from beam_rl.standin.simulated import SimulatedParams
-from beam_rl.tinymodel import tiny_model_dir
 from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import GroupRequest, Rollout, RolloutStatus, make_group_id
 from tests.server_helpers import served_versions
@@ -36,29 +35,18 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory):
-    return tiny_model_dir(0, cache_dir=tmp_path_factory.mktemp("cache"))
-
-
-@pytest.fixture(scope="module")
 def env() -> Environment:
     return make_env(ENV, load_tokenizer("tiny"))
 
 
 @pytest.fixture
-def start_server(model_dir) -> Iterator[Callable[..., EmbeddedServer]]:
+def start_server(model_dir, start_embedded) -> Callable[..., EmbeddedServer]:
     """Starts embedded servers (tiny model unless mode="instant"); all are stopped afterwards."""
-    started: list[EmbeddedServer] = []
 
     def start(**kwargs) -> EmbeddedServer:
-        server = EmbeddedServer(model_dir if kwargs.get("mode", "model") == "model" else None, **kwargs)
-        server.start()
-        started.append(server)
-        return server
+        return start_embedded(model_dir if kwargs.get("mode", "model") == "model" else None, **kwargs)
 
-    yield start
-    for server in started:
-        server.stop()
+    return start
 
 
 def group_requests(env: Environment, count: int, group_size: int) -> list[GroupRequest]:

@@ -21,16 +21,10 @@ from beam_rl.envs.guess_number import CORRECT, HIGHER, LOWER, NO_GUESS, GuessNum
 from beam_rl.envs.reverse_text import ReverseText, similarity
 from beam_rl.envs.tool_use import ToolArithmetic
 from beam_rl.envs.verifiers_env import VerifiersTaskset
-from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Turn
 
 ROW = {"secret": 7, "low": 1, "high": 10}
 QUESTION = "Guess my secret integer between 1 and 10. Reply with one number."
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return load_tokenizer("tiny")
 
 
 def ids(tok: Any, text: str) -> list[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -60,19 +60,13 @@ def _config(run_dir, prompts: int = PROMPTS, max_inflight: int = MAX_INFLIGHT, *
 
 
 @pytest.fixture
-def start_server() -> Iterator[Callable[..., EmbeddedServer]]:
+def start_server(start_embedded) -> Callable[..., EmbeddedServer]:
     """Starts instant-mode embedded servers; each is stopped afterwards (stop() is idempotent)."""
-    started: list[EmbeddedServer] = []
 
     def start(**faults) -> EmbeddedServer:
-        server = EmbeddedServer(mode="instant", faults=FaultConfig(**faults))
-        server.start()
-        started.append(server)
-        return server
+        return start_embedded(mode="instant", faults=FaultConfig(**faults))
 
-    yield start
-    for server in started:
-        server.stop()
+    return start
 
 
 def requests_received(server: EmbeddedServer) -> int:

@@ -43,19 +43,12 @@ def _grade(judge: Judge, completion: str = "4") -> float:
 
 
 @pytest.fixture
-def server():
-    started: list[EmbeddedServer] = []
-
+def server(start_embedded):
     def start(**faults: Any) -> EmbeddedServer:
         api_key, name = faults.pop("api_key", None), faults.pop("served_model_name", None)
-        s = EmbeddedServer(mode="instant", faults=FaultConfig(**faults), api_key=api_key, served_model_name=name)
-        s.start()
-        started.append(s)
-        return s
+        return start_embedded(mode="instant", faults=FaultConfig(**faults), api_key=api_key, served_model_name=name)
 
-    yield start
-    for s in started:
-        s.stop()
+    return start
 
 
 def _seed_for(draws: list[str | None], **rates: float) -> int:

@@ -90,11 +90,6 @@ class Toy(Environment):
 '''
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return load_tokenizer("tiny")
-
-
 def write_module(directory: Path, source: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """A fresh importable module holding `source`; returns its name."""
     name = f"plugin_{next(_names)}"

@@ -114,8 +114,14 @@ class _HeldWatermark(WatermarkEstimatorProvider):
         return ManualWatermarkEstimator(state)
 
 
-class _SlowSource(beam.DoFn):
-    """One element per call, a call every ~0.3 s; element i and the watermark at START + i seconds."""
+class _PacedSource(beam.DoFn):
+    """An unbounded source of CALLS elements, one a call, a call every PACE_S: element(i) is stamped, and
+    the watermark held, at START + i seconds, so event time moves only as fast as the source says."""
+
+    PACE_S: float
+
+    def element(self, position: int):
+        raise NotImplementedError
 
     @beam.DoFn.unbounded_per_element()
     def process(self, _, tracker=beam.DoFn.RestrictionParam(_Range()),
@@ -123,11 +129,20 @@ class _SlowSource(beam.DoFn):
         position = tracker.current_restriction().start
         if not tracker.try_claim(position):
             return
-        time.sleep(0.3)
+        time.sleep(self.PACE_S)
         at = START + Duration(seconds=position)
-        yield beam.window.TimestampedValue(("key", position), at)
+        yield beam.window.TimestampedValue(self.element(position), at)
         watermark.set_watermark(at)
         tracker.defer_remainder(Duration.of(0))
+
+
+class _SlowSource(_PacedSource):
+    """("key", i) a call, a call every ~0.3 s."""
+
+    PACE_S = 0.3
+
+    def element(self, position: int):
+        return ("key", position)
 
 
 class _TimerAnHourAhead(beam.DoFn):
@@ -171,20 +186,13 @@ assert len(SCHEDULE) == CALLS  # _Range's
 SLOW_S = 4.0
 
 
-class _Scheduled(beam.DoFn):
+class _Scheduled(_PacedSource):
     """SCHEDULE's elements, one a call, a call every ~0.5 s, the watermark a second an element past START."""
 
-    @beam.DoFn.unbounded_per_element()
-    def process(self, _, tracker=beam.DoFn.RestrictionParam(_Range()),
-                watermark=beam.DoFn.WatermarkEstimatorParam(_HeldWatermark())):
-        position = tracker.current_restriction().start
-        if not tracker.try_claim(position):
-            return
-        time.sleep(0.5)
-        at = START + Duration(seconds=position)
-        yield beam.window.TimestampedValue(SCHEDULE[position], at)
-        watermark.set_watermark(at)
-        tracker.defer_remainder(Duration.of(0))
+    PACE_S = 0.5
+
+    def element(self, position: int):
+        return SCHEDULE[position]
 
 
 class _KeysAndTimers(beam.DoFn):

@@ -10,16 +10,15 @@ Beam state or Flink savepoint crosses the upgrade (a 2.62 savepoint need not res
 
 from __future__ import annotations
 
-import collections
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 
 from beam_rl.rundir import RunDir
+from run_checks import assert_each_group_and_offset_once
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run-beam-2.62"
 MAX_STEPS = 8  # the fixture's config.json
@@ -42,14 +41,5 @@ def test_a_run_directory_written_under_beam_2_62_resumes_contiguously(tmp_path):
     assert steps == list(range(1, MAX_STEPS + 1))  # contiguous: the torn step 3 written again, none twice
     for rel, data in before.items():  # the 2.62 steps are kept as they were
         assert (run_dir.path / rel).read_bytes() == data, rel
-    seen_groups: collections.Counter[str] = collections.Counter()
-    seen_offsets: collections.Counter[tuple] = collections.Counter()
-    for step in steps:
-        commit = run_dir.read_commit(step)
-        seen_groups.update(commit.window.group_ids)
-        seen_offsets.update(commit.offsets)
-        table = pa.ipc.open_file(pa.memory_map(str(run_dir.rank_path(step, 0)))).read_all()
-        assert set(table.column("group_id").to_pylist()) <= set(commit.group_ids)
-    assert max(seen_groups.values()) == 1, "a group was consumed by two steps"
-    assert max(seen_offsets.values()) == 1, "a prompt offset was consumed twice"
+    assert_each_group_and_offset_once(run_dir, steps)
     assert not [p for p in run_dir.rollouts_dir.rglob("*") if ".tmp" in p.name]  # the torn file cleaned up

@@ -32,35 +32,19 @@ PROMPT = [1, 396, 201, 19, 20, 264, 223, 25, 2, 201, 1, 67, 474, 201]  # a short
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def model_dir(cache_dir):
-    return tiny_model_dir(0, cache_dir=cache_dir)
-
-
-@pytest.fixture(scope="module")
 def server(model_dir):
     with EmbeddedServer(model_dir) as s:
         yield s
 
 
 @pytest.fixture
-def make_server(model_dir):
+def make_server(model_dir, start_embedded):
     """Servers whose state a test may change (faults, pause, weights); stopped afterwards."""
-    started = []
 
     def make(**kwargs) -> EmbeddedServer:
-        s = EmbeddedServer(kwargs.pop("model_dir", model_dir), **kwargs)
-        s.start()
-        started.append(s)
-        return s
+        return start_embedded(kwargs.pop("model_dir", model_dir), **kwargs)
 
-    yield make
-    for s in started:
-        s.stop()
+    return make
 
 
 def post(s: EmbeddedServer, path: str = "/v1/completions", timeout: float = 30, **payload) -> httpx.Response:

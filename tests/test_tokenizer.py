@@ -21,11 +21,6 @@ from beam_rl.tokenizer import (
 )
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("tiny")
-
-
 @pytest.mark.parametrize(
     "text",
     [

@@ -26,11 +26,6 @@ ROW = {"question": "287717 * 87453", "answer": "25161714801"}
 CALC = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "287717 * 87453"}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return load_tokenizer("tiny")
-
-
 class ScriptedClient:
     """Answers each request with the next scripted text (tokenized, EOS appended unless cut)."""
 

@@ -14,9 +14,9 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from beam_rl.envs.arithmetic import first_integer
 from beam_rl.envs.base import CompletionClient, DatasetEnvironment, SamplingParams, Trajectory, chat_prompt_ids
 from beam_rl.envs.datasets import BadRows
+from beam_rl.envs.multi_turn import Conversation
 from beam_rl.envs.registry import register_env
 from beam_rl.tokenizer import IM_END, IM_START
-from beam_rl.types import Turn
 
 HIGHER, LOWER, CORRECT = "higher", "lower", "correct"
 NO_GUESS = "reply with a number"
@@ -133,23 +133,13 @@ class GuessNumber(DatasetEnvironment):
         self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int], sampling: SamplingParams
     ) -> Trajectory:
         secret = row["secret"]
-        context = list(prompt_ids)
-        turns: list[Turn] = []
-        env_ids: list[int] = []  # the hint before the coming turn; none before the first
-        for turn in range(1, self.max_turns + 1):
-            turn_sampling = self.turn_sampling(sampling, turn, len(context))
-            if turn_sampling is None:
-                break
-            # A copy: `context` keeps growing, and a client may hold on to the list it was given.
-            (completion,) = await client.complete(list(context), turn_sampling, n=1)
-            completion_ids = list(completion.token_ids)
-            turns.append(Turn(completion_ids, list(completion.logprobs), completion.finish_reason, env_ids))
-            context += completion_ids
+        conversation = Conversation(self, client, prompt_ids, sampling)
+        while (completion_ids := await conversation.complete()) is not None:
             guess = first_integer(self.decode(completion_ids))
             if guess == secret:
-                return Trajectory(turns, {"found_on_turn": turn})
-            if turn < self.max_turns:
-                closed = bool(completion_ids) and completion_ids[-1] == self._im_end_id
-                env_ids = self.hint_ids(hint(guess, secret), close_turn=not closed)
-                context += env_ids
-        return Trajectory(turns)
+                return Trajectory(conversation.turns, {"found_on_turn": conversation.turn})
+            if conversation.last_turn:
+                break
+            closed = conversation.closed(self._im_end_id)
+            conversation.reply(self.hint_ids(hint(guess, secret), close_turn=not closed))
+        return Trajectory(conversation.turns)

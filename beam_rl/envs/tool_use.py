@@ -14,9 +14,9 @@ from typing import Any
 from beam_rl.envs.arithmetic import ArithmeticRow
 from beam_rl.envs.base import CompletionClient, DatasetEnvironment, SamplingParams, Trajectory, chat_prompt_ids
 from beam_rl.envs.datasets import BadRows
+from beam_rl.envs.multi_turn import Conversation
 from beam_rl.envs.registry import register_env
 from beam_rl.envs.tools import TOOLS, BadToolCall, Tool, ToolCall, ToolError, parse_tool_calls
-from beam_rl.types import Turn
 
 # Thousands separators are accepted in an answer ("4,359,267,021"); the answer is the last integer written.
 _INTEGER = re.compile(r"-?[0-9]+(?:,[0-9]{3})*(?![0-9])")
@@ -133,31 +133,19 @@ class ToolArithmetic(DatasetEnvironment):
     async def run(
         self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int], sampling: SamplingParams
     ) -> Trajectory:
-        context = list(prompt_ids)
-        turns: list[Turn] = []
-        env_ids: list[int] = []  # the tool messages before the coming turn; none before the first
         info: dict[str, Any] = {"answered": False, "tool_calls": 0, "bad_tool_calls": 0}
-        for turn in range(1, self.max_turns + 1):
-            turn_sampling = self.turn_sampling(sampling, turn, len(context))
-            if turn_sampling is None:
-                break
-            (completion,) = await client.complete(list(context), turn_sampling, n=1)
-            completion_ids = list(completion.token_ids)
-            turns.append(Turn(completion_ids, list(completion.logprobs), completion.finish_reason, env_ids))
-            context += completion_ids
+        conversation = Conversation(self, client, prompt_ids, sampling)
+        while (completion_ids := await conversation.complete()) is not None:
             calls = parse_tool_calls(self.decode(completion_ids))
             if not calls:
                 info["answered"] = True
                 break
-            if turn == self.max_turns:
+            if conversation.last_turn:
                 break
             results = [await self._answer(call, info) for call in calls]
-            closed = bool(completion_ids) and completion_ids[-1] == self._stop_id
-            env_ids = self.responses.ids(results, closed)
-            if self.max_context is not None and len(context) + len(env_ids) >= self.max_context:
-                break  # no room left to answer after the tool messages
-            context += env_ids
-        return Trajectory(turns, info)
+            # Tool messages that leave no room to answer end the episode at the next complete().
+            conversation.reply(self.responses.ids(results, conversation.closed(self._stop_id)))
+        return Trajectory(conversation.turns, info)
 
     async def _answer(self, call: ToolCall | BadToolCall, info: dict[str, Any]) -> tuple[str, str]:
         """(tool name, what the tool answers) for one call; refusals are answers too."""

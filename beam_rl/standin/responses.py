@@ -43,6 +43,21 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "completion_tokens": completion_tokens}
 
 
+def _total_usage(params: GenerationParams, choices: list[ChoiceResult]) -> dict[str, int]:
+    """The usage of a whole (not streamed) answer: the prompt, and every choice's tokens."""
+    return _usage(len(params.prompt_ids), sum(len(c.token_ids) for c in choices))
+
+
+_ID_PREFIX = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}
+
+
+def _envelope(object_type: str, model_name: str) -> dict[str, Any]:
+    """The OpenAI envelope's first keys (id, object, created, model), as vLLM writes them: the start of a
+    whole completion or chat body, and the head of every chunk of a streamed completion."""
+    return {"id": f"{_ID_PREFIX[object_type]}-{uuid.uuid4().hex}", "object": object_type,
+            "created": int(time.time()), "model": model_name}
+
+
 def visible_text(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool) -> str:
     """A choice's text as vLLM's detokenizer (tokenizers' DecodeStream) leaves it: trailing tokens
     that only make an incomplete UTF-8 character (their text ends in U+FFFD) are never emitted."""
@@ -96,14 +111,7 @@ def completion_body(
         if request.return_weight_versions:
             body["token_weight_versions"] = choice.weight_versions
         out.append(body)
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model_name,
-        "choices": out,
-        "usage": _usage(len(params.prompt_ids), sum(len(c.token_ids) for c in choices)),
-    }
+    return {**_envelope("text_completion", model_name), "choices": out, "usage": _total_usage(params, choices)}
 
 
 def label_spans(sampled_by: list[Weights]) -> list[dict[str, Any]]:
@@ -172,8 +180,7 @@ class CompletionStream(_ChoiceStream):
         super().__init__(params, request.stream_options)
         self.texts, self.request = texts, request
         self._backend = texts.tokenizer.backend_tokenizer
-        self._head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                      "model": model_name}
+        self._head = _envelope("text_completion", model_name)
         # vLLM's own incremental detokenizer: an incomplete UTF-8 character waits for the token completing it.
         self._text = [DecodeStream(skip_special_tokens=request.skip_special_tokens) for _ in range(params.n)]
         self._text_offset = [0] * params.n
@@ -229,7 +236,7 @@ def generate_body(texts: TokenTexts, model_name: str, params: GenerationParams,
         "output_mode": "tokens",
         "choices": [_generate_choice(c, params, request, i, 0, len(c.token_ids), c.finish_reason)
                     for i, c in enumerate(choices)],
-        "usage": _usage(len(params.prompt_ids), sum(len(c.token_ids) for c in choices)),
+        "usage": _total_usage(params, choices),
     }
 
 
@@ -269,14 +276,11 @@ def chat_body(
             body["token_weight_versions"] = choice.weight_versions
         out.append(body)
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model_name,
+        **_envelope("chat.completion", model_name),
         "choices": out,
         "service_tier": None,
         "system_fingerprint": None,
-        "usage": _usage(len(params.prompt_ids), sum(len(c.token_ids) for c in choices)),
+        "usage": _total_usage(params, choices),
         "prompt_logprobs": None,
         "prompt_token_ids": list(params.prompt_ids) if request.return_token_ids else None,
         "kv_transfer_params": None,
