@@ -290,7 +290,7 @@ def _pipeline_stopped(err: BaseException, run_dir: RunDir, since: float, again: 
 def _cmd_rollouts(args: argparse.Namespace) -> int:
     from beam_rl.servers import inference_servers
     from runners.beam_log import route_beam_output
-    from runners.pipeline import run_rollouts
+    from runners.rollout_job import run_rollouts
 
     config = _with_run_dir(load_config(args.config), args.run_dir)
     run_dir = preflight(config, args.config)

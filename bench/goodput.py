@@ -204,7 +204,7 @@ def _admission_blind_to_the_bound() -> Iterator[None]:
 
 
 def run_config(name: str, bound: int, size: dict[str, Any], max_async_level: int = 1) -> dict[str, Any]:
-    from runners.pipeline import run_rollouts  # Beam: only where a pipeline runs
+    from runners.rollout_job import run_rollouts  # Beam: only where a pipeline runs
 
     overrides = CONFIGS[name]
     fleet = Fleet(size)

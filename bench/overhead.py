@@ -84,7 +84,7 @@ class _CommitWatcher(threading.Thread):
 
 
 def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
-    from runners.pipeline import run_rollouts  # Beam: only where a pipeline runs
+    from runners.rollout_job import run_rollouts  # Beam: only where a pipeline runs
 
     per_step = size["rollouts_per_step"]
     with procs.servers(size["pipeline_servers"], "instant", 1024) as (urls, server_pids), \

@@ -17,7 +17,7 @@ from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer
 from beam_rl.tinymodel import tiny_model_dir
-from runners.pipeline import run_rollouts
+from runners.rollout_job import run_rollouts
 
 
 def _busy_seconds(url: str) -> float:

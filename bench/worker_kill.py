@@ -62,7 +62,10 @@ def _drive(config_path: str, urls: list[str], out: str, worker_command: str | No
     """Runs one rollout pipeline to its end, then writes every rollout of the committed windows to `out`."""
     from beam_rl.config import config_from_dict
     from beam_rl.rundir import RunDir
-    from runners import pipeline
+    try:
+        from runners import rollout_job as pipeline
+    except ImportError:  # a release before the job was apart from the graph
+        from runners import pipeline
 
     config = config_from_dict(json.loads(Path(config_path).read_text()))
     print(f"tree under test: {Path(pipeline.__file__).parent.parent}", flush=True)

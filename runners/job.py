@@ -19,7 +19,7 @@ from beam_rl.observe.rollout_text import tracker_sample_rows
 from beam_rl.processes import Child, Supervisor
 from beam_rl.rundir import RunDir
 from beam_rl.servers import inference_servers
-from runners.pipeline import RolloutJob, attach_rollouts, start_rollouts
+from runners.rollout_job import RolloutJob, attach_rollouts, start_rollouts
 
 REFRESH_S = 0.5
 TABLE_ROWS = 12  # the last steps the progress table shows

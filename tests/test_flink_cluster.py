@@ -30,7 +30,7 @@ from beam_rl.rundir import RunDir
 from beam_rl.rundir.lease import RunDirBusyError, read_job_record
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from runners.flink_cluster import start_cluster
-from runners.pipeline import attach_rollouts, start_rollouts
+from runners.rollout_job import attach_rollouts, start_rollouts
 
 GROUP_SIZE, ROLLOUTS_PER_STEP = 8, 64
 FIRST_STEP_TIMEOUT_S = 90.0
@@ -218,7 +218,7 @@ def test_a_killed_worker_process_is_replaced_and_the_run_loses_nothing(cluster, 
 _SUBMITTER = """
 import sys
 from beam_rl.config import config_from_dict
-from runners.pipeline import start_rollouts
+from runners.rollout_job import start_rollouts
 import json
 config = config_from_dict(json.loads(sys.argv[1]))
 job = start_rollouts(config, json.loads(sys.argv[2]), config.run.dir, with_trainer=False)

@@ -20,7 +20,7 @@ from beam_rl.observe.report import LIVE_COLUMNS, STEP_COLUMNS
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer
 from runners import job as job_module
-from runners.pipeline import start_rollouts
+from runners.rollout_job import start_rollouts
 
 TINY = "configs/tiny.toml"
 

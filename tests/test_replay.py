@@ -26,7 +26,7 @@ from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.tinymodel import tiny_model_dir
 from beam_rl.types import Rollout, TrainBatch, Turn
 from runners.job import run_job
-from runners.pipeline import run_rollouts
+from runners.rollout_job import run_rollouts
 from schemas.commit_record import FileEntry, checksum
 from schemas.train_batch import in_version
 

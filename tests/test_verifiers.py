@@ -213,7 +213,7 @@ def _assert_scored_by_the_taskset(run_dir: Path) -> set[str]:
 
 def test_prism_workers_score_with_a_verifiers_taskset(echo_taskset, tmp_path):
     from beam_rl.config import config_from_dict
-    from runners.pipeline import run_rollouts
+    from runners.rollout_job import run_rollouts
 
     started, urls = _servers()
     try:
@@ -232,7 +232,7 @@ def test_flink_cluster_workers_score_with_a_verifiers_taskset(echo_taskset, tmp_
     pool's processes, which import verifiers.v1 from the project's virtualenv."""
     from beam_rl.config import config_from_dict
     from runners.flink_cluster import start_cluster
-    from runners.pipeline import start_rollouts
+    from runners.rollout_job import start_rollouts
 
     cluster = start_cluster(taskmanagers=1, slots_per_taskmanager=2, workdir=tmp_path / "cluster")
     started, urls = _servers()
