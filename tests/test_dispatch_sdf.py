@@ -41,7 +41,7 @@ class _Source:
 
     built: list[DispatchRange] = []
 
-    def __init__(self, spec, shard, restriction: DispatchRange) -> None:
+    def __init__(self, spec, shard, restriction: DispatchRange, parts) -> None:
         _Source.built.append(restriction)
         self.token = restriction.in_flight.token
         self.emitted = restriction.in_flight.emitted
