@@ -50,7 +50,8 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "cryptography>=42"],  # cryptography: self-signed certs for https tests
+        # cryptography: self-signed certs for https tests; openai: the black-box agent the tests run (tests/agents)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "cryptography>=42", "openai>=1.40"],
     },
     entry_points={"console_scripts": ["beam-rl=beam_rl.cli:main"]},
 )

@@ -51,7 +51,7 @@ def start_server(model_dir, start_embedded) -> Callable[..., EmbeddedServer]:
 
 def group_requests(env: Environment, count: int, group_size: int) -> list[GroupRequest]:
     rows = env.load_rows("train")[:count]
-    return [GroupRequest(make_group_id(0, i), 0, i, ENV, group_size, row) for i, row in enumerate(rows)]
+    return [GroupRequest(make_group_id(0, i), 0, i, env.name, group_size, row) for i, row in enumerate(rows)]
 
 
 def dispatcher_thread(
@@ -72,7 +72,7 @@ def dispatcher_thread(
     """Built like `beam_rl.components.dispatcher_thread`: clients are made on the dispatcher's loop.
     By default a failed server's rollouts are not re-dispatched, so each fault surfaces on its rollout."""
     stop = tuple(env.stop_token_ids())
-    sampling = {ENV: SamplingParams(max_tokens=max_tokens, temperature=1.0, stop_token_ids=stop)}
+    sampling = {env.name: SamplingParams(max_tokens=max_tokens, temperature=1.0, stop_token_ids=stop)}
 
     def build(emit: Callable[[Rollout], None], restore: Restore) -> Dispatcher:
         clients = [
@@ -82,7 +82,7 @@ def dispatcher_thread(
         ]
         # A short re-probe: a server taken out of service by injected faults comes back within the test.
         return Dispatcher(
-            clients, {ENV: env}, {ENV: mode}, sampling, max_inflight, version, emit, seed=3,
+            clients, {env.name: env}, {env.name: mode}, sampling, max_inflight, version, emit, seed=3,
             max_redispatches=max_redispatches, restore=restore, reprobe_s=0.5,
         )
 

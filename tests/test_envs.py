@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from beam_rl.envs import ENVIRONMENTS, make_env, register_env, registry
+from beam_rl.envs.agent import BlackBoxAgent
 from beam_rl.envs.arithmetic import Arithmetic, ArithmeticEasy, first_integer
 from beam_rl.envs.base import Completion, SamplingParams, Trajectory, chat_prompt_ids
 from beam_rl.envs.code import Code
@@ -78,6 +79,7 @@ def hint_ids(tok: Any, hint_text: str) -> list[int]:
 
 def test_registry_holds_the_bundled_environments(tok: Any) -> None:
     assert {name: cls for name, cls in ENVIRONMENTS.items()} == {
+        "agent": BlackBoxAgent,
         "arithmetic": Arithmetic,
         "arithmetic_easy": ArithmeticEasy,
         "reverse_text": ReverseText,
@@ -91,7 +93,7 @@ def test_registry_holds_the_bundled_environments(tok: Any) -> None:
 
 
 def test_make_env_errors_name_the_environment(tok: Any) -> None:
-    with pytest.raises(KeyError, match=r"unknown environment 'nope' \(registered: \['arithmetic', "):
+    with pytest.raises(KeyError, match=r"unknown environment 'nope' \(registered: \['agent', 'arithmetic', "):
         make_env("nope", tok)
     with pytest.raises(TypeError, match=r"environment 'reverse_text': .*'partial_credit'"):
         make_env("reverse_text", tok, partial_credit=0.5)

@@ -151,7 +151,7 @@ def test_name_alone_is_a_built_in_kind_and_kind_lets_one_class_run_under_two_nam
          "{m}:Env", r"{m}\.Env does not implement render_prompt, reward"),
         (PLUGIN + "\nclass Env(Toy):\n    def run(self, client, row, prompt_ids, sampling): pass\n",
          "{m}:Env", r"{m}\.Env\.run must be `async def`"),
-        ("", "{m}", r"unknown environment '{m}' \(registered: \['arithmetic'.*; beam_rl\.environments entry points: "),
+        ("", "{m}", r"unknown environment '{m}' \(registered: \['agent', 'arithmetic'.*; beam_rl\.environments entry points: "),
         ("", "{m}.Env", r"unknown environment '{m}\.Env' .*an import path is written 'package\.module:Class'"),
     ],
 )

@@ -16,7 +16,7 @@ from beam_rl import components
 from beam_rl.config import config_from_dict
 from beam_rl.envs import make_env
 from beam_rl.envs.base import Completion, SamplingParams, chat_prompt_ids
-from beam_rl.envs.tool_use import ChatTemplateError, ToolArithmetic, last_integer
+from beam_rl.envs.tool_use import ChatTemplateError, ToolArithmetic, last_integer, tool_messages
 from beam_rl.envs.tools import BadToolCall, Calculator, PythonTool, ToolCall, ToolError, evaluate, parse_tool_calls
 from beam_rl.scoring.samples import trace_to_samples
 from beam_rl.tokenizer import load_tokenizer, save_tokenizer
@@ -128,8 +128,8 @@ def test_bad_calls_are_answered_and_the_loop_goes_on(tok: Any) -> None:
         "at character 1)\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
     # The second completion was cut (no EOS): the environment closes the assistant's turn itself.
-    assert turns[2].env_ids[0] == tok.eos_token_id and turns[2].env_ids[1:] == env.responses.ids(
-        [("calculator", "25161714801")], closed=True)
+    assert turns[2].env_ids[0] == tok.eos_token_id and turns[2].env_ids[1:] == env.follow_ups.ids(
+        tool_messages([("calculator", "25161714801")]), closed=True)
     context = list(prompt)
     for turn, request in zip(turns, client.prompts, strict=True):
         context += turn.env_ids
@@ -252,7 +252,7 @@ def test_a_model_directorys_template_renders_the_same_conversation_token_for_tok
         {"role": "assistant", "content": "25161714801"},
     ]
     rendered = chat_prompt_ids(env.tokenizer, conversation, tools=[Calculator().schema()], add_generation_prompt=False)
-    assert rendered == ours + env.responses.separator  # the template ends the last turn with "\n"
+    assert rendered == ours + env.follow_ups.separator  # the template ends the last turn with "\n"
 
 
 def test_a_template_without_tool_support_is_refused(tok: Any, tmp_path: Path) -> None:

@@ -281,6 +281,8 @@ class Dispatcher:
             try:
                 for rollout, trajectory in zip(rollouts, task.result(), strict=True):
                     rollout.turns, rollout.info = list(trajectory.turns), dict(trajectory.info)
+                    if trajectory.prompt_ids is not None:
+                        rollout.prompt_ids = list(trajectory.prompt_ids)
                 self._stamp_versions(launch, rollouts, version_end)
             except Exception as exc:  # a malformed trajectory must not lose the rollout
                 for rollout, tokens in zip(rollouts, received):

@@ -3,7 +3,8 @@ plug-in's too (an entry point of the `beam_rl.environments` group, or "module:Cl
 
 Bundled: `arithmetic`, `arithmetic_easy` (the config a tiny model learns in minutes), `reverse_text`,
 `guess_number` (multi-turn), `code` (programs run in a sandbox), `tool_arithmetic` (multi-turn tool
-calling), `verifiers` (a verifiers taskset's own rewards).
+calling), `verifiers` (a verifiers taskset's own rewards), `agent` (any program sampling through an OpenAI
+client, by way of the inference proxy).
 """
 
 from __future__ import annotations
@@ -11,7 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 # Each bundled module registers its environments as it is imported.
-from beam_rl.envs import arithmetic, code, guess_number, plugins, registry, reverse_text, tool_use, verifiers_env  # noqa: F401
+from beam_rl.envs import (  # noqa: F401
+    agent,
+    arithmetic,
+    code,
+    guess_number,
+    plugins,
+    registry,
+    reverse_text,
+    tool_use,
+    verifiers_env,
+)
 from beam_rl.envs.base import Environment
 from beam_rl.envs.registry import ENVIRONMENTS, register_env
 

@@ -28,10 +28,14 @@ __all__ = ["Completion", "CompletionClient", "DatasetEnvironment", "Environment"
 @dataclass
 class Trajectory:
     """What generation produced: the model's turns, plus `info`, the JSON-able facts the environment's
-    turn loop learned that its reward needs (it travels with the rollout to the scoring stage)."""
+    turn loop learned that its reward needs (it travels with the rollout to the scoring stage).
+
+    `prompt_ids`, when set, is the context of the first turn in place of the rendered prompt the episode was
+    given: a program that writes its own first prompt (a black-box agent behind the proxy) sets it."""
 
     turns: list[Turn] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: list[int] | None = None
 
 
 class RewardUnavailable(Exception):

@@ -8,8 +8,51 @@ sampling and the turn and context bounds.
 
 from __future__ import annotations
 
-from beam_rl.envs.base import CompletionClient, DatasetEnvironment, SamplingParams
+from typing import Any
+
+from beam_rl.envs.base import CompletionClient, DatasetEnvironment, SamplingParams, chat_prompt_ids
 from beam_rl.types import Turn
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot carry a conversation token-exactly."""
+
+
+class FollowUps:
+    """Token ids of the messages that follow an assistant turn (tool results, a user's next message), cut
+    from the chat template's own rendering of a conversation.
+
+    The template renders [user, assistant] and [user, assistant, *messages] (with a generation prompt);
+    the second must extend the first token for token, and the extension is what follows an assistant turn
+    in the real conversation. The assistant's own tokens are never rendered into the context: they are
+    the ids the server returned.
+    """
+
+    def __init__(self, tokenizer: Any, stop_id: int) -> None:
+        self.tokenizer = tokenizer
+        self.stop_id = stop_id
+        self._base = chat_prompt_ids(tokenizer, _base_messages(), add_generation_prompt=False)
+        if stop_id not in self._base:
+            raise ChatTemplateError(f"the chat template does not end an assistant turn with token {stop_id}")
+        # What the template writes between the assistant's stop token and the next message ("\n" in ChatML).
+        self.separator = self._base[len(self._base) - self._base[::-1].index(stop_id):]
+
+    def ids(self, messages: list[dict[str, Any]], closed: bool) -> list[int]:
+        """What follows a completion: its stop token if it was cut before writing one, `messages` and the
+        opening of the assistant's next turn."""
+        base = self._base
+        full = chat_prompt_ids(self.tokenizer, [*_base_messages(), *messages])
+        if full[: len(base)] != base:
+            raise ChatTemplateError(
+                "the chat template renders earlier messages differently once these messages follow: "
+                "they cannot be appended token-exactly"
+            )
+        return ([] if closed else [self.stop_id]) + self.separator + full[len(base):]
+
+
+def _base_messages() -> list[dict[str, str]]:
+    # Any user and assistant turn: only what the template writes after them is used.
+    return [{"role": "user", "content": "?"}, {"role": "assistant", "content": "."}]
 
 
 class Conversation:

@@ -14,7 +14,7 @@ from typing import Any
 from beam_rl.envs.arithmetic import ArithmeticRow
 from beam_rl.envs.base import CompletionClient, DatasetEnvironment, SamplingParams, Trajectory, chat_prompt_ids
 from beam_rl.envs.datasets import BadRows
-from beam_rl.envs.multi_turn import Conversation
+from beam_rl.envs.multi_turn import ChatTemplateError, Conversation, FollowUps
 from beam_rl.envs.registry import register_env
 from beam_rl.envs.tools import TOOLS, BadToolCall, Tool, ToolCall, ToolError, parse_tool_calls
 
@@ -28,45 +28,9 @@ def last_integer(text: str) -> int | None:
     return int(matches[-1].replace(",", "")) if matches else None
 
 
-class ChatTemplateError(ValueError):
-    """The tokenizer's chat template cannot carry a tool conversation token-exactly."""
-
-
-class ToolResponses:
-    """Token ids of tool messages, cut from the chat template's rendering of a conversation.
-
-    The template renders [user, assistant] and [user, assistant, *tool messages] (with a generation
-    prompt); the second must extend the first token for token, and the extension is what follows an
-    assistant turn in the real conversation. The assistant's own tokens are never rendered into the
-    context: they are the ids the server returned.
-    """
-
-    def __init__(self, tokenizer: Any, stop_id: int) -> None:
-        self.tokenizer = tokenizer
-        self.stop_id = stop_id
-        self._base = chat_prompt_ids(tokenizer, _base_messages(), add_generation_prompt=False)
-        if stop_id not in self._base:
-            raise ChatTemplateError(f"the chat template does not end an assistant turn with token {stop_id}")
-        # What the template writes between the assistant's stop token and the next message ("\n" in ChatML).
-        self.separator = self._base[len(self._base) - self._base[::-1].index(stop_id):]
-
-    def ids(self, results: list[tuple[str, str]], closed: bool) -> list[int]:
-        """What follows a completion that called tools: its stop token if it was cut before writing one,
-        the tool messages (name, content) and the opening of the assistant's next turn."""
-        base = self._base
-        tool_messages = [{"role": "tool", "name": name, "content": content} for name, content in results]
-        full = chat_prompt_ids(self.tokenizer, [*_base_messages(), *tool_messages])
-        if full[: len(base)] != base:
-            raise ChatTemplateError(
-                "the chat template renders earlier messages differently once tool messages follow: "
-                "tool responses cannot be appended token-exactly"
-            )
-        return ([] if closed else [self.stop_id]) + self.separator + full[len(base):]
-
-
-def _base_messages() -> list[dict[str, str]]:
-    # Any user and assistant turn: only what the template writes after them is used.
-    return [{"role": "user", "content": "?"}, {"role": "assistant", "content": "."}]
+def tool_messages(results: list[tuple[str, str]]) -> list[dict[str, str]]:
+    """The tool messages of (tool name, its answer) pairs."""
+    return [{"role": "tool", "name": name, "content": content} for name, content in results]
 
 
 @register_env
@@ -111,14 +75,14 @@ class ToolArithmetic(DatasetEnvironment):
         if not stops:
             raise ChatTemplateError(f"{self.name} needs a tokenizer with an eos token (the end of a turn)")
         self._stop_id = stops[0]
-        self.responses = ToolResponses(tokenizer, self._stop_id)
+        self.follow_ups = FollowUps(tokenizer, self._stop_id)
         self._check_template()
 
     def _check_template(self) -> None:
         """The template must show the model its tools and carry tool messages; a template without tool
         support would render `tools` as nothing and the model would never learn of them."""
         probe = self.tokenizer.decode(self.render_prompt({"question": "1 + 1", "answer": "2"}))
-        response = self.tokenizer.decode(self.responses.ids([("calculator", "4242")], closed=True))
+        response = self.tokenizer.decode(self.follow_ups.ids(tool_messages([("calculator", "4242")]), closed=True))
         if any(name not in probe for name in self.tools) or "4242" not in response:
             raise ChatTemplateError(
                 f"the chat template of this tokenizer does not render tools or tool messages; {self.name} "
@@ -144,7 +108,7 @@ class ToolArithmetic(DatasetEnvironment):
                 break
             results = [await self._answer(call, info) for call in calls]
             # Tool messages that leave no room to answer end the episode at the next complete().
-            conversation.reply(self.responses.ids(results, conversation.closed(self._stop_id)))
+            conversation.reply(self.follow_ups.ids(tool_messages(results), conversation.closed(self._stop_id)))
         return Trajectory(conversation.turns, info)
 
     async def _answer(self, call: ToolCall | BadToolCall, info: dict[str, Any]) -> tuple[str, str]:

@@ -1,0 +1,317 @@
+"""The inference proxy and the black-box agent environment: what a program samples through the proxy is
+the rollout's turns token for token, and its calls keep the dispatcher's guarantees (per-token versions,
+failover with the streamed tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, BadRequestError
+
+from beam_rl.envs import make_env
+from beam_rl.envs.agent import BlackBoxAgent
+from beam_rl.envs.base import SamplingParams, Trajectory, chat_prompt_ids
+from beam_rl.envs.proxy import Episode, InferenceProxy, shared_proxy
+from beam_rl.inference.types import Completion
+from beam_rl.standin.faults import FaultConfig
+from tests.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+
+pytestmark = pytest.mark.timeout(180)
+
+AGENT = Path(__file__).resolve().parent / "agents" / "two_turn_agent.py"
+ROWS = [{"prompt": f"Say something about the number {i}.", "answer": str(i), "max_tokens": 8} for i in range(4)]
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    return tmp_path
+
+
+def agent_env(tok: Any, dataset: Path, **kwargs: Any) -> BlackBoxAgent:
+    return make_env("agent", tok, command=[sys.executable, str(AGENT)], dataset=str(dataset), **kwargs)
+
+
+class ScriptedClient:
+    """A CompletionClient answering each call with the next scripted text (EOS appended) at version 7,
+    recording the context and sampling of every call."""
+
+    def __init__(self, tok: Any, texts: list[str]) -> None:
+        self.tok = tok
+        self.texts = list(texts)
+        self.calls: list[tuple[list[int], SamplingParams]] = []
+
+    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
+        self.calls.append((prompt_ids, sampling))
+        ids = self.tok.encode(self.texts.pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
+        return [Completion(ids, [-0.5] * len(ids), "stop", [7] * len(ids))]
+
+
+def run_episode(env: BlackBoxAgent, client: ScriptedClient, calls, sampling: SamplingParams | None = None) -> Episode:
+    """Serves one episode on a fresh proxy and runs `calls(base_url)` against it."""
+
+    async def main() -> Episode:
+        proxy = InferenceProxy()
+        await proxy.start()
+        episode = Episode(env, client, sampling or SamplingParams(max_tokens=16, seed=5), env.follow_ups)
+        try:
+            with proxy.serve(episode) as base_url:
+                await calls(base_url)
+        finally:
+            await proxy.close()
+        return episode
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_through_the_proxy_trains_the_sampled_ids_and_the_templates_ids_of_what_the_program_added(
+        tok, dataset, stream):
+    env = agent_env(tok, dataset)
+    client = ScriptedClient(tok, ["  spaced  text ", "second"])
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    tool = {"role": "tool", "name": "count", "content": "42"}
+    seen: list[str] = []
+
+    async def calls(base_url: str) -> None:
+        openai = AsyncOpenAI(base_url=base_url, api_key="x")
+        for messages in (first, None):
+            if messages is None:  # the program writes the reply back in its own words: the sampled ids stand
+                messages = [*first, {"role": "assistant", "content": seen[0].strip()}, tool]
+            if stream:
+                chunks = [c async for c in await openai.chat.completions.create(
+                    model="m", messages=messages, max_tokens=100, stream=True)]
+                seen.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+            else:
+                answer = await openai.chat.completions.create(model="m", messages=messages, max_tokens=100)
+                seen.append(answer.choices[0].message.content)
+
+    episode = run_episode(env, client, calls)
+    prompt = chat_prompt_ids(tok, first)
+    (first_context, first_sampling), (second_context, second_sampling) = client.calls
+    turns = episode.turns
+    assert seen == [env.decode(t.completion_ids) for t in turns] == ["  spaced  text ", "second"]
+    assert episode.prompt_ids == prompt == first_context and turns[0].env_ids == []
+    # The completion closed its turn with EOS; the tool message is the template's rendering after it.
+    assert turns[1].env_ids == env.follow_ups.ids([tool], closed=True)
+    assert second_context == prompt + turns[0].completion_ids + turns[1].env_ids
+    assert tok.decode(turns[1].env_ids) == (
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert all(t.policy_versions == [7] * len(t.completion_ids) for t in turns)
+    # The run's sampling rules: the program's larger max_tokens does not raise the budget; seeds step per turn.
+    assert (first_sampling.max_tokens, first_sampling.seed, second_sampling.seed) == (16, 5, 6)
+    trajectory = episode.trajectory({})
+    assert trajectory.prompt_ids == prompt and trajectory.turns == turns
+
+
+def test_calls_that_do_not_extend_the_conversation_or_exceed_its_bounds_are_refused_with_the_reason(tok, dataset):
+    env = agent_env(tok, dataset, max_turns=2)
+    client = ScriptedClient(tok, ["one", "two"])
+    user = {"role": "user", "content": "Hi"}
+    errors: list[tuple[int, str]] = []
+
+    async def calls(base_url: str) -> None:
+        openai = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+
+        async def refused(**kwargs: Any) -> None:
+            with pytest.raises(BadRequestError) as caught:
+                await openai.chat.completions.create(model="m", **kwargs)
+            errors.append((caught.value.status_code, caught.value.body["message"]))
+
+        await openai.chat.completions.create(model="m", messages=[user])
+        await refused(messages=[{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "one"}, user])
+        await refused(messages=[user, {"role": "assistant", "content": "one"}])  # nothing added
+        await openai.chat.completions.create(model="m", messages=[user, {"role": "assistant", "content": "1"}, user])
+        await refused(messages=[user, {"role": "assistant", "content": "1"}, user,
+                                {"role": "assistant", "content": "two"}, user])
+        async with httpx.AsyncClient() as http:
+            gone = await http.post(base_url.replace("/rollouts/", "/rollouts/x") + "/chat/completions",
+                                   json={"messages": [user]})
+            errors.append((gone.status_code, gone.json()["error"]["message"]))
+            other_route = await http.post(base_url + "/completions", json={"prompt": [1, 2]})
+            errors.append((other_route.status_code, other_route.json()["error"]["message"]))
+
+    episode = run_episode(env, client, calls)
+    assert len(client.calls) == len(episode.turns) == 2  # no refused call reached the server
+    assert [status for status, _ in errors] == [400, 400, 400, 404, 400]
+    assert "do not extend the conversation" in errors[0][1] and "do not extend" in errors[1][1]
+    assert "out of turns (max_turns = 2)" in errors[2][1]
+    assert "no rollout runs under this URL" in errors[3][1]
+    assert "one route per rollout" in errors[4][1]
+
+
+def test_the_token_routes_take_ids_that_extend_the_context_and_text_prompts_tokenize_only_what_they_add(tok, dataset):
+    env = agent_env(tok, dataset)
+    results: dict[str, Any] = {}
+
+    async def token_calls(base_url: str) -> None:
+        root = base_url.removesuffix("/v1")
+        async with httpx.AsyncClient() as http:
+            one = (await http.post(root + "/inference/v1/generate",
+                                   json={"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4}})).json()
+            ids = [5, 6, 7, *one["choices"][0]["token_ids"], 9]
+            results["two"] = (await http.post(root + "/inference/v1/generate",
+                                              json={"token_ids": ids, "sampling_params": {}})).json()
+            results["bad"] = (await http.post(root + "/inference/v1/generate",
+                                              json={"token_ids": [5, 6, 8, 1], "sampling_params": {}})).status_code
+
+    client = ScriptedClient(tok, ["a", "b"])
+    episode = run_episode(env, client, token_calls)
+    assert client.calls[0][0] == [5, 6, 7] and client.calls[0][1].max_tokens == 4
+    assert client.calls[1][0] == [5, 6, 7, *episode.turns[0].completion_ids, 9]
+    assert episode.turns[1].env_ids == [9] and results["bad"] == 400
+    assert results["two"]["choices"][0]["token_ids"] == episode.turns[1].completion_ids
+
+    async def text_calls(base_url: str) -> None:
+        openai = AsyncOpenAI(base_url=base_url, api_key="x")
+        first = await openai.completions.create(model="m", prompt="Q: 2+2?\nA:")
+        results["text"] = await openai.completions.create(
+            model="m", prompt="Q: 2+2?\nA:" + first.choices[0].text + "\nQ: why?\nA:")
+
+    client = ScriptedClient(tok, [" 4", " because"])
+    episode = run_episode(env, client, text_calls)
+    assert client.calls[0][0] == tok.encode("Q: 2+2?\nA:", add_special_tokens=False)
+    assert episode.turns[1].env_ids == tok.encode("\nQ: why?\nA:", add_special_tokens=False)
+    assert client.calls[1][0] == client.calls[0][0] + episode.turns[0].completion_ids + episode.turns[1].env_ids
+    assert results["text"].choices[0].text == " because"
+
+
+def test_one_proxy_serves_an_event_loops_episodes_and_another_loop_gets_its_own():
+    async def main() -> tuple[InferenceProxy, InferenceProxy, int | None]:
+        first, second = await asyncio.gather(shared_proxy(), shared_proxy())
+        port = first.port
+        await first.close()
+        return first, second, port
+
+    first, second, port = asyncio.run(main())
+    other, _, other_port = asyncio.run(main())
+    assert first is second and other is not first
+    assert port is not None and other_port is not None
+
+
+# -- the agent program, through the dispatcher -------------------------------------------------------
+
+
+@pytest.fixture
+def start_server(start_embedded):
+    return lambda **kwargs: start_embedded(None, mode="instant", **kwargs)
+
+
+def test_a_black_box_agent_through_the_dispatcher_trains_what_it_sampled_with_per_token_versions(
+        tok, dataset, start_server):
+    env = agent_env(tok, dataset)
+    server = start_server(faults=FaultConfig(replies=["Forty two.", "It has ten characters."]))
+    requests = group_requests(env, 4, 2)
+    with dispatcher_thread([server.url], env, "rollout", max_inflight=8, max_tokens=24) as thread:
+        rollouts = run_groups(thread, requests)
+
+    assert all(r.ok for r in rollouts), [r.errors for r in rollouts if not r.ok][:3]
+    for rollout in rollouts:
+        info = rollout.info["agent"]
+        assert info["replies"] == [env.decode(t.completion_ids) for t in rollout.turns]
+        assert rollout.prompt_ids == env.render_prompt(rollout.row)
+        closed = rollout.turns[0].completion_ids[-1] == tok.eos_token_id  # else the proxy closes the turn
+        assert rollout.turns[1].env_ids == env.follow_ups.ids(
+            [{"role": "tool", "name": "count_chars", "content": info["tool"]}], closed=closed)
+        assert all(t.policy_versions == [0] * len(t.completion_ids) for t in rollout.turns)
+        assert env.reward(rollout.row, Trajectory(rollout.turns, rollout.info)) == info["reward"]
+
+
+def test_an_agents_rollout_continues_on_another_server_with_its_tokens_when_its_server_dies(
+        tok, dataset, start_server):
+    env = agent_env(tok, dataset)
+    healthy = start_server(faults=FaultConfig(step_delay_s=0.005))
+    dying = start_server(faults=FaultConfig(step_delay_s=0.005, die_after_tokens=30))
+    requests = group_requests(env, 4, 2)
+    with dispatcher_thread([dying.url, healthy.url], env, "rollout", max_inflight=8, timeout_s=2.0,
+                           max_redispatches=3, stream=True, max_tokens=24) as thread:
+        rollouts = run_groups(thread, requests)
+        counters = thread.counters()
+
+    assert all(r.ok for r in rollouts), [r.errors for r in rollouts if not r.ok][:3]
+    assert counters["redispatched"] > 0
+    assert all(r.discarded_tokens["server_failure"] == 0 for r in rollouts)  # streamed tokens were continued
+    assert all(len(t.policy_versions) == len(t.completion_ids) for r in rollouts for t in r.turns)
+    assert {r.server for r in rollouts} == {healthy.url}
+
+
+def test_an_agent_that_fails_times_out_or_never_calls_the_model_errors_its_rollout_naming_why(tok, tmp_path, dataset):
+    scripts = {
+        "fails": "import sys; print('bad input', file=sys.stderr); sys.exit(3)",
+        "sleeps": "import time; time.sleep(30)",
+        "silent": "print('{\"reward\": 1}')",
+    }
+    client = ScriptedClient(tok, [])
+    messages = {}
+    for name, code in scripts.items():
+        script = tmp_path / f"{name}.py"
+        script.write_text(code)
+        env = make_env("agent", tok, command=[sys.executable, str(script)], dataset=str(dataset), timeout_s=2)
+        with pytest.raises(Exception) as caught:
+            asyncio.run(env.run(client, ROWS[0], env.render_prompt(ROWS[0]), SamplingParams()))
+        messages[name] = str(caught.value)
+    assert messages["fails"].endswith("exited with status 3: bad input")
+    assert "still running after timeout_s = 2 s" in messages["sleeps"]
+    assert "exited without calling the model" in messages["silent"]
+    with pytest.raises(ValueError, match="is not an executable"):
+        make_env("agent", tok, command="/no/such/agent --flag", dataset=str(dataset))
+    with pytest.raises(ValueError, match="needs `dataset`"):
+        make_env("agent", tok, command=[sys.executable])
+
+
+def test_an_agent_trains_on_prism_and_the_rank_files_hold_the_tokens_it_sampled(tok, tmp_path, dataset):
+    """The black-box agent in the rollout pipeline (Prism; its LOOPBACK worker runs the dispatcher here):
+    each sample of the rank files is the agent's first prompt, its completions and the tool message's
+    template ids between them, and only the completions are trained."""
+    from beam_rl.config import config_from_dict
+    from beam_rl.rundir import RunDir
+    from beam_rl.standin.server import EmbeddedServer
+    from beam_rl.trainer.reader import StepReader
+    from runners.rollout_job import run_rollouts
+
+    (dataset / "train.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(8)))
+    config = config_from_dict({
+        "run": {"dir": str(tmp_path / "run"), "max_steps": 100},
+        "envs": [{"name": "agent", "group_size": 2, "max_turns": 2, "mode": "rollout",
+                  "args": {"command": [sys.executable, str(AGENT)], "dataset": str(dataset)}}],
+        "batch": {"rollouts_per_step": 4},
+        "filters": {"zero_advantage": {"mode": "monitor"}},
+        "inference": {"max_tokens": 8, "max_inflight": 8},
+        "runner": {"name": "direct"},
+    })
+    server = EmbeddedServer(mode="instant", served_model_name="tiny", max_num_seqs=16)
+    try:
+        run_rollouts(config, [server.start()], with_trainer=False)
+    finally:
+        server.stop()
+
+    run = RunDir(tmp_path / "run")
+    steps = run.committed_steps()
+    assert steps == [1, 2, 3, 4]
+    expected: dict[str, tuple[list[int], list[bool]]] = {}
+    for step in steps:
+        for row in run.read_window(step).to_pylist():
+            assert row["status"] == "ok", row["errors"]
+            ids, mask = list(row["prompt_ids"]), [False] * len(row["prompt_ids"])
+            assert len(row["turns"]) == 2 and row["turns"][1]["env_ids"]  # the tool message came between
+            for turn in row["turns"]:
+                ids += turn["env_ids"] + turn["completion_ids"]
+                mask += [False] * len(turn["env_ids"]) + [True] * len(turn["completion_ids"])
+                assert set(turn["policy_versions"]) == {0}
+            expected[row["rollout_id"]] = ids, mask
+    seen = set()
+    for step in steps:
+        for batch in StepReader(run).read_step(step):
+            bounds = batch["cu_seqlens"].tolist()
+            for i, rollout_id in enumerate(batch["rollout_ids"]):
+                ids, mask = expected[rollout_id]
+                assert batch["input_ids"][bounds[i]:bounds[i + 1]].tolist() == ids
+                assert batch["loss_mask"][bounds[i]:bounds[i + 1]].tolist() == mask
+                seen.add(rollout_id)
+    assert seen == set(expected) and len(seen) == 16
