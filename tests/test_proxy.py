@@ -17,6 +17,7 @@ from openai import AsyncOpenAI, BadRequestError
 from beam_rl.envs import make_env
 from beam_rl.envs.agent import BlackBoxAgent
 from beam_rl.envs.base import SamplingParams, Trajectory, chat_prompt_ids
+from beam_rl.envs.loop_local import close_loop_locals
 from beam_rl.envs.proxy import Episode, InferenceProxy, shared_proxy
 from beam_rl.inference.types import Completion
 from beam_rl.standin.faults import FaultConfig
@@ -61,8 +62,8 @@ def run_episode(env: BlackBoxAgent, client: ScriptedClient, calls, sampling: Sam
         await proxy.start()
         episode = Episode(env, client, sampling or SamplingParams(max_tokens=16, seed=5), env.follow_ups)
         try:
-            with proxy.serve(episode) as base_url:
-                await calls(base_url)
+            with proxy.serve(episode) as endpoint:
+                await calls(endpoint.base_url)
         finally:
             await proxy.close()
         return episode
@@ -182,11 +183,36 @@ def test_the_token_routes_take_ids_that_extend_the_context_and_text_prompts_toke
     assert results["text"].choices[0].text == " because"
 
 
+def test_one_client_serves_many_rollouts_with_the_rollout_named_in_a_header(tok, dataset):
+    env = agent_env(tok, dataset)
+    clients = [ScriptedClient(tok, ["first"]), ScriptedClient(tok, ["second"])]
+
+    async def main() -> list[Episode]:
+        proxy = InferenceProxy()
+        await proxy.start()
+        episodes = [Episode(env, c, SamplingParams(), env.follow_ups) for c in clients]
+        try:
+            with proxy.serve(episodes[0]) as one, proxy.serve(episodes[1]) as two:
+                assert one.shared_base_url == two.shared_base_url
+                openai = AsyncOpenAI(base_url=one.shared_base_url, api_key="x")
+                for endpoint, text in ((two, "to two"), (one, "to one")):
+                    await openai.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
+                                                         extra_headers=endpoint.headers)
+        finally:
+            await proxy.close()
+        return episodes
+
+    episodes = asyncio.run(main())
+    assert [env.decode(e.turns[0].completion_ids) for e in episodes] == ["first", "second"]
+    assert [e.prompt_ids for e in episodes] == [chat_prompt_ids(tok, [{"role": "user", "content": t}])
+                                                for t in ("to one", "to two")]
+
+
 def test_one_proxy_serves_an_event_loops_episodes_and_another_loop_gets_its_own():
     async def main() -> tuple[InferenceProxy, InferenceProxy, int | None]:
         first, second = await asyncio.gather(shared_proxy(), shared_proxy())
         port = first.port
-        await first.close()
+        await close_loop_locals()
         return first, second, port
 
     first, second, port = asyncio.run(main())
@@ -238,7 +264,12 @@ def test_an_agents_rollout_continues_on_another_server_with_its_tokens_when_its_
     assert counters["redispatched"] > 0
     assert all(r.discarded_tokens["server_failure"] == 0 for r in rollouts)  # streamed tokens were continued
     assert all(len(t.policy_versions) == len(t.completion_ids) for r in rollouts for t in r.turns)
-    assert {r.server for r in rollouts} == {healthy.url}
+    assert not thread.dispatcher.pool.servers[0].healthy  # it died
+    # What the dying server streamed before it died is in the rollouts: every generated token arrived, but
+    # the last step of each sequence it ran when it died (8 permits).
+    generated = healthy.backend.generation_tokens + dying.backend.generation_tokens
+    received = sum(r.completion_tokens for r in rollouts)
+    assert dying.backend.generation_tokens > 0 and 0 <= generated - received <= 8, (generated, received)
 
 
 def test_an_agent_that_fails_times_out_or_never_calls_the_model_errors_its_rollout_naming_why(tok, tmp_path, dataset):

@@ -25,6 +25,7 @@ from beam_rl.dispatch.ledger import DispatchCounters, Launch, OpenGroup, rollout
 from beam_rl.dispatch.permits import Permits
 from beam_rl.dispatch.server_pool import PoolClient, Restore, Server, ServerPool
 from beam_rl.envs.base import Environment, Trajectory
+from beam_rl.envs.loop_local import close_loop_locals
 from beam_rl.inference.inflight import UNKNOWN_VERSION
 from beam_rl.inference.types import CompletionClient, SamplingParams
 from beam_rl.types import GroupRequest, Rollout, RolloutStatus
@@ -515,10 +516,12 @@ class Dispatcher:
         self._close_if_finished(group)
 
     async def aclose(self) -> None:
-        """Cancel everything in flight, wait for it to unwind, close the clients."""
+        """Cancel everything in flight, wait for it to unwind, close the clients and what this loop
+        holds for its environments (beam_rl.envs.loop_local: the inference proxy, environment servers)."""
         self.cancel_waiting({r.group_id for r in list(self._waiting)})
         self.cancel_groups(list(self._groups))
         await asyncio.gather(*self._inflight, return_exceptions=True)
+        await close_loop_locals()
         await self.pool.aclose()
 
 

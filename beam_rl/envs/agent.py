@@ -105,8 +105,8 @@ class BlackBoxAgent(DatasetEnvironment):
         proxy = await shared_proxy()
         episode = Episode(self, client, sampling, self.follow_ups)
         try:
-            with proxy.serve(episode) as base_url:
-                result = await self._run_program(base_url, row)
+            with proxy.serve(episode) as endpoint:
+                result = await self._run_program(endpoint.base_url, row)
         finally:
             await episode.aclose()
         if episode.failure is not None:

@@ -2,8 +2,9 @@
 runs (a black-box agent, an agent framework's harness) samples from the policy, so that every model call
 still goes through the dispatcher's client for its rollout.
 
-An `Episode` is one rollout's session; `InferenceProxy.serve(episode)` gives its base URL
-(`http://127.0.0.1:PORT/rollouts/KEY/v1`, the key unguessable and valid only while the episode runs). Each
+An `Episode` is one rollout's session; `InferenceProxy.serve(episode)` gives its endpoint: a base URL
+(`http://127.0.0.1:PORT/rollouts/KEY/v1`), or the shared `/v1` with the key in the `X-Beam-RL-Rollout`
+header, so that one client serves many rollouts; the key is unguessable and valid while the episode runs. Each
 call becomes one turn: it is sampled by the rollout's own `CompletionClient` (group affinity, permits,
 per-token policy versions, update modes, failover with the streamed tokens, goodput accounting) and
 recorded token for token. What the program sends back must extend the conversation: the trained context
@@ -25,13 +26,13 @@ import dataclasses
 import json
 import secrets
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
 
 from beam_rl.envs.base import CompletionClient, DatasetEnvironment, SamplingParams, Trajectory, chat_prompt_ids
+from beam_rl.envs.loop_local import loop_local
 from beam_rl.envs.multi_turn import FollowUps
 from beam_rl.envs.tools import ToolCall, parse_tool_calls
 from beam_rl.inference.types import Completion
@@ -250,17 +251,40 @@ def _assistant_message(text: str, tools: Any) -> dict[str, Any]:
 
 # -- the server --------------------------------------------------------------------------------------
 
-_PROXIES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, InferenceProxy] = weakref.WeakKeyDictionary()
+ROLLOUT_HEADER = "X-Beam-RL-Rollout"
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """Where one episode's calls go: `base_url` (an OpenAI client's), or the proxy's shared `/v1` with
+    `headers` on each call (one client for many rollouts)."""
+
+    root: str
+    key: str
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.root}/rollouts/{self.key}/v1"
+
+    @property
+    def shared_base_url(self) -> str:
+        return f"{self.root}/v1"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {ROLLOUT_HEADER: self.key}
 
 
 async def shared_proxy() -> InferenceProxy:
-    """The proxy of the running event loop, started by its first caller."""
-    loop = asyncio.get_running_loop()
-    proxy = _PROXIES.get(loop)
-    if proxy is None:
-        proxy = _PROXIES[loop] = InferenceProxy()
-    await proxy.start()
-    return proxy
+    """The proxy of the running event loop, started by its first caller, closed with its dispatcher."""
+
+    async def start(stack: contextlib.AsyncExitStack) -> InferenceProxy:
+        proxy = InferenceProxy()
+        await proxy.start()
+        stack.push_async_callback(proxy.close)
+        return proxy
+
+    return await loop_local(InferenceProxy, start)
 
 
 class InferenceProxy:
@@ -277,12 +301,13 @@ class InferenceProxy:
             if self._runner is not None:
                 return
             app = web.Application()
-            app.add_routes([
-                web.post("/rollouts/{key}/v1/chat/completions", self._chat),
-                web.post("/rollouts/{key}/v1/completions", self._complete),
-                web.post("/rollouts/{key}/inference/v1/generate", self._generate),
-                web.get("/rollouts/{key}/v1/models", self._models),
-            ])
+            for root in ("/rollouts/{key}", ""):  # the rollout named in the path, or in ROLLOUT_HEADER
+                app.add_routes([
+                    web.post(root + "/v1/chat/completions", self._chat),
+                    web.post(root + "/v1/completions", self._complete),
+                    web.post(root + "/inference/v1/generate", self._generate),
+                    web.get(root + "/v1/models", self._models),
+                ])
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -296,17 +321,18 @@ class InferenceProxy:
             self._runner = None
 
     @contextlib.contextmanager
-    def serve(self, episode: Episode) -> Iterator[str]:
-        """The episode's base URL (OpenAI clients' `base_url`), valid until the block ends."""
+    def serve(self, episode: Episode) -> Iterator[Endpoint]:
+        """The episode's endpoint, valid until the block ends."""
         key = secrets.token_urlsafe(16)
         self._episodes[key] = episode
         try:
-            yield f"http://127.0.0.1:{self.port}/rollouts/{key}/v1"
+            yield Endpoint(f"http://127.0.0.1:{self.port}", key)
         finally:
             del self._episodes[key]
 
     def _episode(self, request: web.Request) -> Episode:
-        episode = self._episodes.get(request.match_info["key"])
+        key = request.match_info.get("key") or request.headers.get(ROLLOUT_HEADER, "")
+        episode = self._episodes.get(key)
         if episode is None:
             raise ProxyError(404, "no rollout runs under this URL (it has ended, or never was)")
         return episode
