@@ -21,7 +21,7 @@ from beam_rl.envs.datasets import DatasetError
 from beam_rl.envs.guess_number import CORRECT, HIGHER, LOWER, NO_GUESS, GuessNumber, hint
 from beam_rl.envs.reverse_text import ReverseText, similarity
 from beam_rl.envs.tool_use import ToolArithmetic
-from beam_rl.envs.verifiers_env import VerifiersTaskset
+from beam_rl.envs.verifiers_env import Verifiers
 from beam_rl.types import Turn
 
 ROW = {"secret": 7, "low": 1, "high": 10}
@@ -86,7 +86,7 @@ def test_registry_holds_the_bundled_environments(tok: Any) -> None:
         "guess_number": GuessNumber,
         "code": Code,
         "tool_arithmetic": ToolArithmetic,
-        "verifiers": VerifiersTaskset,
+        "verifiers": Verifiers,
     }
     env = make_env("guess_number", tok, max_turns=3, max_context=256)
     assert isinstance(env, GuessNumber) and (env.max_turns, env.max_context) == (3, 256)

@@ -344,14 +344,14 @@ class InferenceProxy:
         async def call(episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
             completion, reply = await episode.chat(body)
             finish = "tool_calls" if reply.get("tool_calls") else completion.finish_reason
-            return _envelope("chat.completion", completion, {"index": 0, "message": reply, "finish_reason": finish,
+            return _envelope("chat.completion", episode, completion, {"index": 0, "message": reply, "finish_reason": finish,
                                                              "token_ids": completion.token_ids})
         return await self._answer(request, call)
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         async def call(episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
             completion, text = await episode.complete(body)
-            return _envelope("text_completion", completion, {"index": 0, "text": text,
+            return _envelope("text_completion", episode, completion, {"index": 0, "text": text,
                                                              "finish_reason": completion.finish_reason,
                                                              "token_ids": completion.token_ids})
         return await self._answer(request, call)
@@ -390,14 +390,17 @@ def _model_list() -> dict[str, Any]:
     return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "beam-rl"}]}
 
 
-def _envelope(kind: str, completion: Completion, choice: dict[str, Any]) -> dict[str, Any]:
+def _envelope(kind: str, episode: Episode, completion: Completion, choice: dict[str, Any]) -> dict[str, Any]:
+    completion_tokens = len(completion.token_ids)
+    prompt_tokens = len(episode.context) - completion_tokens  # the context the completion was sampled after
     return {
         "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{secrets.token_hex(8)}",
         "object": kind,
         "created": int(time.time()),
         "model": MODEL_NAME,
         "choices": [choice],
-        "usage": {"completion_tokens": len(completion.token_ids)},
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
     }
 
 

@@ -1,5 +1,7 @@
-"""A verifiers (v1, PyPI 0.4.0) taskset as a single-turn beam-rl environment: its tasks are the rows, and
-its own `@vf.reward` functions score each completion, called the way verifiers calls them (Task.score).
+"""`kind = "verifiers"`: a verifiers (v1, PyPI 0.4.0) environment run whole (`env`, its id:
+beam_rl/envs/verifiers_episodes.py), or a taskset as a single-turn beam-rl environment (`taskset`, an import
+path): its tasks are the rows, and its own `@vf.reward` functions score each completion, called the way
+verifiers calls them (Task.score).
 
 verifiers is imported when the environment is built, not with beam-rl: only runs that use it pay for its
 import. It is one of beam-rl's dependencies since Beam 2.70, whose protobuf < 7 admits the >= 6.31 that
@@ -14,19 +16,16 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from beam_rl.envs.base import Environment, RewardUnavailable, Trajectory, chat_prompt_ids
+from beam_rl.envs.base import (
+    CompletionClient,
+    Environment,
+    RewardUnavailable,
+    SamplingParams,
+    Trajectory,
+    chat_prompt_ids,
+)
 from beam_rl.envs.registry import register_env
-
-
-def _verifiers() -> Any:
-    try:
-        import verifiers.v1 as vf
-    except ImportError as exc:
-        raise ImportError(
-            f"the verifiers environment needs verifiers>=0.4 importable in this process ({type(exc).__name__}: "
-            f"{exc}); see docs/environments.md"
-        ) from exc
-    return vf
+from beam_rl.envs.verifiers_episodes import VerifiersEpisodes, verifiers_module
 
 
 def _needs_runtime(fn: Any) -> bool:
@@ -36,6 +35,50 @@ def _needs_runtime(fn: Any) -> bool:
 
 
 @register_env
+class Verifiers(Environment):
+    """`env` (a v1 environment's id) runs its episodes whole (VerifiersEpisodes); `taskset` (an import path
+    "module:Class") scores beam-rl's single-turn completions with the taskset's own rewards (VerifiersTaskset).
+    The other arguments are the chosen one's."""
+
+    name = "verifiers"
+
+    def __init__(self, tokenizer: Any, max_turns: int = 4, *, env: str | None = None, taskset: str | None = None,
+                 max_context: int | None = None, **args: Any) -> None:
+        if (env is None) == (taskset is None):
+            raise ValueError("verifiers: give `env` (a v1 environment's id, run whole) or `taskset` (an import path "
+                             "'package.module:Class', whose rewards score single turns), not both")
+        super().__init__(tokenizer, max_turns)
+        self.impl: Environment = (
+            VerifiersEpisodes(tokenizer, max_turns, env=env, max_context=max_context, **args) if env is not None
+            else VerifiersTaskset(tokenizer, max_turns, taskset=taskset, **args))
+        self.multi_turn = self.impl.multi_turn
+
+    def __getattr__(self, name: str) -> Any:  # what only the chosen one has (follow_ups, config, ...)
+        if name == "impl":
+            raise AttributeError(name)
+        return getattr(self.impl, name)
+
+    def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
+        return self.impl.load_rows(split)
+
+    def render_prompt(self, row: dict[str, Any]) -> list[int]:
+        return self.impl.render_prompt(row)
+
+    def reward(self, row: dict[str, Any], trajectory: Trajectory) -> Any:
+        return self.impl.reward(row, trajectory)
+
+    def stop_token_ids(self) -> list[int]:
+        return self.impl.stop_token_ids()
+
+    async def run(self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int],
+                  sampling: SamplingParams) -> Trajectory:
+        return await self.impl.run(client, row, prompt_ids, sampling)
+
+    async def run_group(self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int],
+                        sampling: SamplingParams, n: int) -> list[Trajectory]:
+        return await self.impl.run_group(client, row, prompt_ids, sampling, n)
+
+
 class VerifiersTaskset(Environment):
     """Rows are the tasks' data (TaskData as JSON); the prompt is the task's system prompt and prompt,
     rendered with the policy's chat template; reward = verifiers' weighted sum of the task's rewards
@@ -60,7 +103,7 @@ class VerifiersTaskset(Environment):
         taskset_args: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(tokenizer, max_turns)
-        self._vf = _verifiers()
+        self._vf = verifiers_module()
         self._paths = {"train": taskset, "eval": eval_taskset}
         self._args = dict(taskset_args or {})
         self._tasks: dict[str, list[Any]] = {}

@@ -1,0 +1,206 @@
+"""A verifiers v1 environment run whole: its taskset's tasks are the rows, and each rollout is one of its
+episodes (its harness, turns, tools, runtime, rewards and metrics), run the way verifiers runs them.
+
+The episode's model calls go to the inference proxy (beam_rl/envs/proxy.py) as verifiers' own eval client
+sends them, so each is a turn of the rollout, sampled by the dispatcher's client and kept token for token
+(what the harness or a tool wrote is the template's ids between turns, masked out of the loss). The
+environment runs in the dispatch worker (`server = "inline"`), or in an env server: one beam-rl starts in
+a process of its own, with its own Python if given (`"process"`), or one at an address (`"tcp://..."`),
+spoken to with verifiers' env-server protocol (beam_rl/envs/env_servers.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from beam_rl.envs.base import (
+    CompletionClient,
+    DatasetEnvironment,
+    RewardUnavailable,
+    SamplingParams,
+    Trajectory,
+    chat_prompt_ids,
+)
+from beam_rl.envs.env_servers import EnvServerError, EnvServerRestarted, describe_env, env_server
+from beam_rl.envs.loop_local import loop_local
+from beam_rl.envs.multi_turn import FollowUps
+from beam_rl.envs.proxy import Episode, shared_proxy
+
+
+class VerifiersEpisodeError(RuntimeError):
+    """A verifiers episode that ended in error (its harness failed, a task hook raised)."""
+
+
+def verifiers_module() -> Any:
+    try:
+        import verifiers.v1 as vf
+    except ImportError as exc:
+        raise ImportError(
+            f"the verifiers environment needs verifiers>=0.4 importable in this process ({type(exc).__name__}: "
+            f"{exc}); see docs/environments.md"
+        ) from exc
+    return vf
+
+
+def task_messages(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """A task's system prompt and prompt (its TaskData, as JSON) as chat messages."""
+    messages: list[dict[str, Any]] = []
+    if data.get("system_prompt"):
+        messages.append({"role": "system", "content": data["system_prompt"]})
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    else:
+        messages += [{k: v for k, v in m.items() if v is not None} for m in prompt or []]
+    return messages
+
+
+class _InlineEnv:
+    """The environment in this process, serving (its tool servers and interception up) while the loop runs."""
+
+    def __init__(self, name: str, config: dict[str, Any]) -> None:
+        vf = verifiers_module()
+        self.name = name
+        self.env = vf.load_environment(vf.resolve_env_config(config))
+        self.task_type = type(self.env.taskset).task_type()
+
+    async def start(self, stack: contextlib.AsyncExitStack) -> _InlineEnv:
+        await stack.enter_async_context(self.env.serving())
+        return self
+
+    async def run(self, *, task_data: dict[str, Any], base_url: str, timeout_s: float) -> Any:
+        vf = verifiers_module()
+        task = self.task_type(self.task_type.data_type().model_validate(task_data), self.env.config.taskset.task)
+        context = vf.ModelContext(model="policy", sampling=vf.SamplingConfig(),
+                                  client=vf.EvalClientConfig(base_url=base_url, api_key_var="BEAM_RL_PROXY_KEY"))
+        (slot,) = self.env.slots(task)
+        try:
+            return await asyncio.wait_for(self.env.run_slot(slot, context), timeout_s)
+        except asyncio.TimeoutError:
+            raise VerifiersEpisodeError(f"verifiers env {self.name}: the episode ran past timeout_s = "
+                                        f"{timeout_s:g} s; cancelled") from None
+
+
+class VerifiersEpisodes(DatasetEnvironment):
+    """`env` is the environment's id (its module: an installed package, or one on PYTHONPATH), `config` its
+    verifiers config (`taskset`, `agent`, the env's own keys; the agent's runtime defaults to a local
+    subprocess and its `max_turns` to this entry's). `server` is "inline", "process" (with `python`, the
+    interpreter of another virtualenv) or "tcp://HOST:PORT"; `timeout_s` bounds an episode, and an
+    episode whose server died under it runs again up to `max_restarts` times."""
+
+    name = "verifiers"
+    multi_turn = True
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_turns: int = 4,
+        *,
+        env: str,
+        config: dict[str, Any] | None = None,
+        server: str = "inline",
+        python: str | None = None,
+        timeout_s: float = 600.0,
+        startup_timeout_s: float = 120.0,
+        max_restarts: int = 3,
+        max_context: int | None = None,
+    ) -> None:
+        super().__init__(tokenizer, max_turns, max_context=max_context)
+        self.env_id = env
+        raw = dict(config or {})
+        agent = {"runtime": {"type": "subprocess"}, "max_turns": max_turns, **raw.pop("agent", {})}
+        raw = {**raw, "taskset": {**raw.get("taskset", {}), "id": env}, "agent": agent}
+        if timeout_s <= 0 or max_restarts < 0:
+            raise ValueError("timeout_s must be > 0 and max_restarts >= 0")
+        if server == "inline" and python is not None:
+            raise ValueError(f"verifiers env {env!r}: `python` runs it in a process of its own (server = \"process\")")
+        self.timeout_s, self.max_restarts = timeout_s, max_restarts
+        self.server = server
+        # The client owns the taskset, as verifiers' does. Under `python`, the environment is loaded there:
+        # its packages need not be importable here.
+        try:
+            self.config, self._rows = describe_env(raw, python if server != "inline" else None)
+        except ValueError as exc:
+            raise ValueError(f"verifiers env {env!r} cannot be loaded: {exc}") from None
+        self._server = None if server == "inline" else env_server(
+            env, server, self.config, python=python, startup_timeout_s=startup_timeout_s)
+        stops = self.stop_token_ids()
+        if not stops:
+            raise ValueError("the verifiers environment needs a tokenizer with an eos token (the end of a turn)")
+        self.follow_ups = FollowUps(tokenizer, stops[0])
+
+    def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
+        if split != "train":
+            raise ValueError(f"verifiers env {self.env_id!r}: only its taskset's tasks are rows (split 'train'), "
+                             f"not {split!r}")
+        return [dict(row) for row in self._rows]
+
+    def render_prompt(self, row: dict[str, Any]) -> list[int]:
+        # The group's prompt, for admission and prefix affinity; the rollout's own is its harness's first call.
+        return chat_prompt_ids(self.tokenizer, task_messages(row))
+
+    async def _runner(self) -> Any:
+        async def start(stack: contextlib.AsyncExitStack) -> Any:
+            if self._server is None:
+                return await _InlineEnv(self.env_id, self.config).start(stack)
+            server = self._server()
+            await server.start()
+            stack.push_async_callback(server.close)
+            return server
+
+        return await loop_local(("verifiers", id(self)), start)
+
+    async def run(
+        self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int], sampling: SamplingParams
+    ) -> Trajectory:
+        runner = await self._runner()
+        proxy = await shared_proxy()
+        restarts = discarded = 0
+        while True:
+            episode = Episode(self, client, sampling, self.follow_ups)
+            try:
+                with proxy.serve(episode) as endpoint:
+                    wire = await runner.run(task_data=row, base_url=endpoint.base_url, timeout_s=self.timeout_s)
+                break
+            except EnvServerRestarted:
+                discarded += sum(len(t.completion_ids) for t in episode.turns)
+                restarts += 1
+                if restarts > self.max_restarts:
+                    raise EnvServerError(f"verifiers env {self.env_id!r}: its server died under this episode "
+                                         f"{restarts} times") from None
+            finally:
+                await episode.aclose()
+        if episode.failure is not None:
+            raise episode.failure  # the inference error itself: a server's fault counts as one
+        return episode.trajectory(self._info(wire, episode, restarts, discarded))
+
+    def _info(self, wire: Any, episode: Episode, restarts: int, discarded: int) -> dict[str, Any]:
+        if len(wire.traces) != 1:
+            raise VerifiersEpisodeError(f"verifiers env {self.env_id!r}: the episode has {len(wire.traces)} "
+                                        "traces; a rollout trains one")
+        (trace,) = wire.traces
+        if not wire.ok or not trace.ok:
+            errors = [e.message for e in [*wire.errors, *trace.errors]] or [str(trace.stop_condition)]
+            raise VerifiersEpisodeError(f"verifiers env {self.env_id!r}: the episode failed: {'; '.join(errors)}")
+        sampled = sum(1 for node in trace.nodes if node.sampled)
+        if sampled != len(episode.turns):
+            raise VerifiersEpisodeError(f"verifiers env {self.env_id!r}: the trace has {sampled} sampled turns, "
+                                        f"the proxy saw {len(episode.turns)}: a model call bypassed beam-rl")
+        unscored = sorted(name for name, value in trace.rewards.items() if value is None)
+        return {
+            "reward": None if unscored else trace.reward,
+            "unscored": unscored,
+            "rewards": {name: value.score for name, value in trace.rewards.items() if value is not None},
+            "metrics": dict(trace.metrics),
+            "stop_condition": trace.stop_condition,
+            "env_server_restarts": restarts,
+            "discarded_tokens": discarded,
+        }
+
+    def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float:
+        reward = trajectory.info.get("reward")
+        if reward is None:
+            raise RewardUnavailable(f"verifiers rewards {trajectory.info.get('unscored')} produced no score")
+        return float(reward)

@@ -1,0 +1,163 @@
+"""A verifiers v1 environment run whole (`kind = "verifiers"`, `env = ...`): its harness calls the model twice
+and uses a tool (tests/fixtures/vf_toy_mt, a pip-installable package), inline in the dispatch worker, as an
+env server beam-rl starts (`process`), and as one at an address (`tcp://`); its model calls go through the
+inference proxy, so the rollouts carry exactly the tokens the server sampled."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from beam_rl.envs import make_env
+from beam_rl.envs.base import chat_prompt_ids
+from beam_rl.envs.verifiers_episodes import task_messages
+from beam_rl.standin.faults import FaultConfig
+from tests.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+
+pytestmark = pytest.mark.timeout(300)
+
+PACKAGE = Path(__file__).resolve().parent / "fixtures" / "vf_toy_mt"
+# The embedded server's answers, in turn: a tool call the proxy hands the harness as `tool_calls`, an answer.
+REPLIES = ['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 40}}</tool_call>', "It is 41."]
+
+
+@pytest.fixture
+def toy_env_on_path(monkeypatch) -> Path:
+    """The package importable here and, through PYTHONPATH, in every process started from here."""
+    monkeypatch.syspath_prepend(str(PACKAGE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PACKAGE), os.environ.get("PYTHONPATH")])))
+    return PACKAGE
+
+
+@pytest.fixture
+def start_server(start_embedded):
+    return lambda **kwargs: start_embedded(None, mode="instant", **kwargs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _external_server(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    """A verifiers env server someone else runs: verifiers' own serve_env, started by hand on a TCP port."""
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    config = {"taskset": {"id": "vf_toy_mt"}, "agent": {"runtime": {"type": "subprocess"}, "max_turns": 4}}
+    code = ("import json, sys; import verifiers.v1 as vf; from verifiers.v1.serve import serve_env; "
+            "serve_env(config=vf.resolve_env_config(json.loads(sys.argv[1])), address=sys.argv[2], max_workers=1)")
+    log = open(tmp_path / "external.log", "wb")
+    return subprocess.Popen([sys.executable, "-c", code, json.dumps(config), address], stdout=log, stderr=log,
+                            start_new_session=True), address
+
+
+def _check_rollouts(env: Any, tok: Any, rollouts: list) -> None:
+    """Two turns each, every completion one of the server's answers token for token, the tool message
+    between them the template's ids, versions known, and the reward verifiers gave."""
+    answers = [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in REPLIES]
+    assert all(r.ok for r in rollouts), [r.errors for r in rollouts if not r.ok][:3]
+    for rollout in rollouts:
+        first, second = rollout.turns
+        assert first.completion_ids in answers and second.completion_ids in answers
+        # The rollout's prompt is the harness's first call: the task's messages with the tool it offers.
+        from vf_toy_mt import ADD
+
+        assert first.env_ids == [] and rollout.prompt_ids == chat_prompt_ids(tok, task_messages(rollout.row),
+                                                                             tools=[ADD])
+        tool_result = "41" if first.completion_ids == answers[0] else str(rollout.row["a"] + rollout.row["b"])
+        assert second.env_ids == env.follow_ups.ids([{"role": "tool", "content": tool_result}], closed=True)
+        assert all(t.policy_versions == [0] * len(t.completion_ids) for t in rollout.turns)
+        # verifiers reads the reply's content: a tool call's text is its tool_calls, not content.
+        content = env.decode(second.completion_ids).split("<tool_call>")[0]
+        expected = float(str(rollout.row["a"] + rollout.row["b"]) in content)
+        assert rollout.info["rewards"] == {"correct": expected} and rollout.info["metrics"] == {"turns": 2.0}
+        assert rollout.info["reward"] == expected and rollout.info["stop_condition"] == "agent_completed"
+
+
+@pytest.mark.parametrize("server", ["inline", "process", "tcp"])
+def test_a_verifiers_environment_runs_whole_and_its_turns_are_the_sampled_tokens(
+        tok, toy_env_on_path, tmp_path, start_server, server):
+    external = None
+    if server == "tcp":
+        external, server = _external_server(tmp_path)
+    try:
+        env = make_env("verifiers", tok, max_turns=4, env="vf_toy_mt", server=server)
+        inference = start_server(faults=FaultConfig(replies=REPLIES))
+        with dispatcher_thread([inference.url], env, "rollout", max_inflight=8, max_tokens=96) as thread:
+            rollouts = run_groups(thread, group_requests(env, 4, 2))
+    finally:
+        if external is not None:
+            external.terminate()
+            external.wait()
+    assert len(rollouts) == 8
+    _check_rollouts(env, tok, rollouts)
+
+
+def test_a_killed_env_server_is_started_again_and_its_episodes_run_again(tok, toy_env_on_path, start_server):
+    env = make_env("verifiers", tok, max_turns=4, env="vf_toy_mt", server="process")
+    # Slow turns: the kill lands while episodes are in flight.
+    inference = start_server(faults=FaultConfig(replies=[{"text": t, "latency_s": 0.3} for t in REPLIES]))
+    requests = group_requests(env, 4, 2)
+    with dispatcher_thread([inference.url], env, "rollout", max_inflight=8, max_tokens=96) as thread:
+        thread.add_groups(requests)
+        out: list = []
+        deadline = time.monotonic() + 60
+        server = None
+        while server is None or server.process is None:
+            assert time.monotonic() < deadline
+            out += thread.poll(0.1)
+            server = _started_server(thread)
+        time.sleep(1.0)
+        os.killpg(server.process.pid, signal.SIGKILL)
+        while len(out) < 8:
+            assert time.monotonic() < deadline + 60, f"only {len(out)} rollouts came out"
+            out += thread.poll(0.2)
+        restarts, recoveries = server.restarts, list(server.recoveries_s)
+    print(f"env server restarted {restarts} time(s); back after {', '.join(f'{s:.2f} s' for s in recoveries)}")
+    assert restarts == 1 and len(recoveries) == 1
+    assert sorted(r.rollout_id for r in out) == sorted(f"{q.group_id}/{a}" for q in requests for a in range(2))
+    assert sum(r.info["env_server_restarts"] for r in out) >= 1  # some episodes were on it, and ran again
+    _check_rollouts(env, tok, out)
+
+
+def _started_server(thread) -> Any:
+    from beam_rl.envs import loop_local
+
+    for held in list(loop_local._LOOPS.values()):
+        for future in list(held.started.values()):
+            if future.done() and not future.exception() and hasattr(future.result(), "restarts"):
+                return future.result()
+    return None
+
+
+def test_bad_environments_and_servers_are_named_with_what_is_wrong(tok, toy_env_on_path, start_server, monkeypatch):
+    with pytest.raises(ValueError, match=r"verifiers env 'no_such_env' cannot be loaded: .*no_such_env"):
+        make_env("verifiers", tok, env="no_such_env")
+    with pytest.raises(ValueError, match=r"give `env` .* or `taskset`"):
+        make_env("verifiers", tok)
+    with pytest.raises(ValueError, match=r"server must be \"inline\", \"process\" or \"tcp://HOST:PORT\""):
+        make_env("verifiers", tok, env="vf_toy_mt", server="udp://x")
+
+    inference = start_server(faults=FaultConfig(replies=REPLIES))
+    # Nothing answers at the address: every rollout fails, naming the server, within its startup timeout.
+    silent = make_env("verifiers", tok, env="vf_toy_mt", server=f"tcp://127.0.0.1:{_free_port()}",
+                      startup_timeout_s=1)
+    # A harness that raises: the episode's error, naming the environment.
+    monkeypatch.setenv("BEAM_RL_TOY_RAISE", "1")
+    failing = make_env("verifiers", tok, env="vf_toy_mt", server="process")
+    for env, message in ((silent, "did not answer its health check within 1 s"),
+                         (failing, "verifiers env 'vf_toy_mt': the episode failed")):
+        with dispatcher_thread([inference.url], env, "rollout", max_inflight=4, max_tokens=96) as thread:
+            rollouts = run_groups(thread, group_requests(env, 1, 2))
+        assert [r.ok for r in rollouts] == [False, False]
+        assert all(message in r.errors[-1] for r in rollouts), [r.errors for r in rollouts]
