@@ -303,8 +303,8 @@ def test_an_agent_trains_on_prism_and_the_rank_files_hold_the_tokens_it_sampled(
     from beam_rl.config import config_from_dict
     from beam_rl.rundir import RunDir
     from beam_rl.standin.server import EmbeddedServer
-    from beam_rl.trainer.reader import StepReader
     from runners.rollout_job import run_rollouts
+    from tests.run_checks import assert_rank_files_hold_the_windows_tokens
 
     (dataset / "train.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(8)))
     config = config_from_dict({
@@ -322,27 +322,6 @@ def test_an_agent_trains_on_prism_and_the_rank_files_hold_the_tokens_it_sampled(
     finally:
         server.stop()
 
-    run = RunDir(tmp_path / "run")
-    steps = run.committed_steps()
-    assert steps == [1, 2, 3, 4]
-    expected: dict[str, tuple[list[int], list[bool]]] = {}
-    for step in steps:
-        for row in run.read_window(step).to_pylist():
-            assert row["status"] == "ok", row["errors"]
-            ids, mask = list(row["prompt_ids"]), [False] * len(row["prompt_ids"])
-            assert len(row["turns"]) == 2 and row["turns"][1]["env_ids"]  # the tool message came between
-            for turn in row["turns"]:
-                ids += turn["env_ids"] + turn["completion_ids"]
-                mask += [False] * len(turn["env_ids"]) + [True] * len(turn["completion_ids"])
-                assert set(turn["policy_versions"]) == {0}
-            expected[row["rollout_id"]] = ids, mask
-    seen = set()
-    for step in steps:
-        for batch in StepReader(run).read_step(step):
-            bounds = batch["cu_seqlens"].tolist()
-            for i, rollout_id in enumerate(batch["rollout_ids"]):
-                ids, mask = expected[rollout_id]
-                assert batch["input_ids"][bounds[i]:bounds[i + 1]].tolist() == ids
-                assert batch["loss_mask"][bounds[i]:bounds[i + 1]].tolist() == mask
-                seen.add(rollout_id)
-    assert seen == set(expected) and len(seen) == 16
+    rollouts = assert_rank_files_hold_the_windows_tokens(RunDir(tmp_path / "run"))
+    assert len(rollouts) == 16
+    assert all(len(r["turns"]) == 2 and r["turns"][1]["env_ids"] for r in rollouts)  # the tool message between

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -145,6 +146,8 @@ def test_bad_environments_and_servers_are_named_with_what_is_wrong(tok, toy_env_
         make_env("verifiers", tok, env="no_such_env")
     with pytest.raises(ValueError, match=r"give `env` .* or `taskset`"):
         make_env("verifiers", tok)
+    with pytest.raises(ValueError, match=r"verifiers env 'vf_toy_mt' cannot be loaded: python '/no/python' is not"):
+        make_env("verifiers", tok, env="vf_toy_mt", server="process", python="/no/python")
     with pytest.raises(ValueError, match=r"server must be \"inline\", \"process\" or \"tcp://HOST:PORT\""):
         make_env("verifiers", tok, env="vf_toy_mt", server="udp://x")
 
@@ -161,3 +164,57 @@ def test_bad_environments_and_servers_are_named_with_what_is_wrong(tok, toy_env_
             rollouts = run_groups(thread, group_requests(env, 1, 2))
         assert [r.ok for r in rollouts] == [False, False]
         assert all(message in r.errors[-1] for r in rollouts), [r.errors for r in rollouts]
+
+
+@pytest.fixture
+def own_virtualenv(tmp_path: Path) -> Path:
+    """A virtualenv of the environment's own, with verifiers and the package pip-installed and no beam-rl,
+    built offline by uv from the versions in the project's virtualenv (its cache holds them)."""
+    uv = Path(sys.executable).parent / "uv"
+    if not uv.exists():
+        pytest.skip("needs uv beside the project's python (scripts/setup.sh installs it)")
+    venv = tmp_path / "env-venv"
+    pins = tmp_path / "pins.txt"
+    frozen = subprocess.run([str(uv), "pip", "freeze", "--python", sys.executable], capture_output=True, text=True,
+                            check=True).stdout
+    pins.write_text("".join(line + "\n" for line in frozen.splitlines() if "==" in line and "beam-rl" not in line))
+    subprocess.run([str(uv), "venv", "-q", "--python", sys.executable, str(venv)], check=True)
+    package = shutil.copytree(PACKAGE, tmp_path / "package")  # building it writes build/ beside its sources
+    subprocess.run([str(uv), "pip", "install", "-q", "--offline", "--python", str(venv / "bin" / "python"),
+                    "-c", str(pins), "verifiers==0.4.0", str(package)], check=True)
+    return venv / "bin" / "python"
+
+
+def test_an_env_server_with_its_own_virtualenv_trains_on_prism(tok, tmp_path, own_virtualenv):
+    """The tiny run on Prism with the environment in a process of its own under its own virtualenv's Python
+    (the package is importable there, not here): the rank files hold the tokens the server sampled."""
+    from beam_rl.config import config_from_dict
+    from beam_rl.rundir import RunDir
+    from beam_rl.standin.server import EmbeddedServer
+    from runners.rollout_job import run_rollouts
+    from tests.run_checks import assert_rank_files_hold_the_windows_tokens
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    assert subprocess.run([sys.executable, "-c", "import vf_toy_mt"], env=env, capture_output=True).returncode != 0
+    config = config_from_dict({
+        "run": {"dir": str(tmp_path / "run"), "max_steps": 100},
+        "envs": [{"name": "sums", "kind": "verifiers", "group_size": 2, "mode": "rollout",
+                  "args": {"env": "vf-toy-mt", "server": "process", "python": str(own_virtualenv),
+                           "config": {"taskset": {"num_tasks": 8}}}}],
+        "model": {"max_context": 1024},  # the prompt with its tool schema is ~410 tokens
+        "batch": {"rollouts_per_step": 4, "seq_len": 1024},
+        "filters": {"zero_advantage": {"mode": "monitor"}},
+        "inference": {"max_tokens": 96, "max_inflight": 8},
+        "runner": {"name": "direct"},
+    })
+    server = EmbeddedServer(mode="instant", served_model_name="tiny", max_num_seqs=16,
+                            faults=FaultConfig(replies=REPLIES))
+    try:
+        run_rollouts(config, [server.start()], with_trainer=False)
+    finally:
+        server.stop()
+    rollouts = assert_rank_files_hold_the_windows_tokens(RunDir(tmp_path / "run"))
+    answers = [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in REPLIES]
+    assert len(rollouts) == 16 and RunDir(tmp_path / "run").committed_steps() == [1, 2, 3, 4]
+    for rollout in rollouts:
+        assert [t["completion_ids"] for t in rollout["turns"]] in ([a, b] for a in answers for b in answers)
