@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from beam_rl.config import RunConfig
+from beam_rl.config import ConfigError, RunConfig
 from beam_rl.dispatch import Dispatcher, DispatcherThread, Restore
 from beam_rl.envs import env_class, make_env
 from beam_rl.envs.base import Environment
@@ -165,7 +165,11 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
       it last said; a run never waits the longer `inference.all_servers_down_timeout_s` for servers that
       were never up (the dispatcher keeps the short patience too until one answers a request).
     - Some answering: the others are named in a warning and left to the dispatcher's re-probes.
-    No completion is requested on the completions route: a server's own counters see only the run."""
+    No completion is requested on the completions route: a server's own counters see only the run.
+    Each dispatch shard drives servers of its own: at least `dispatch.shards` servers, or a ConfigError."""
+    if len(server_urls) < config.dispatch.shards:  # the config's check counted inference.urls, not these
+        raise ConfigError("of this run", [("dispatch.shards", f"{config.dispatch.shards} shards need at least as "
+                                           f"many inference servers; there are {len(server_urls)}")])
     key = api_key(config)
     patience_s = config.inference.startup_timeout_s
 

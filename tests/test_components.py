@@ -112,3 +112,13 @@ def test_the_dispatcher_gets_the_configs_stale_rule_and_its_pool_the_hooks_of_it
         # what ran on one that restarted.
         assert dispatcher.pool._restore == thread._restore
         assert dispatcher.pool._on_restart == dispatcher.redo_on_restarted
+
+
+def test_fewer_servers_than_dispatch_shards_stops_the_run_before_it_starts():
+    """Servers handed to start_rollouts (not the config's inference.urls) are counted too: a shard without
+    a server of its own would fail inside a Beam worker."""
+    config = config_from_dict({"envs": [{"name": "reverse_text"}], "dispatch": {"shards": 2}})
+    with EmbeddedServer(mode="instant") as server:
+        with pytest.raises(ValueError, match=r"^invalid config of this run: dispatch.shards: 2 shards need at least "
+                                             r"as many inference servers; there are 1$"):
+            components.check_servers(config, [server.url])

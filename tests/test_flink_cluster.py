@@ -5,8 +5,9 @@ and EXTERNAL workers: the Python stages run on the cluster's workers, not in thi
 Covered: dispatch (two shards) and scoring (a CPU-heavy reward) ran in two worker processes, neither of
 them this one, every group trained once or counted; the job keeps checkpointing for the whole run and
 restores from a checkpoint taken more than a minute in when a TaskManager dies; a killed worker process;
-a killed submitter, after which steps keep committing and a new follower attaches to the job; a cluster
-whose starting process is killed goes with it.
+a killed submitter, after which steps keep committing and a new follower attaches to the job; a verifiers
+environment served under its own virtualenv from the cluster's workers, its env server killed mid-run; a
+cluster whose starting process is killed goes with it.
 """
 
 from __future__ import annotations
@@ -213,6 +214,67 @@ def test_a_killed_worker_process_is_replaced_and_the_run_loses_nothing(cluster, 
         assert victim not in cluster.worker_pids()
     finally:
         job.cancel()
+
+
+def test_a_verifiers_env_server_on_the_cluster_killed_mid_run_is_restarted_and_nothing_trains_twice(
+        cluster, tok, tmp_path):
+    """The toy verifiers environment (tests/vf_toy.py) in env servers the cluster's dispatch workers start
+    under a virtualenv of its own; one is SIGKILLed once a step has committed: it is started again, every
+    group trains once, and the rank files hold the tokens the server sampled."""
+    import asyncio
+
+    from verifiers.v1.serve import EnvClient
+
+    from tests.run_checks import assert_rank_files_hold_the_windows_tokens
+    from tests.vf_toy import REPLIES, answers, own_virtualenv, serve_processes, toy_config, toy_env
+
+    python = own_virtualenv(tmp_path)
+    tasks = 16
+    config = config_from_dict(toy_config(
+        tmp_path / "run", [toy_env("toy", tasks, server="process", python=str(python))], rollouts_per_step=4,
+        max_inflight=4, dispatch={"shards": 2},
+        runner={"name": "flink", "flink_master": cluster.master, "parallelism": 2, "environment": "external",
+                "worker_pool": cluster.worker_pool, "checkpointing_interval_ms": 1000}))
+    # A server a shard, each turn answered after 0.5 s, two episodes in flight a shard: some 10 s of episodes.
+    inference = [EmbeddedServer(mode="instant", served_model_name="tiny", max_num_seqs=16,
+                                faults=FaultConfig(replies=[{"text": t, "latency_s": 0.5} for t in REPLIES]))
+                 for _ in range(2)]
+    run_dir = RunDir(tmp_path / "run")
+    job = start_rollouts(config, [s.start() for s in inference], str(tmp_path / "run"), with_trainer=False)
+    try:
+        # The workers import verifiers and read the taskset under the other python first (seconds each).
+        started_s = _wait(lambda: _rollouts_done(run_dir) >= 2, 3 * FIRST_STEP_TIMEOUT_S, "2 episodes done")
+        servers = serve_processes(python)
+        assert len(servers) == 2 and _rollouts_done(run_dir) < tasks * 2 - 4, "the run ended before the kill"
+        victim, address = next(iter(servers.items()))
+        os.killpg(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _wait(lambda: address in serve_processes(python).values(), 60, "the env server started again")
+        _wait(lambda: asyncio.run(EnvClient(address).health(timeout=1.0)), 60, "the new env server healthy")
+        print(f"2 episodes done {started_s:.1f} s after the submission; env server {victim} SIGKILLed; its "
+              f"replacement answered its health check {time.monotonic() - killed_at:.2f} s later")
+        job.wait()
+    finally:
+        job.cancel()
+        for server in inference:
+            server.stop()
+    rollouts = assert_rank_files_hold_the_windows_tokens(run_dir)
+    groups = collections.Counter(r["group_id"] for r in rollouts)
+    assert len({r["rollout_id"] for r in rollouts}) == len(rollouts)  # none twice
+    assert len(groups) == tasks and set(groups.values()) == {2}  # every group, whole
+    sampled = answers(tok)
+    assert all([t["completion_ids"] for t in r["turns"]] in ([a, b] for a in sampled for b in sampled)
+               for r in rollouts)
+    assert len(_workers(run_dir)["dispatch"]) == 2
+
+
+def _rollouts_done(run_dir: RunDir) -> int:
+    """Rollouts the shards' dispatchers finished so far, as their status files say."""
+    done = 0
+    for path in run_dir.path.glob("status-*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            done += json.loads(path.read_text()).get("ok", 0)
+    return done
 
 
 _SUBMITTER = """

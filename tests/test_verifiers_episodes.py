@@ -5,15 +5,9 @@ inference proxy, so the rollouts carry exactly the tokens the server sampled."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,20 +17,16 @@ from beam_rl.envs.base import chat_prompt_ids
 from beam_rl.envs.verifiers_episodes import task_messages
 from beam_rl.standin.faults import FaultConfig
 from tests.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.vf_toy import PACKAGE, REPLIES, answers, external_server, free_port, own_virtualenv, toy_config, toy_env
 
 pytestmark = pytest.mark.timeout(300)
 
-PACKAGE = Path(__file__).resolve().parent / "fixtures" / "vf_toy_mt"
-# The embedded server's answers, in turn: a tool call the proxy hands the harness as `tool_calls`, an answer.
-REPLIES = ['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 40}}</tool_call>', "It is 41."]
-
 
 @pytest.fixture
-def toy_env_on_path(monkeypatch) -> Path:
+def toy_env_on_path(monkeypatch) -> None:
     """The package importable here and, through PYTHONPATH, in every process started from here."""
     monkeypatch.syspath_prepend(str(PACKAGE))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PACKAGE), os.environ.get("PYTHONPATH")])))
-    return PACKAGE
 
 
 @pytest.fixture
@@ -44,38 +34,20 @@ def start_server(start_embedded):
     return lambda **kwargs: start_embedded(None, mode="instant", **kwargs)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _external_server(tmp_path: Path) -> tuple[subprocess.Popen, str]:
-    """A verifiers env server someone else runs: verifiers' own serve_env, started by hand on a TCP port."""
-    port = _free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    config = {"taskset": {"id": "vf_toy_mt"}, "agent": {"runtime": {"type": "subprocess"}, "max_turns": 4}}
-    code = ("import json, sys; import verifiers.v1 as vf; from verifiers.v1.serve import serve_env; "
-            "serve_env(config=vf.resolve_env_config(json.loads(sys.argv[1])), address=sys.argv[2], max_workers=1)")
-    log = open(tmp_path / "external.log", "wb")
-    return subprocess.Popen([sys.executable, "-c", code, json.dumps(config), address], stdout=log, stderr=log,
-                            start_new_session=True), address
-
-
 def _check_rollouts(env: Any, tok: Any, rollouts: list) -> None:
     """Two turns each, every completion one of the server's answers token for token, the tool message
     between them the template's ids, versions known, and the reward verifiers gave."""
-    answers = [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in REPLIES]
+    sampled = answers(tok)
     assert all(r.ok for r in rollouts), [r.errors for r in rollouts if not r.ok][:3]
     for rollout in rollouts:
         first, second = rollout.turns
-        assert first.completion_ids in answers and second.completion_ids in answers
+        assert first.completion_ids in sampled and second.completion_ids in sampled
         # The rollout's prompt is the harness's first call: the task's messages with the tool it offers.
         from vf_toy_mt import ADD
 
         assert first.env_ids == [] and rollout.prompt_ids == chat_prompt_ids(tok, task_messages(rollout.row),
                                                                              tools=[ADD])
-        tool_result = "41" if first.completion_ids == answers[0] else str(rollout.row["a"] + rollout.row["b"])
+        tool_result = "41" if first.completion_ids == sampled[0] else str(rollout.row["a"] + rollout.row["b"])
         assert second.env_ids == env.follow_ups.ids([{"role": "tool", "content": tool_result}], closed=True)
         assert all(t.policy_versions == [0] * len(t.completion_ids) for t in rollout.turns)
         # verifiers reads the reply's content: a tool call's text is its tool_calls, not content.
@@ -90,7 +62,7 @@ def test_a_verifiers_environment_runs_whole_and_its_turns_are_the_sampled_tokens
         tok, toy_env_on_path, tmp_path, start_server, server):
     external = None
     if server == "tcp":
-        external, server = _external_server(tmp_path)
+        external, server = external_server(tmp_path)
     try:
         env = make_env("verifiers", tok, max_turns=4, env="vf_toy_mt", server=server)
         inference = start_server(faults=FaultConfig(replies=REPLIES))
@@ -153,7 +125,7 @@ def test_bad_environments_and_servers_are_named_with_what_is_wrong(tok, toy_env_
 
     inference = start_server(faults=FaultConfig(replies=REPLIES))
     # Nothing answers at the address: every rollout fails, naming the server, within its startup timeout.
-    silent = make_env("verifiers", tok, env="vf_toy_mt", server=f"tcp://127.0.0.1:{_free_port()}",
+    silent = make_env("verifiers", tok, env="vf_toy_mt", server=f"tcp://127.0.0.1:{free_port()}",
                       startup_timeout_s=1)
     # A harness that raises: the episode's error, naming the environment.
     monkeypatch.setenv("BEAM_RL_TOY_RAISE", "1")
@@ -166,55 +138,33 @@ def test_bad_environments_and_servers_are_named_with_what_is_wrong(tok, toy_env_
         assert all(message in r.errors[-1] for r in rollouts), [r.errors for r in rollouts]
 
 
-@pytest.fixture
-def own_virtualenv(tmp_path: Path) -> Path:
-    """A virtualenv of the environment's own, with verifiers and the package pip-installed and no beam-rl,
-    built offline by uv from the versions in the project's virtualenv (its cache holds them)."""
-    uv = Path(sys.executable).parent / "uv"
-    if not uv.exists():
-        pytest.skip("needs uv beside the project's python (scripts/setup.sh installs it)")
-    venv = tmp_path / "env-venv"
-    pins = tmp_path / "pins.txt"
-    frozen = subprocess.run([str(uv), "pip", "freeze", "--python", sys.executable], capture_output=True, text=True,
-                            check=True).stdout
-    pins.write_text("".join(line + "\n" for line in frozen.splitlines() if "==" in line and "beam-rl" not in line))
-    subprocess.run([str(uv), "venv", "-q", "--python", sys.executable, str(venv)], check=True)
-    package = shutil.copytree(PACKAGE, tmp_path / "package")  # building it writes build/ beside its sources
-    subprocess.run([str(uv), "pip", "install", "-q", "--offline", "--python", str(venv / "bin" / "python"),
-                    "-c", str(pins), "verifiers==0.4.0", str(package)], check=True)
-    return venv / "bin" / "python"
-
-
-def test_an_env_server_with_its_own_virtualenv_trains_on_prism(tok, tmp_path, own_virtualenv):
-    """The tiny run on Prism with the environment in a process of its own under its own virtualenv's Python
-    (the package is importable there, not here): the rank files hold the tokens the server sampled."""
+def test_inline_process_and_tcp_env_servers_train_on_prism(tok, tmp_path, monkeypatch):
+    """The tiny run on Prism with the environment three ways at once: inline in the worker, in a process of
+    its own under its own virtualenv's Python (the package importable there, not in this process's
+    environment), and at a TCP address: the rank files hold the tokens the server sampled, for each."""
     from beam_rl.config import config_from_dict
     from beam_rl.rundir import RunDir
     from beam_rl.standin.server import EmbeddedServer
     from runners.rollout_job import run_rollouts
     from tests.run_checks import assert_rank_files_hold_the_windows_tokens
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    assert subprocess.run([sys.executable, "-c", "import vf_toy_mt"], env=env, capture_output=True).returncode != 0
-    config = config_from_dict({
-        "run": {"dir": str(tmp_path / "run"), "max_steps": 100},
-        "envs": [{"name": "sums", "kind": "verifiers", "group_size": 2, "mode": "rollout",
-                  "args": {"env": "vf-toy-mt", "server": "process", "python": str(own_virtualenv),
-                           "config": {"taskset": {"num_tasks": 8}}}}],
-        "model": {"max_context": 1024},  # the prompt with its tool schema is ~410 tokens
-        "batch": {"rollouts_per_step": 4, "seq_len": 1024},
-        "filters": {"zero_advantage": {"mode": "monitor"}},
-        "inference": {"max_tokens": 96, "max_inflight": 8},
-        "runner": {"name": "direct"},
-    })
+    python = own_virtualenv(tmp_path)
+    external, address = external_server(tmp_path)
+    monkeypatch.syspath_prepend(str(PACKAGE))  # for the inline one: Prism's loopback workers are this process
+    config = config_from_dict(toy_config(tmp_path / "run", [
+        toy_env("inline", 4), toy_env("process", 4, server="process", python=str(python)),
+        toy_env("tcp", 4, server=address)], rollouts_per_step=4, runner={"name": "direct"}))
     server = EmbeddedServer(mode="instant", served_model_name="tiny", max_num_seqs=16,
                             faults=FaultConfig(replies=REPLIES))
     try:
         run_rollouts(config, [server.start()], with_trainer=False)
     finally:
         server.stop()
+        external.terminate()
+        external.wait()
     rollouts = assert_rank_files_hold_the_windows_tokens(RunDir(tmp_path / "run"))
-    answers = [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in REPLIES]
-    assert len(rollouts) == 16 and RunDir(tmp_path / "run").committed_steps() == [1, 2, 3, 4]
+    assert RunDir(tmp_path / "run").committed_steps() == list(range(1, 7))
+    assert sorted(r["env"] for r in rollouts) == ["inline"] * 8 + ["process"] * 8 + ["tcp"] * 8
+    sampled = answers(tok)
     for rollout in rollouts:
-        assert [t["completion_ids"] for t in rollout["turns"]] in ([a, b] for a in answers for b in answers)
+        assert [t["completion_ids"] for t in rollout["turns"]] in ([a, b] for a in sampled for b in sampled)

@@ -58,6 +58,14 @@ except Exception as exc:
 """
 
 
+def interpreter_env(python: str | None) -> dict[str, str]:
+    """The environment of a process under `python`. Another interpreter (another virtualenv's) is not handed
+    this one's PYTHONPATH or PYTHONHOME, so the Beam worker's packages never shadow the environment's own."""
+    if python is None or python == sys.executable:
+        return dict(os.environ)
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+
+
 def describe_env(config: dict[str, Any], python: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the resolved config, the taskset's rows) of a verifiers env config, loaded under `python` (a process
     of its own) or, without it, in this process. Raises ValueError with verifiers' reason."""
@@ -73,7 +81,7 @@ def describe_env(config: dict[str, Any], python: str | None = None) -> tuple[dic
     if shutil.which(python) is None:
         raise ValueError(f"python {python!r} is not an executable")
     done = subprocess.run([python, "-c", _DESCRIBE, json.dumps(config)], capture_output=True, text=True,
-                          timeout=300, check=False)
+                          timeout=300, check=False, env=interpreter_env(python))
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = done.stderr.strip().splitlines()
@@ -185,6 +193,7 @@ class ProcessEnvServer(_Server):
         self.name = name
         self.config = config
         self.python = python or sys.executable
+        self._python_env = interpreter_env(python)
         if shutil.which(self.python) is None:
             raise EnvServerError(f"env server {name}: python {self.python!r} is not an executable")
         self.startup_timeout_s = startup_timeout_s
@@ -211,7 +220,7 @@ class ProcessEnvServer(_Server):
             self.process = await asyncio.create_subprocess_exec(
                 self.python, "-c", _SERVE, json.dumps(self.config), self.address,
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                env={**os.environ, **(self.env or {})},
+                env={**self._python_env, **(self.env or {})},
             )
 
     async def _wait_healthy(self) -> None:
