@@ -221,6 +221,24 @@ def test_one_proxy_serves_an_event_loops_episodes_and_another_loop_gets_its_own(
     assert port is not None and other_port is not None
 
 
+def test_a_proxy_for_a_harness_on_another_host_listens_where_told_and_names_the_advertised_address():
+    """127.0.0.2 stands for this host's address on a network, 127.0.0.3 for another name of it."""
+
+    async def main() -> tuple[str, str, str]:
+        told = await shared_proxy("127.0.0.2", "127.0.0.3")
+        default = await shared_proxy()
+        with told.serve(None) as far, default.serve(None) as near:  # type: ignore[arg-type]
+            bound = told._runner.addresses[0][0]
+            roots = far.root, near.root
+        await close_loop_locals()
+        return bound, *roots
+
+    bound, far, near = asyncio.run(main())
+    assert bound == "127.0.0.2" and far.startswith("http://127.0.0.3:") and near.startswith("http://127.0.0.1:")
+    with pytest.raises(ValueError, match="a proxy bound to '0.0.0.0' needs the address to advertise"):
+        InferenceProxy("0.0.0.0")
+
+
 # -- the agent program, through the dispatcher -------------------------------------------------------
 
 

@@ -57,14 +57,16 @@ def _check_rollouts(env: Any, tok: Any, rollouts: list) -> None:
         assert rollout.info["reward"] == expected and rollout.info["stop_condition"] == "agent_completed"
 
 
-@pytest.mark.parametrize("server", ["inline", "process", "tcp"])
+@pytest.mark.parametrize("server", ["inline", "process", "tcp", "tcp-advertised"])
 def test_a_verifiers_environment_runs_whole_and_its_turns_are_the_sampled_tokens(
         tok, toy_env_on_path, tmp_path, start_server, server):
-    external = None
-    if server == "tcp":
+    external, proxy = None, {}
+    if server == "tcp-advertised":  # the proxy on every address, the env server handed another of them
+        proxy = {"proxy_host": "0.0.0.0", "proxy_advertise": "127.0.0.2"}
+    if server.startswith("tcp"):
         external, server = external_server(tmp_path)
     try:
-        env = make_env("verifiers", tok, max_turns=4, env="vf_toy_mt", server=server)
+        env = make_env("verifiers", tok, max_turns=4, env="vf_toy_mt", server=server, **proxy)
         inference = start_server(faults=FaultConfig(replies=REPLIES))
         with dispatcher_thread([inference.url], env, "rollout", max_inflight=8, max_tokens=96) as thread:
             rollouts = run_groups(thread, group_requests(env, 4, 2))
@@ -122,6 +124,10 @@ def test_bad_environments_and_servers_are_named_with_what_is_wrong(tok, toy_env_
         make_env("verifiers", tok, env="vf_toy_mt", server="process", python="/no/python")
     with pytest.raises(ValueError, match=r"server must be \"inline\", \"process\" or \"tcp://HOST:PORT\""):
         make_env("verifiers", tok, env="vf_toy_mt", server="udp://x")
+    with pytest.raises(ValueError, match=r"'vf_toy_mt': an inline harness reaches the proxy on loopback"):
+        make_env("verifiers", tok, env="vf_toy_mt", proxy_host="0.0.0.0", proxy_advertise="h")
+    with pytest.raises(ValueError, match=r"'vf_toy_mt': a proxy bound to '0.0.0.0' needs the address to advertise"):
+        make_env("verifiers", tok, env="vf_toy_mt", server="tcp://127.0.0.1:1", proxy_host="0.0.0.0")
 
     inference = start_server(faults=FaultConfig(replies=REPLIES))
     # Nothing answers at the address: every rollout fails, naming the server, within its startup timeout.

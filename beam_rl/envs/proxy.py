@@ -15,7 +15,9 @@ Routes under the base URL: `POST /chat/completions` (messages, tools; `stream` a
 `POST /completions` (a prompt of token ids or of text) and vLLM's token-in route at
 `/rollouts/KEY/inference/v1/generate`. The run's sampling decides temperature and seeds; a call's
 `max_tokens` can only shorten the turn's budget. One proxy serves every episode of an event loop (a
-dispatch worker's dispatcher), started with the first episode.
+dispatch worker's dispatcher), started with the first episode. It binds 127.0.0.1 unless told another
+address (`host`), for a harness on another host or in a container, which is handed `advertise` (the name
+that host reaches this one by) in its URLs; only the unguessable keys guard it there.
 """
 
 from __future__ import annotations
@@ -252,6 +254,7 @@ def _assistant_message(text: str, tools: Any) -> dict[str, Any]:
 # -- the server --------------------------------------------------------------------------------------
 
 ROLLOUT_HEADER = "X-Beam-RL-Rollout"
+LOOPBACK = "127.0.0.1"  # where the proxy listens unless told another address
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,22 +278,34 @@ class Endpoint:
         return {ROLLOUT_HEADER: self.key}
 
 
-async def shared_proxy() -> InferenceProxy:
-    """The proxy of the running event loop, started by its first caller, closed with its dispatcher."""
+def check_address(host: str, advertise: str | None) -> None:
+    """ValueError when the proxy could not name itself: bound to every address, with none advertised."""
+    if advertise is None and host in ("0.0.0.0", "::"):
+        raise ValueError(f"a proxy bound to {host!r} needs the address to advertise: the name its harness "
+                         "reaches this host by")
+
+
+async def shared_proxy(host: str = LOOPBACK, advertise: str | None = None) -> InferenceProxy:
+    """The proxy of the running event loop on `host` (advertised as `advertise`), started by its first
+    caller, closed with its dispatcher."""
 
     async def start(stack: contextlib.AsyncExitStack) -> InferenceProxy:
-        proxy = InferenceProxy()
+        proxy = InferenceProxy(host, advertise)
         await proxy.start()
         stack.push_async_callback(proxy.close)
         return proxy
 
-    return await loop_local(InferenceProxy, start)
+    return await loop_local((InferenceProxy, host, advertise), start)
 
 
 class InferenceProxy:
-    """The OpenAI-compatible server of one event loop's episodes, on 127.0.0.1."""
+    """The OpenAI-compatible server of one event loop's episodes, bound to `host` (127.0.0.1 by default);
+    its URLs name `advertise` (default: `host`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = LOOPBACK, advertise: str | None = None) -> None:
+        check_address(host, advertise)
+        self.host = host
+        self.advertise = advertise or host
         self._episodes: dict[str, Episode] = {}
         self._runner: web.AppRunner | None = None
         self._started = asyncio.Lock()
@@ -310,7 +325,7 @@ class InferenceProxy:
                 ])
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
+            site = web.TCPSite(runner, self.host, 0)
             await site.start()
             self.port = runner.addresses[0][1]
             self._runner = runner
@@ -326,7 +341,8 @@ class InferenceProxy:
         key = secrets.token_urlsafe(16)
         self._episodes[key] = episode
         try:
-            yield Endpoint(f"http://127.0.0.1:{self.port}", key)
+            name = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
+            yield Endpoint(f"http://{name}:{self.port}", key)
         finally:
             del self._episodes[key]
 
@@ -344,8 +360,8 @@ class InferenceProxy:
         async def call(episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
             completion, reply = await episode.chat(body)
             finish = "tool_calls" if reply.get("tool_calls") else completion.finish_reason
-            return _envelope("chat.completion", episode, completion, {"index": 0, "message": reply, "finish_reason": finish,
-                                                             "token_ids": completion.token_ids})
+            choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": completion.token_ids}
+            return _envelope("chat.completion", episode, completion, choice)
         return await self._answer(request, call)
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:

@@ -26,7 +26,7 @@ from beam_rl.envs.base import (
 from beam_rl.envs.env_servers import EnvServerError, EnvServerRestarted, describe_env, env_server
 from beam_rl.envs.loop_local import loop_local
 from beam_rl.envs.multi_turn import FollowUps
-from beam_rl.envs.proxy import Episode, shared_proxy
+from beam_rl.envs.proxy import LOOPBACK, Episode, check_address, shared_proxy
 
 
 class VerifiersEpisodeError(RuntimeError):
@@ -88,7 +88,8 @@ class VerifiersEpisodes(DatasetEnvironment):
     verifiers config (`taskset`, `agent`, the env's own keys; the agent's runtime defaults to a local
     subprocess and its `max_turns` to this entry's). `server` is "inline", "process" (with `python`, the
     interpreter of another virtualenv) or "tcp://HOST:PORT"; `timeout_s` bounds an episode, and an
-    episode whose server died under it runs again up to `max_restarts` times."""
+    episode whose server died under it runs again up to `max_restarts` times. An env server on another
+    host reaches the inference proxy at `proxy_advertise` where it listens on `proxy_host`."""
 
     name = "verifiers"
     multi_turn = True
@@ -105,10 +106,20 @@ class VerifiersEpisodes(DatasetEnvironment):
         timeout_s: float = 600.0,
         startup_timeout_s: float = 120.0,
         max_restarts: int = 3,
+        proxy_host: str = LOOPBACK,
+        proxy_advertise: str | None = None,
         max_context: int | None = None,
     ) -> None:
         super().__init__(tokenizer, max_turns, max_context=max_context)
         self.env_id = env
+        if server == "inline" and (proxy_host != LOOPBACK or proxy_advertise is not None):
+            raise ValueError(f"verifiers env {env!r}: an inline harness reaches the proxy on loopback; "
+                             "proxy_host and proxy_advertise are for an env server on another host")
+        try:
+            check_address(proxy_host, proxy_advertise)
+        except ValueError as exc:
+            raise ValueError(f"verifiers env {env!r}: {exc} (proxy_advertise)") from None
+        self.proxy_address = (proxy_host, proxy_advertise)
         raw = dict(config or {})
         agent = {"runtime": {"type": "subprocess"}, "max_turns": max_turns, **raw.pop("agent", {})}
         raw = {**raw, "taskset": {**raw.get("taskset", {}), "id": env}, "agent": agent}
@@ -156,7 +167,7 @@ class VerifiersEpisodes(DatasetEnvironment):
         self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int], sampling: SamplingParams
     ) -> Trajectory:
         runner = await self._runner()
-        proxy = await shared_proxy()
+        proxy = await shared_proxy(*self.proxy_address)
         restarts = discarded = 0
         while True:
             episode = Episode(self, client, sampling, self.follow_ups)
