@@ -159,3 +159,21 @@ def test_a_job_left_running_is_followed_not_submitted_again_and_the_run_is_obser
 
     events = EventAccumulator(str(run_dir.path / "tensorboard")).Reload()
     assert [e.step for e in events.Scalars("rollouts/step")] == [1, 2, 3]
+
+
+def test_a_run_whose_input_ends_before_max_steps_ends_with_every_step_trained(tmp_path):
+    """8 prompts of 4 rollouts, 16 a step: the input ends with step 2 of max_steps 1000. `beam-rl run`
+    returns (the reference trainer stops once it has trained the last step) instead of waiting for step 3."""
+    import subprocess
+    import sys
+
+    from small_run import write_small_run_config
+
+    config = write_small_run_config(tmp_path / "run.toml", tmp_path / "run", max_steps=1000, epochs=1)
+    config.write_text(config.read_text().replace('name = "reverse_text"\n', 'name = "reverse_text"\nlimit = 8\n'))
+    done = subprocess.run([sys.executable, "-m", "beam_rl.cli", "run", str(config)], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = RunDir(tmp_path / "run")
+    assert run.committed_steps() == [1, 2] and run.input_last_step() == 2
+    assert run.stable_weight_steps() == [1, 2]

@@ -132,6 +132,13 @@ class StepStore(RunLayout):
         data = json_bytes({"last_step": last_step, "at": time.time()})
         atomic_write(self.input_exhausted_path, lambda f: f.write(data))
 
+    def input_last_step(self) -> int | None:
+        """The last step of a run whose input is exhausted (INPUT_EXHAUSTED.json), else None."""
+        try:
+            return int(json.loads(self.input_exhausted_path.read_bytes())["last_step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def run_over(self, max_steps: int) -> bool:
         """max_steps are committed, or the input is exhausted: the job may be ended."""
         return self.input_exhausted_path.is_file() or (self.last_committed_step() or 0) >= max_steps

@@ -196,10 +196,15 @@ class ReferenceTrainer:
         return total, stats, grad_norm
 
     def _wait_for_step(self, step: int, timeout_s: float | None) -> bool:
-        """True once `step` is committed; False if stopped first; TimeoutError after `timeout_s`."""
+        """True once `step` is committed; False if stopped first, or if the run's input ended with an earlier
+        step (the run is over before max_steps); TimeoutError after `timeout_s`."""
         reader = StepReader(self.run)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.stop_event.is_set():
+            last = self.run.input_last_step()
+            if last is not None and step > last and not self.run.is_committed(step):
+                logger.info("the run's input ended with step %d: nothing more to train", last)
+                return False
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(f"{self.run.path}: step {step} not committed within {timeout_s} s")
