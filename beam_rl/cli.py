@@ -54,7 +54,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if not run_dir.path.is_dir():
         console.print(f"[red]no run directory at {run_dir.path}[/red]")
         return 2
-    table, damaged, stray = _step_table(run_dir), [], []
+    table, damaged, stray, verified = _step_table(run_dir), [], [], []
     for step in run_dir.committed_steps():
         try:
             record = run_dir.read_commit(step)
@@ -63,13 +63,28 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             damaged.append(err)
             continue
         _add_step_row(table, record)
+        verified.append(step)
     console.print(table)
+    for line in _curriculum_lines(run_dir, verified):
+        console.print(line)
     for path in stray:
         console.print(f"[yellow]{escape(str(path))}: not listed in its step's commit record; "
                       "readers ignore it[/yellow]")
     for err in damaged:
         console.print(f"[red]{escape(str(err))}[/red]")
     return 2 if damaged else 0
+
+
+def _curriculum_lines(run_dir: RunDir, steps: list[int]) -> list[str]:
+    """What the run's curriculum decided, when its config has one (and can be read)."""
+    from beam_rl.config import config_from_dict
+    from beam_rl.source.curriculum import describe
+
+    try:
+        config = config_from_dict(run_dir.read_config(), source=str(run_dir.config_path))
+    except (RunDirError, ValueError):
+        return []
+    return [escape(line) for line in describe(run_dir, config, steps)]
 
 
 def _cmd_inspect_samples(args: argparse.Namespace) -> int:

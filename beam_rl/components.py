@@ -73,7 +73,8 @@ def build_envs(config: RunConfig) -> dict[str, Environment]:
 
 def build_schedule(config: RunConfig, envs: dict[str, Environment], split: str | None = None) -> PromptSchedule:
     return PromptSchedule([
-        EnvSchedule(e.name, envs[e.name].load_rows(split or e.split)[:e.limit], e.group_size, e.epochs)
+        EnvSchedule(e.name, envs[e.name].load_rows(split or e.split)[:e.limit], e.group_size, e.epochs,
+                    shuffle_seed=config.run.seed if e.curriculum is not None and e.curriculum.shuffle else None)
         for e in config.envs
     ])
 

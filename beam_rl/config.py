@@ -176,6 +176,23 @@ class RewardSection(_Section):
     judge: JudgeSection | None = None  # set: an LLM judge replaces the environment's own reward
 
 
+class CurriculumSection(_Section):
+    """Which prompts get another epoch, from their committed groups' rewards (beam_rl/source/curriculum.py)."""
+
+    easy_threshold: float = Field(1.0, ge=0, le=1)  # a group whose every reward is at least this: solved
+    hard_threshold: float = Field(0.0, ge=0, le=1)  # a group whose every reward is at most this: unsolved
+    solved_every: int = Field(0, ge=0)  # a solved prompt is sent again every N-th epoch; 0: retired
+    unsolved_every: int = Field(1, ge=1)  # an unsolved one every N-th epoch; 1: every epoch
+    shuffle: bool = True  # each epoch visits the rows in an order of its own, drawn from run.seed
+
+    @model_validator(mode="after")
+    def _thresholds_apart(self) -> CurriculumSection:
+        if self.hard_threshold >= self.easy_threshold:
+            raise ValueError(f"hard_threshold ({self.hard_threshold}) must be below easy_threshold "
+                             f"({self.easy_threshold})")
+        return self
+
+
 class EnvConfig(_Section):
     name: str = Field(min_length=1)  # this entry's name in the run: group ids, metrics, the rollouts' env
     # Which environment class: a built-in name, an entry point of the `beam_rl.environments` group, or an
@@ -192,6 +209,7 @@ class EnvConfig(_Section):
     split: str = Field("train", min_length=1)
     limit: int | None = Field(None, gt=0)  # use only the first `limit` rows of the split
     reward: RewardSection = Field(default_factory=RewardSection)
+    curriculum: CurriculumSection | None = None  # unset: every prompt every epoch, in row order
 
     @property
     def min_scored(self) -> int:

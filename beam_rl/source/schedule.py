@@ -2,13 +2,17 @@
 
 Offset o names one (environment, epoch, row) triple, the same one on every restart, so the source's
 restriction is a plain offset range and a commit record's offsets say exactly what was consumed.
-Epoch-major; within an epoch, environments take turns row by row.
+Epoch-major; within an epoch, environments take turns row by row, each in row order or, shuffled, in an
+order of the epoch's own drawn from the run's seed (the same on every restart).
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+import numpy as np
 
 from beam_rl.types import GroupRequest, make_group_id
 
@@ -21,6 +25,13 @@ class EnvSchedule:
     rows: Sequence[dict[str, Any]]
     group_size: int
     epochs: int
+    shuffle_seed: int | None = None  # set: each epoch visits the rows in its own order, drawn from it
+
+    def row_order(self, epoch: int) -> Sequence[int]:
+        if self.shuffle_seed is None:
+            return range(len(self.rows))
+        rng = np.random.default_rng([self.shuffle_seed, zlib.crc32(self.name.encode()), epoch])
+        return rng.permutation(len(self.rows)).tolist()
 
 
 class PromptSchedule:
@@ -30,10 +41,11 @@ class PromptSchedule:
         self._envs = {e.name: e for e in envs}
         self._offsets: list[Offset] = []
         for epoch in range(max(e.epochs for e in envs)):
-            for index in range(max(len(e.rows) for e in envs)):
-                for env in envs:
-                    if epoch < env.epochs and index < len(env.rows):
-                        self._offsets.append((env.name, epoch, index))
+            orders = [env.row_order(epoch) if epoch < env.epochs else () for env in envs]
+            for turn in range(max(len(e.rows) for e in envs)):
+                for env, order in zip(envs, orders, strict=True):
+                    if turn < len(order):
+                        self._offsets.append((env.name, epoch, order[turn]))
         self._position = {offset: i for i, offset in enumerate(self._offsets)}
 
     def __len__(self) -> int:

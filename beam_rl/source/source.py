@@ -25,6 +25,7 @@ from beam_rl.rundir import RunDir
 from beam_rl.rundir.failures import record_failure
 from beam_rl.source.admission import AdmissionState, Hold, hold_reason, input_finished, limits_for
 from beam_rl.source.commits import CommittedSteps
+from beam_rl.source.curriculum import Curriculum
 from beam_rl.source.eval_rounds import EvalRounds
 from beam_rl.source.restriction import DispatchRange, InFlight
 from beam_rl.source.schedule import PromptSchedule
@@ -84,6 +85,10 @@ class RolloutSource:
         self.schedule = parts.schedule
         self._run_dir = RunDir(spec.run_dir)
         self._commits = CommittedSteps(self._run_dir)
+        self._curriculum = Curriculum.for_run(config)  # rebuilt from the committed windows, as on every restart
+        if self._curriculum is not None:
+            self._curriculum.follow(self._run_dir, self._commits.last_step)
+        self._curriculum_skipped = 0
         permits = shard.permits(config.inference.max_inflight)
         servers = shard.servers(list(spec.server_urls))
         self._limits = limits_for(config.batch.rollouts_per_step, min(e.group_size for e in config.envs), permits,
@@ -144,10 +149,29 @@ class RolloutSource:
         position = self.shard.position(offset)
         if self.schedule.offset(position) in self._commits.consumed:
             return
+        if attempts is None and self._skipped_by_curriculum(position):
+            return
         group = self.schedule.group(position, attempts)
         self._admitted[group.group_id] = position
         self._rollouts_ahead += self.schedule.group_size(position)
         self._dispatcher.add_groups([group])
+
+    def _skipped_by_curriculum(self, position: int) -> bool:
+        """Whether the curriculum keeps this group back; each one kept back is a metrics record. A group
+        restored from a checkpoint (attempts given) is never kept back: some of it may be on its way."""
+        if self._curriculum is None:
+            return False
+        env, epoch, index = self.schedule.offset(position)
+        reason = self._curriculum.skip_reason(env, epoch, index)
+        if reason is None:
+            return False
+        history = self._curriculum.prompts[(env, index)]
+        self._curriculum_skipped += 1
+        self._run_dir.append_metrics({"curriculum_skip": {
+            "t": time.time(), "shard": self.shard.index, "env": env, "epoch": epoch, "index": index,
+            "reason": reason, "outcome_epoch": history.epoch, "pass_rates": history.pass_rates,
+            "after_step": self._commits.last_step}})
+        return True
 
     # -- work -------------------------------------------------------------------------------------
 
@@ -199,6 +223,8 @@ class RolloutSource:
             trained = self._in_transit & self.schedule.positions_of(consumed)
             self._in_transit -= trained
             self._rollouts_ahead -= sum(map(self.schedule.group_size, trained))
+        if self._curriculum is not None:
+            self._curriculum.follow(self._run_dir, self._commits.last_step)
         if not self._stopping and self._commits.last_step >= self.spec.config.run.max_steps:
             self._stopping = True
             cancelled = self._dispatcher.cancel_groups(list(self._admitted))
@@ -243,6 +269,7 @@ class RolloutSource:
             "all_servers_down_for_s": (round(now - self._servers_down.down_since, 1)
                                        if self._servers_down.down_since is not None else None),
             "max_inflight": self._max_inflight,
+            "curriculum_skipped": self._curriculum_skipped,
             "servers": servers,
             **counters,
         }, now)

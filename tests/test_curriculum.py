@@ -1,0 +1,187 @@
+"""The curriculum (`envs[].curriculum`): prompts whose groups were all solved are not sent again, unsolved
+ones wait `unsolved_every` epochs, each epoch's order is shuffled from the run's seed; everything it knows
+comes from the committed windows, so a resumed run keeps every decision."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from beam_rl.config import config_from_dict
+from beam_rl.rundir import RunDir
+from beam_rl.source.curriculum import Curriculum
+from beam_rl.source.schedule import EnvSchedule, PromptSchedule
+from tests.run_checks import assert_each_group_and_offset_once
+
+pytestmark = pytest.mark.timeout(600)
+
+ROWS, SOLVABLE, GROUP, EPOCHS = 16, 8, 4, 3
+# How long after its commit a source surely sees a step (it reads new commits every 0.25 s).
+SEEN_AFTER_S = 1.0
+
+
+def _rule(**kwargs):
+    return config_from_dict({"envs": [{"name": "arithmetic", "curriculum": kwargs}]}).envs[0].curriculum
+
+
+def _window(groups: list[tuple[int, int, list[float]]]) -> pa.Table:
+    """A window of (epoch, index, rewards) groups of env "arithmetic"."""
+    rows = [{"group_id": f"arithmetic/e{e}-{i}", "env": "arithmetic", "epoch": e, "index": i, "is_eval": False,
+             "status": "ok", "reward": r} for e, i, rewards in groups for r in rewards]
+    return pa.Table.from_pylist(rows)
+
+
+def test_outcomes_and_what_they_decide():
+    curriculum = Curriculum({"arithmetic": _rule(easy_threshold=0.9, hard_threshold=0.1, solved_every=2,
+                                                 unsolved_every=3)})
+    curriculum.observe(_window([(0, 0, [1.0, 0.95]), (0, 1, [0.0, 0.1]), (0, 2, [1.0, 0.0])]))
+    assert {k: v.outcome for k, v in curriculum.prompts.items()} == {
+        ("arithmetic", 0): "solved", ("arithmetic", 1): "unsolved", ("arithmetic", 2): "mixed"}
+    assert [curriculum.skip_reason("arithmetic", e, 0) for e in (0, 1, 2)] == [None, "solved", None]
+    assert [curriculum.skip_reason("arithmetic", e, 1) for e in (1, 2, 3)] == ["unsolved", "unsolved", None]
+    assert curriculum.skip_reason("arithmetic", 1, 2) is None and curriculum.skip_reason("arithmetic", 1, 3) is None
+    assert curriculum.skip_reason("other_env", 1, 0) is None
+    # The newest epoch's outcome decides; an errored attempt concludes nothing.
+    errored = _window([(2, 0, [1.0, 1.0])]).to_pylist()
+    errored[1]["status"] = "errored"
+    curriculum.observe(pa.Table.from_pylist(errored))
+    assert curriculum.prompts[("arithmetic", 0)].outcome == "mixed"
+    assert curriculum.prompts[("arithmetic", 0)].pass_rates == [1.0, 0.5]
+    assert curriculum.summary() == {"arithmetic": {"solved": 0, "unsolved": 1, "mixed": 2}}
+
+
+def test_a_shuffled_schedule_visits_every_row_once_an_epoch_in_an_order_fixed_by_the_seed():
+    rows = [{"i": i} for i in range(10)]
+
+    def offsets(seed):
+        schedule = PromptSchedule([EnvSchedule("a", rows, 2, 3, shuffle_seed=seed), EnvSchedule("b", rows[:4], 2, 1)])
+        return [schedule.offset(p) for p in range(len(schedule))]
+
+    shuffled = offsets(7)
+    assert shuffled == offsets(7) and shuffled != offsets(8)
+    for epoch in range(3):
+        order = [i for env, e, i in shuffled if env == "a" and e == epoch]
+        assert sorted(order) == list(range(10)) and order != list(range(10))
+    assert [i for env, _, i in shuffled if env == "b"] == [0, 1, 2, 3]  # not shuffled: row order
+    assert offsets(None)[:4] == [("a", 0, 0), ("b", 0, 0), ("a", 0, 1), ("b", 0, 1)]
+
+
+@pytest.mark.parametrize("curriculum", [{"easy_threshold": 1.5}, {"hard_threshold": -0.1},
+                                        {"easy_threshold": 0.5, "hard_threshold": 0.5}, {"solved_every": -1},
+                                        {"unsolved_every": 0}, {"retire": True}])
+def test_bad_curricula_are_named_by_key_at_load(curriculum):
+    with pytest.raises(ValueError, match=r"envs\[0\]\.curriculum"):
+        config_from_dict({"envs": [{"name": "arithmetic", "curriculum": curriculum}]})
+
+
+def _dataset(directory: Path) -> Path:
+    """ROWS sums, the first SOLVABLE of them with the answer the server always gives (7)."""
+    directory.mkdir()
+    rows = [{"question": f"{i} + {7 - i}", "answer": "7"} if i < SOLVABLE else {"question": f"{i} + 10",
+                                                                                "answer": str(i + 10)}
+            for i in range(ROWS)]
+    (directory / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return directory
+
+
+def _config(run_dir: Path, dataset: Path) -> dict:
+    return {
+        "run": {"dir": str(run_dir), "max_steps": 1000},  # to the end of the schedule
+        "envs": [{"name": "arithmetic", "group_size": GROUP, "epochs": EPOCHS, "mode": "rollout",
+                  "args": {"dataset": str(dataset)}, "curriculum": {"unsolved_every": 2}}],
+        "model": {"max_context": 256},
+        "batch": {"rollouts_per_step": 8, "seq_len": 256},
+        "filters": {"zero_advantage": {"mode": "monitor"}},  # every group is all 1s or all 0s here
+        # One group at a time, slowly: most of an epoch is committed before the next one's groups are sent.
+        "inference": {"max_tokens": 8, "max_inflight": GROUP},
+        "runner": {"name": "direct"},
+    }
+
+
+# The run in a process of its own, to be killed: its server always answers "7", after 0.2 s.
+_RUN = """
+import json, sys
+from beam_rl.config import config_from_dict
+from beam_rl.rundir import RunDir
+from beam_rl.standin.faults import FaultConfig
+from beam_rl.standin.server import EmbeddedServer
+from runners.rollout_job import run_rollouts
+config = config_from_dict(json.loads(sys.argv[1]))
+RunDir(config.run.dir).write_config(config.model_dump(mode="json"))  # as `beam-rl run` does: inspect reads it
+server = EmbeddedServer(mode="instant", served_model_name="tiny", max_num_seqs=16,
+                        faults=FaultConfig(replies=[{"text": "7", "latency_s": 0.2}]))
+run_rollouts(config, [server.start()], with_trainer=False)
+server.stop()
+"""
+
+
+def _run(config: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _RUN, json.dumps(config)], start_new_session=True)
+
+
+def test_solved_prompts_are_not_sent_again_and_a_run_killed_and_resumed_keeps_every_decision(tmp_path):
+    config = _config(tmp_path / "run", _dataset(tmp_path / "data"))
+    run_dir = RunDir(tmp_path / "run")
+    killed_after = random.Random().randint(2, 6)  # steps: the kill lands anywhere in the first two epochs
+    run = _run(config)
+    deadline = time.monotonic() + 120
+    while len(run_dir.committed_steps()) < killed_after:
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
+        time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    first = run_dir.committed_steps()
+    print(f"killed after step {first[-1]}")
+    assert _run(config).wait(timeout=300) == 0  # resumed: to the end of the schedule
+    steps = run_dir.committed_steps()
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > len(first)
+    assert_each_group_and_offset_once(run_dir, steps)
+
+    groups: dict[tuple[int, int], dict] = {}  # (epoch, index) -> its group's rewards, admitted, committed
+    for step in steps:
+        for r in run_dir.read_window(step).to_pylist():
+            g = groups.setdefault((r["epoch"], r["index"]), {"rewards": [], "admitted": r["t_admitted"]})
+            g["rewards"].append(r["reward"])
+            g["committed"] = r["t_committed"]
+            g["admitted"] = min(g["admitted"], r["t_admitted"])
+    assert all(len(g["rewards"]) == GROUP for g in groups.values())
+    assert {i for (_, i), g in groups.items() if set(g["rewards"]) == {1.0}} == set(range(SOLVABLE))
+    # The rule, against what the source could see: once a prompt's solved group is committed, no later
+    # epoch's group of it is sent; once an unsolved one is, none in the next epoch.
+    for (epoch, index), g in groups.items():
+        for earlier in range(epoch):
+            before = groups.get((earlier, index))
+            if before is None or before["committed"] + SEEN_AFTER_S > g["admitted"]:
+                continue
+            assert index >= SOLVABLE and epoch - earlier >= 2, (epoch, index, earlier)
+    # And it is not vacuous: most later-epoch groups of solved prompts were never sent.
+    later_solved = [k for k in groups if k[0] > 0 and k[1] < SOLVABLE]
+    assert len(later_solved) <= SOLVABLE // 2, sorted(later_solved)
+
+    skips = [m["curriculum_skip"] for m in map(json.loads, run_dir.metrics_path.read_text().splitlines())
+             if "curriculum_skip" in m]
+    skipped = {(s["epoch"], s["index"]): s for s in skips}
+    assert skipped and not set(skipped) & set(groups)  # a group skipped is never trained
+    for (epoch, index), s in skipped.items():
+        assert s["reason"] == ("solved" if index < SOLVABLE else "unsolved") and s["outcome_epoch"] < epoch
+    # Every group of the schedule was trained or skipped (a skipped one may be decided again after a restore).
+    assert len(groups) + len(skipped) == ROWS * EPOCHS
+    counted = collections.Counter(s["reason"] for s in skipped.values())
+    print(f"curriculum: {len(groups)} groups trained, skipped {dict(counted)} of {ROWS * EPOCHS}")
+
+    shown = subprocess.run([sys.executable, "-m", "beam_rl.cli", "inspect", str(run_dir.path)], capture_output=True,
+                           text=True, env={**os.environ, "COLUMNS": "10000"}, check=True).stdout
+    # A prompt's outcome is the same every epoch here: the first SOLVABLE are solved, the rest unsolved.
+    assert (f"curriculum of arithmetic: {ROWS} prompts trained, newest outcome {SOLVABLE} solved, "
+            f"{ROWS - SOLVABLE} unsolved, 0 mixed; groups kept back: {counted['solved']} solved, "
+            f"{counted['unsolved']} unsolved") in shown, shown[-2000:]
