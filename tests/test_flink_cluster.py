@@ -229,7 +229,7 @@ def test_a_verifiers_env_server_on_the_cluster_killed_mid_run_is_restarted_and_n
     from tests.vf_toy import REPLIES, answers, own_virtualenv, serve_processes, toy_config, toy_env
 
     python = own_virtualenv(tmp_path)
-    tasks = 16
+    tasks = 12
     config = config_from_dict(toy_config(
         tmp_path / "run", [toy_env("toy", tasks, server="process", python=str(python))], rollouts_per_step=4,
         max_inflight=4, dispatch={"shards": 2},

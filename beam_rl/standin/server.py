@@ -109,8 +109,9 @@ class EmbeddedServer:
         self.requests_total = 0
         self._death_at = self._death_threshold()
         self._exit_on_death = exit_on_death
+        self._dead = False  # died of die_after_tokens, in-process: answers nothing until started again
         keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
-        self._middlewares = [api_key_middleware(keys)] if keys else []
+        self._middlewares = [self._crashed, *([api_key_middleware(keys)] if keys else [])]
         self._ssl = server_ssl_context(str(ssl_certfile), ssl_keyfile and str(ssl_keyfile)) if ssl_certfile else None
         self._metrics_collector = ServerMetrics(self)
         self._runner: web.AppRunner | None = None
@@ -160,6 +161,7 @@ class EmbeddedServer:
 
     async def start_async(self) -> str:
         """Listen on the event loop that calls this; returns the base URL."""
+        self._dead = False
         # handler_cancellation: a client that gives up cancels its request, as in vLLM.
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
         await self._runner.setup()
@@ -369,7 +371,9 @@ class EmbeddedServer:
             return
         if self._exit_on_death:
             os._exit(DIED_EXIT_CODE)  # the process dies: no cleanup, no answer, like a crashed server
-        # In-process, dying is what a client sees of a crash: every connection drops, the port closes.
+        # In-process, dying is what a client sees of a crash: every connection drops, the port closes, and a
+        # request on a kept-alive connection meanwhile is dropped too (`_crashed`), never answered.
+        self._dead = True
         self._death_at = None
         if self._site is not None:
             await self._site.stop()
@@ -378,6 +382,14 @@ class EmbeddedServer:
             if handler.transport is not None:
                 handler.transport.abort()
         raise asyncio.CancelledError
+
+    @web.middleware
+    async def _crashed(self, request: web.Request, handler) -> web.StreamResponse:
+        if self._dead:
+            if request.transport is not None:
+                request.transport.abort()
+            raise asyncio.CancelledError
+        return await handler(request)
 
     # -- control and status ------------------------------------------------------------------
 
