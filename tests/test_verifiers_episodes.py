@@ -105,6 +105,29 @@ def test_a_killed_env_server_is_started_again_and_its_episodes_run_again(tok, to
     _check_rollouts(env, tok, out)
 
 
+def test_an_env_server_killed_while_it_starts_is_started_again(tok, toy_env_on_path):
+    """A signal is not the environment failing: the server is started again (an exit status is an error)."""
+    import asyncio
+
+    env = make_env("verifiers", tok, env="vf_toy_mt", server="process")
+
+    async def main() -> tuple[int, int]:
+        server = env._server()
+        starting = asyncio.create_task(server.start())
+        while server.process is None:
+            await asyncio.sleep(0.01)
+        killed = server.process.pid
+        os.killpg(killed, signal.SIGKILL)
+        await starting
+        try:
+            return killed, server.process.pid
+        finally:
+            await server.close()
+
+    killed, serving = asyncio.run(main())
+    assert serving != killed
+
+
 def _started_server(thread) -> Any:
     from beam_rl.envs import loop_local
 

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 2.0
 HEALTH_TIMEOUT_S = 2.0
+START_ATTEMPTS = 3  # a server killed by a signal while it starts is started again, this many times in all
 TRACE_VERSION = 1  # the verifiers trace layout this reads (verifiers.v1.trace.TRACE_VERSION)
 
 # Runs under the server's own Python: it needs verifiers and the environment, not beam-rl.
@@ -98,6 +99,10 @@ class EnvServerError(RuntimeError):
 
 class EnvServerRestarted(EnvServerError):
     """The server died under an episode and was started again: the episode is to run again."""
+
+
+class EnvServerKilled(EnvServerError):
+    """An env server a signal ended while it started (not its environment failing): started again."""
 
 
 class EnvServerDown(EnvServerError):
@@ -210,9 +215,16 @@ class ProcessEnvServer(_Server):
     async def start(self) -> None:
         from verifiers.v1.serve import EnvClient
 
-        await self._spawn()
         self.client = EnvClient(self.address)
-        await self._wait_healthy()
+        for attempt in range(START_ATTEMPTS):
+            await self._spawn()
+            try:
+                await self._wait_healthy()
+                break
+            except EnvServerKilled as exc:  # a signal, not the environment: started again, as a death later is
+                if attempt == START_ATTEMPTS - 1:
+                    raise
+                log.warning("%s; starting it again", exc)
         self._watcher = asyncio.create_task(self._watch(), name=f"env server {self.name}")
 
     async def _spawn(self) -> None:
@@ -227,7 +239,10 @@ class ProcessEnvServer(_Server):
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.returncode is not None:
-                raise EnvServerError(f"env server {self.name} exited with status {self.process.returncode} at start"
+                status = self.process.returncode
+                if status < 0:
+                    raise EnvServerKilled(f"env server {self.name} was killed by signal {-status} while starting")
+                raise EnvServerError(f"env server {self.name} exited with status {status} at start"
                                      f"{self._log_tail()}")
             if await self._healthy():
                 return
