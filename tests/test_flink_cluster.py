@@ -246,7 +246,10 @@ def test_a_verifiers_env_server_on_the_cluster_killed_mid_run_is_restarted_and_n
         started_s = _wait(lambda: _rollouts_done(run_dir) >= 2, 3 * FIRST_STEP_TIMEOUT_S, "2 episodes done")
         servers = serve_processes(python)
         assert len(servers) == 2 and _rollouts_done(run_dir) < tasks * 2 - 4, "the run ended before the kill"
-        victim, address = next(iter(servers.items()))
+        # One that has started (a kill while it starts is a start retried, tests/test_verifiers_episodes.py).
+        healthy = {pid: a for pid, a in servers.items() if asyncio.run(EnvClient(a).health(timeout=2.0))}
+        assert healthy, servers
+        victim, address = next(iter(healthy.items()))
         os.killpg(victim, signal.SIGKILL)
         killed_at = time.monotonic()
         _wait(lambda: address in serve_processes(python).values(), 60, "the env server started again")
