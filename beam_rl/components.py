@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from beam_rl.config import ConfigError, RunConfig
+from beam_rl.config import ConfigError, RunConfig, shards_problem
 from beam_rl.dispatch import Dispatcher, DispatcherThread, Restore
 from beam_rl.envs import env_class, make_env
 from beam_rl.envs.base import Environment
@@ -168,9 +168,9 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
     - Some answering: the others are named in a warning and left to the dispatcher's re-probes.
     No completion is requested on the completions route: a server's own counters see only the run.
     Each dispatch shard drives servers of its own: at least `dispatch.shards` servers, or a ConfigError."""
-    if len(server_urls) < config.dispatch.shards:  # the config's check counted inference.urls, not these
-        raise ConfigError("of this run", [("dispatch.shards", f"{config.dispatch.shards} shards need at least as "
-                                           f"many inference servers; there are {len(server_urls)}")])
+    problem = shards_problem(config.dispatch.shards, len(server_urls))  # the config counted inference.urls
+    if problem:
+        raise ConfigError("of this run", [("dispatch.shards", problem)])
     key = api_key(config)
     patience_s = config.inference.startup_timeout_s
 

@@ -176,6 +176,14 @@ class RewardSection(_Section):
     judge: JudgeSection | None = None  # set: an LLM judge replaces the environment's own reward
 
 
+def shards_problem(shards: int, servers: int) -> str | None:
+    """What is wrong with `shards` dispatch shards over `servers` inference servers (each shard drives
+    servers of its own), or None."""
+    if servers < shards:
+        return f"{shards} shards need at least as many inference servers; there are {servers}"
+    return None
+
+
 class CurriculumSection(_Section):
     """Which prompts get another epoch, from their committed groups' rewards (beam_rl/source/curriculum.py)."""
 
@@ -434,9 +442,8 @@ class RunConfig(_Section):
                 "a long trajectory could not be packed",
             ))
         servers = len(inference.urls) or inference.embedded_servers
-        if 0 < servers < self.dispatch.shards:
-            problems.append(("dispatch.shards", f"{self.dispatch.shards} shards need at least as many inference "
-                                                f"servers; there are {servers}"))
+        if servers > 0 and (problem := shards_problem(self.dispatch.shards, servers)):
+            problems.append(("dispatch.shards", problem))
         if self.dispatch.shards > inference.max_inflight:
             problems.append(("dispatch.shards", f"{self.dispatch.shards} shards cannot share "
                                                 f"inference.max_inflight = {inference.max_inflight} permits"))
