@@ -6,8 +6,8 @@ Covered: dispatch (two shards) and scoring (a CPU-heavy reward) ran in two worke
 them this one, every group trained once or counted; the job keeps checkpointing for the whole run and
 restores from a checkpoint taken more than a minute in when a TaskManager dies; a killed worker process;
 a killed submitter, after which steps keep committing and a new follower attaches to the job; a verifiers
-environment served under its own virtualenv from the cluster's workers, its env server killed mid-run; a
-cluster whose starting process is killed goes with it.
+taskset's rewards scoring in the workers; a verifiers environment served under its own virtualenv from the
+cluster's workers, its env server killed mid-run; a cluster whose starting process is killed goes with it.
 """
 
 from __future__ import annotations
@@ -41,12 +41,18 @@ pytestmark = pytest.mark.skipif(shutil.which("java") is None, reason="needs a Ja
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    started = time.monotonic()
-    cluster = start_cluster(taskmanagers=2, slots_per_taskmanager=2)
-    print(f"Flink cluster with worker pools ready in {time.monotonic() - started:.1f}s at {cluster.master}")
-    yield cluster
-    cluster.stop()
+def cluster(tmp_path_factory):
+    """The cluster of every test here. Its worker pools see the module's PYTHONPATH as it was when it
+    started: the verifiers echo taskset is put on it first (tests/test_verifiers.py)."""
+    from tests.test_verifiers import put_echo_taskset_on_path
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        put_echo_taskset_on_path(tmp_path_factory.mktemp("verifiers"), monkeypatch)
+        started = time.monotonic()
+        cluster = start_cluster(taskmanagers=2, slots_per_taskmanager=2)
+        print(f"Flink cluster with worker pools ready in {time.monotonic() - started:.1f}s at {cluster.master}")
+        yield cluster
+        cluster.stop()
 
 
 def _servers(**faults):
@@ -269,6 +275,28 @@ def test_a_verifiers_env_server_on_the_cluster_killed_mid_run_is_restarted_and_n
     assert all([t["completion_ids"] for t in r["turns"]] in ([a, b] for a in sampled for b in sampled)
                for r in rollouts)
     assert len(_workers(run_dir)["dispatch"]) == 2
+
+
+def test_cluster_workers_score_with_a_verifiers_taskset(cluster, tmp_path):
+    """The worker pools' processes score with a verifiers taskset's own reward functions (verifiers.v1 from
+    the project's virtualenv, the taskset from PYTHONPATH)."""
+    from tests.test_verifiers import _assert_scored_by_the_taskset, _pipeline_config
+
+    started, urls = _servers()
+    try:
+        runner = {"name": "flink", "flink_master": cluster.master, "parallelism": 1, "environment": "external",
+                  "worker_pool": cluster.worker_pool, "checkpointing_interval_ms": 1000}
+        job = start_rollouts(config_from_dict(_pipeline_config(tmp_path / "run", runner)), urls,
+                             str(tmp_path / "run"), with_trainer=False)
+        try:
+            job.wait()
+        finally:
+            job.cancel()
+    finally:
+        for s in started:
+            s.stop()
+    workers = _assert_scored_by_the_taskset(tmp_path / "run")
+    assert workers and all(int(w.rsplit(":", 1)[1]) != os.getpid() for w in workers), workers
 
 
 def _rollouts_done(run_dir: RunDir) -> int:

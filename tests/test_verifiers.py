@@ -1,6 +1,7 @@
 """A verifiers (v1) taskset's own reward functions scoring beam-rl rollouts, through the `verifiers`
 environment: offline (the adapter's contract, in a process of its own), and inside the rollout pipeline,
-whose scoring workers import verifiers.v1 on Prism and on a standalone Flink cluster's worker pool.
+whose scoring workers import verifiers.v1 on Prism (and on a standalone Flink cluster's worker pools:
+tests/test_flink_cluster.py, which shares its cluster).
 
 verifiers 0.4.0 is an ordinary dependency since Beam 2.70 (protobuf < 7; verifiers needs >= 6.31 through
 prime-sandboxes). Under Beam 2.62 (protobuf < 6) the two could not be imported in one process.
@@ -11,7 +12,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -172,16 +172,21 @@ def _pipeline_config(run_dir: Path, runner: dict) -> dict:
     }
 
 
-@pytest.fixture
-def echo_taskset(tmp_path: Path, monkeypatch) -> Path:
-    """The taskset as a module `vf_echo`, importable here (the pipeline's submitter, Prism's LOOPBACK
-    worker) and, through PYTHONPATH, in every process started from here (a Flink cluster's worker pools)."""
-    module_dir = tmp_path / "taskset"
+def put_echo_taskset_on_path(directory: Path, monkeypatch) -> Path:
+    """The taskset as a module `vf_echo` in `directory`, importable here (the pipeline's submitter, Prism's
+    LOOPBACK worker) and, through PYTHONPATH, in every process started from here from now on (a Flink
+    cluster's worker pools)."""
+    module_dir = directory / "taskset"
     module_dir.mkdir()
     (module_dir / "vf_echo.py").write_text(f"PROMPTS = {PROMPTS}\n" + textwrap.dedent(PIPELINE_TASKSET))
     monkeypatch.syspath_prepend(str(module_dir))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(module_dir), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return module_dir
+
+
+@pytest.fixture
+def echo_taskset(tmp_path: Path, monkeypatch) -> Path:
+    return put_echo_taskset_on_path(tmp_path, monkeypatch)
 
 
 def _servers():
@@ -223,31 +228,3 @@ def test_prism_workers_score_with_a_verifiers_taskset(echo_taskset, tmp_path):
             s.stop()
     assert "verifiers.v1" in sys.modules  # LOOPBACK: Prism's worker is this process
     _assert_scored_by_the_taskset(tmp_path / "run")
-
-
-@pytest.mark.skipif(shutil.which("java") is None, reason="needs a Java 11+ runtime for Flink")
-@pytest.mark.timeout(600)
-def test_flink_cluster_workers_score_with_a_verifiers_taskset(echo_taskset, tmp_path):
-    """Submitted to a standalone Flink cluster with EXTERNAL workers: the taskset is scored in the worker
-    pool's processes, which import verifiers.v1 from the project's virtualenv."""
-    from beam_rl.config import config_from_dict
-    from runners.flink_cluster import start_cluster
-    from runners.rollout_job import start_rollouts
-
-    cluster = start_cluster(taskmanagers=1, slots_per_taskmanager=2, workdir=tmp_path / "cluster")
-    started, urls = _servers()
-    try:
-        runner = {"name": "flink", "flink_master": cluster.master, "parallelism": 1, "environment": "external",
-                  "worker_pool": cluster.worker_pool, "checkpointing_interval_ms": 1000}
-        job = start_rollouts(config_from_dict(_pipeline_config(tmp_path / "run", runner)), urls,
-                             str(tmp_path / "run"), with_trainer=False)
-        try:
-            job.wait()
-        finally:
-            job.cancel()
-    finally:
-        for s in started:
-            s.stop()
-        cluster.stop()
-    workers = _assert_scored_by_the_taskset(tmp_path / "run")
-    assert workers and all(int(w.rsplit(":", 1)[1]) != os.getpid() for w in workers), workers

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -197,3 +198,21 @@ def test_inline_process_and_tcp_env_servers_train_on_prism(tok, tmp_path, monkey
     sampled = answers(tok)
     for rollout in rollouts:
         assert [t["completion_ids"] for t in rollout["turns"]] in ([a, b] for a in sampled for b in sampled)
+
+
+def test_an_environment_under_another_python_is_described_once_a_process(tok, toy_env_on_path, tmp_path):
+    """A worker's stages each build the environment; the taskset is read under its python once, not once
+    each (every read there is an interpreter importing verifiers)."""
+    from beam_rl.envs.env_servers import _described_under
+
+    calls = tmp_path / "calls"
+    python = tmp_path / "counting-python"
+    python.write_text(f'#!/bin/sh\necho x >> "{calls}"\nPYTHONPATH="{PACKAGE}" exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    _described_under.cache_clear()
+    envs = [make_env("verifiers", tok, max_turns=4, env="vf_toy_mt", server="process", python=str(python),
+                     config={"taskset": {"num_tasks": 3}}) for _ in range(2)]
+    assert calls.read_text().count("x") == 1
+    assert envs[0].load_rows() == envs[1].load_rows() and len(envs[0].load_rows()) == 3
+    envs[0].load_rows()[0]["a"] = -1  # each environment's rows are its own
+    assert envs[1].load_rows()[0]["a"] != -1

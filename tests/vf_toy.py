@@ -47,10 +47,15 @@ def external_server(log_dir: Path, num_tasks: int = 4) -> tuple[subprocess.Popen
                             env=package_env(), start_new_session=True), address
 
 
+_VIRTUALENVS: dict[str, Path] = {}
+
+
 def own_virtualenv(directory: Path) -> Path:
     """A virtualenv of the environment's own, with verifiers and the package pip-installed and no beam-rl,
-    built offline by uv from the versions in the project's virtualenv (its cache holds them). Returns its
-    python."""
+    built offline by uv from the versions in the project's virtualenv (its cache holds them). Built once a
+    session (the first caller's `directory` holds it). Returns its python."""
+    if "python" in _VIRTUALENVS:
+        return _VIRTUALENVS["python"]
     uv = Path(sys.executable).parent / "uv"
     if not uv.exists():
         pytest.skip("needs uv beside the project's python (scripts/setup.sh installs it)")
@@ -67,6 +72,12 @@ def own_virtualenv(directory: Path) -> Path:
     without = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     assert subprocess.run([sys.executable, "-c", "import vf_toy_mt"], env=without,
                           capture_output=True).returncode != 0, "the package must be importable only there"
+    # Bytecode for what an env server imports, written once: importing verifiers.v1 from source costs ~20 s
+    # a process on this machine (PYTHONDONTWRITEBYTECODE is set here), from bytecode ~8 s.
+    compiling = {k: v for k, v in without.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([str(python), "-c", "import verifiers.v1, verifiers.v1.serve, vf_toy_mt"], env=compiling,
+                   check=True)
+    _VIRTUALENVS["python"] = python
     return python
 
 

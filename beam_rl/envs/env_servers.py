@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import functools
 import json
 import logging
 import os
@@ -69,7 +71,21 @@ def interpreter_env(python: str | None) -> dict[str, str]:
 
 def describe_env(config: dict[str, Any], python: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the resolved config, the taskset's rows) of a verifiers env config, loaded under `python` (a process
-    of its own) or, without it, in this process. Raises ValueError with verifiers' reason."""
+    of its own) or, without it, in this process. Raises ValueError with verifiers' reason. Under `python`,
+    once a process: a worker's stages each build the environment, and each load there is a new interpreter
+    importing verifiers (seconds)."""
+    if python is None:
+        return _describe(config, None)
+    described = _described_under(json.dumps(config, sort_keys=True), python)
+    return copy.deepcopy(described)
+
+
+@functools.lru_cache(maxsize=16)
+def _described_under(config: str, python: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    return _describe(json.loads(config), python)
+
+
+def _describe(config: dict[str, Any], python: str | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if python is None:
         import verifiers.v1 as vf
 
