@@ -185,3 +185,41 @@ def test_a_pause_stalls_the_engine_only_while_it_holds_work_back():
     assert 0.25 <= frozen <= 0.5, frozen
     assert 0.25 <= aborted <= 0.4, aborted
     assert 0.15 <= held <= 0.3, held
+
+
+def test_a_full_kv_cache_preempts_the_newest_sequence_which_resumes_with_its_tokens(tmp_path):
+    """kv_cache_tokens bounds the batch: sequences are preempted (recompute) when decoding fills it, come
+    back with the tokens they had, and end exactly as on an engine with room for all; each token keeps the
+    weights version of the step that sampled it, across a preemption and a reload."""
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    bounded = SimulatedParams(decode_base_s=0.001, decode_s_per_seq=0.0, length_median=40, kv_cache_tokens=256)
+    unbounded = SimulatedParams(decode_base_s=0.001, decode_s_per_seq=0.0, length_median=40)
+    params = [GenerationParams(prompt_ids=tuple(range(2, 34)), n=1, max_tokens=64, seed=s) for s in range(8)]
+
+    async def run(engine_params, reload_at_step=None):
+        engine = _engine(max_num_seqs=8, params=engine_params)
+        usage: list[float] = []
+
+        async def watch():
+            while True:
+                usage.append(engine.kv_cache_usage())
+                if reload_at_step is not None and engine.steps >= reload_at_step and engine.weights.loads == 0:
+                    await engine.load_weights(str(tmp_path))
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        done = await asyncio.gather(*(_complete(engine, p) for p in params))
+        watcher.cancel()
+        await engine.aclose()
+        return engine, done, usage
+
+    engine, done, usage = asyncio.run(run(bounded, reload_at_step=20))
+    roomy, expected, _ = asyncio.run(run(unbounded))
+    assert engine.preemptions > 0 and roomy.preemptions == 0
+    assert max(usage) <= 1.0
+    assert [c[0].token_ids for c in done] == [c[0].token_ids for c in expected]
+    assert engine.steps > roomy.steps  # waiting for room and recomputing cost engine steps
+    for choices in done:
+        versions = choices[0].weight_versions
+        assert len(versions) == len(choices[0].token_ids) and versions == sorted(versions)
+    assert any(1 in c[0].weight_versions for c in done)

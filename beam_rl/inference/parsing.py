@@ -111,6 +111,7 @@ def parse_server_load(text: str) -> ServerLoad:
         kv_cache_usage=kv,
         prefix_cache_hits=hits,
         prefix_cache_queries=queries,
+        preemptions=sums.get("vllm:num_preemptions_total"),
     )
 
 

@@ -40,6 +40,7 @@ class ServerLoad:
     kv_cache_usage: float | None = None  # max over engines: a fraction does not add up
     prefix_cache_hits: float | None = None
     prefix_cache_queries: float | None = None
+    preemptions: float | None = None  # a counter: sequences the server preempted for KV-cache room
 
     @property
     def queued(self) -> float:

@@ -76,6 +76,8 @@ class ServerMetrics:
         yield family(gauge, "vllm:num_requests_running", "Sequences being generated.", b.running)
         yield family(gauge, "vllm:num_requests_waiting", "Sequences waiting for a running slot.", b.waiting)
         yield family(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", b.kv_cache_usage())
+        yield family(counter, "vllm:num_preemptions", "Sequences preempted for KV-cache room.",
+                     getattr(b, "preemptions", 0))
         yield family(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up.", b.prefix_cache.queries)
         yield family(counter, "vllm:prefix_cache_hits", "Prompt tokens found cached.", b.prefix_cache.hits)
         yield family(counter, "vllm:prompt_tokens", "Prompt tokens processed.", b.prompt_tokens)

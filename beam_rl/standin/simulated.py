@@ -19,6 +19,11 @@ The cost model, one engine step at a time (all times multiplied by `time_scale`)
   units), each freeing its slot when it finishes; the HTTP answer leaves when the last one does.
 - A sequence admitted before step a samples its token j during step a + j, with the weights version
   current when that step started; reloads, aborts and pauses land between two steps.
+- With `kv_cache_tokens`, the batch's KV cache (each running sequence's prompt plus the tokens it has
+  sampled) is bounded, as vLLM V1's is: a waiting sequence is admitted only if its prefix fits, and when
+  decoding fills the cache the most recently admitted sequence is preempted (recompute): it goes back to
+  the front of the queue with the tokens it has, and on readmission prefills its prompt and those tokens
+  again before it samples more. Without it, the cache is as large as the batch needs.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class SimulatedParams:
     time_scale: float = 1.0  # every duration above is multiplied by this
     seed: int = 0  # for unseeded requests
     trace_limit: int = 200_000  # engine steps kept for /simulated/trace
+    kv_cache_tokens: int | None = None  # the KV cache's size in tokens (None: unbounded, no preemption)
 
     def __post_init__(self) -> None:
         for name in ("decode_base_s", "decode_s_per_seq", "prefill_s_per_token", "length_sigma"):
@@ -64,6 +70,8 @@ class SimulatedParams:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.length_median < 1 or self.prefix_cache_blocks < 0 or self.time_scale <= 0:
             raise ValueError("length_median must be >= 1, prefix_cache_blocks >= 0 and time_scale > 0")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < KV_BLOCK_SIZE:
+            raise ValueError(f"kv_cache_tokens must be at least a block ({KV_BLOCK_SIZE}), got {self.kv_cache_tokens}")
 
     def step_s(self, running: int, prefill_tokens: int) -> float:
         return self.time_scale * (
@@ -127,8 +135,9 @@ class _Sequence:
     index: int
     key: int  # the seed of its draws
     length: int
-    admitted_step: int = -1
+    admitted_step: int = -1  # for a sequence preempted with t tokens, its readmission step - t
     drawn: tuple[list[int], list[float], str] | None = None  # token ids, logprobs, finish reason
+    preempted_with: int | None = None  # while it waits preempted: the tokens it had sampled
 
 
 @dataclass
@@ -172,7 +181,9 @@ class SimulatedEngine:
         self.generation_tokens = 0
         self.steps = 0
         self.weights = Weights()
-        self.kv_capacity_blocks = max(1, params.prefix_cache_blocks)
+        self.kv_capacity_blocks = max(1, (params.kv_cache_tokens // KV_BLOCK_SIZE) if params.kv_cache_tokens
+                                      else params.prefix_cache_blocks)
+        self.preemptions = 0
         self._weights_from = [(0, self.weights)]  # (first step, weights) at every load and label
         self._allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64))
         self._gate = gate or PauseGate()
@@ -209,8 +220,13 @@ class SimulatedEngine:
         return self._stalled.seconds
 
     def kv_cache_usage(self) -> float:
-        tokens = sum(len(s.request.params.prompt_ids) + self._revealed(s) for _, _, s in self._running)
-        return min(1.0, tokens / KV_BLOCK_SIZE / self.kv_capacity_blocks)
+        return min(1.0, self._kv_tokens() / KV_BLOCK_SIZE / self.kv_capacity_blocks)
+
+    def _kv_tokens(self) -> int:
+        return sum(self._kv_of(s) for _, _, s in self._running)
+
+    def _kv_of(self, sequence: _Sequence) -> int:
+        return len(sequence.request.params.prompt_ids) + self._revealed(sequence)
 
     def trace_since(self, since: float) -> dict[str, Any]:
         """Engine steps that started at or after wall-clock time `since`."""
@@ -289,6 +305,8 @@ class SimulatedEngine:
         return None
 
     def _revealed(self, sequence: _Sequence) -> int:
+        if sequence.preempted_with is not None:
+            return sequence.preempted_with
         if sequence.admitted_step < 0:
             return 0
         return min(sequence.length, self.steps - sequence.admitted_step)
@@ -424,19 +442,48 @@ class SimulatedEngine:
             self._changed.set()
 
     def _admit(self) -> int:
-        """Move waiting sequences into the batch while slots are free; returns uncached prompt tokens."""
+        """Move waiting sequences into the batch while slots (and KV-cache room) are free; returns the
+        prompt tokens to prefill: uncached ones, and a preempted sequence's prompt and tokens again."""
         prefill = 0
+        bounded = self.params.kv_cache_tokens is not None
+        kv = self._kv_tokens() if bounded else 0
         while self._waiting and len(self._running) < self.max_num_seqs:
-            sequence = self._waiting.popleft()
+            sequence = self._waiting[0]
             request = sequence.request
-            if not request.prefilled:
+            resumed = sequence.preempted_with or 0
+            need = len(request.params.prompt_ids) + resumed + 1
+            if bounded and self._running and kv + need > self.kv_capacity_blocks * KV_BLOCK_SIZE:
+                break  # first come, first served: nothing behind it jumps the queue
+            self._waiting.popleft()
+            kv += need
+            if sequence.preempted_with is not None:
+                prefill += len(request.params.prompt_ids) + resumed  # recomputed
+            elif not request.prefilled:
                 request.prefilled = True
                 prefill += self.prefix_cache.lookup(request.params.prompt_ids, request.params.cache_salt)
                 self.prompt_tokens += len(request.params.prompt_ids)
-            sequence.admitted_step = self.steps
-            heapq.heappush(self._running, (self.steps + sequence.length, next(self._order), sequence))
+            sequence.admitted_step = self.steps - resumed
+            sequence.preempted_with = None
+            heapq.heappush(self._running, (sequence.admitted_step + sequence.length, next(self._order), sequence))
         self.max_running = max(self.max_running, len(self._running))
         return prefill
+
+    def _preempt_to_fit(self) -> None:
+        """Before a step: while the batch's next tokens would not fit the KV cache, the most recently
+        admitted sequence leaves it for the front of the queue, keeping the tokens it sampled."""
+        capacity = self.kv_capacity_blocks * KV_BLOCK_SIZE
+        kv = self._kv_tokens() + len(self._running)  # each running sequence's next token
+        while len(self._running) > 1 and kv > capacity:
+            newest = max(self._running, key=lambda entry: entry[2].admitted_step)
+            self._running.remove(newest)
+            heapq.heapify(self._running)
+            sequence = newest[2]
+            sampled = self._revealed(sequence)
+            self._set_choice(sequence, sampled, None)  # its tokens keep the weights that sampled them
+            sequence.preempted_with = sampled
+            self._waiting.appendleft(sequence)
+            self.preemptions += 1
+            kv -= len(sequence.request.params.prompt_ids) + sampled + 1
 
     def _can_step(self) -> bool:
         if not self._gate.steps:
@@ -460,6 +507,8 @@ class SimulatedEngine:
                 self._stalled.stop()
                 next_at = self._clock()
                 continue
+            if self.params.kv_cache_tokens is not None:
+                self._preempt_to_fit()
             prefill = self._admit() if self._gate.admits else 0
             running = len(self._running)
             duration = p.step_s(running, prefill) + self._faults.config.step_delay_s
@@ -527,6 +576,7 @@ def simulated_params_from_args(args: Any) -> SimulatedParams:
         prefix_cache_blocks=args.sim_prefix_cache_blocks,
         time_scale=args.sim_time_scale,
         seed=args.sim_seed,
+        kv_cache_tokens=args.sim_kv_cache_tokens,
     )
 
 
@@ -542,3 +592,5 @@ def add_simulated_args(parser: Any) -> None:
     group.add_argument("--sim-prefix-cache-blocks", type=int, default=d.prefix_cache_blocks)
     group.add_argument("--sim-time-scale", type=float, default=d.time_scale)
     group.add_argument("--sim-seed", type=int, default=d.seed)
+    group.add_argument("--sim-kv-cache-tokens", type=int, default=d.kv_cache_tokens,
+                       help="bound the KV cache to this many tokens: sequences are preempted when it is full")
