@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from beam_rl.config import ConfigError, RunConfig, shards_problem
 from beam_rl.dispatch import Dispatcher, DispatcherThread, Restore
+from beam_rl.dispatch.concurrency import ConcurrencyController, concurrency_controller
 from beam_rl.envs import env_class, make_env
 from beam_rl.envs.base import Environment
 from beam_rl.inference.client import InferenceAuthError, InferenceClient, InferenceError, InferenceHTTPError
@@ -230,9 +231,11 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
 
 
 def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str, Environment],
-                      policy_version: Callable[[], int], max_inflight: int | None = None) -> DispatcherThread:
+                      policy_version: Callable[[], int], max_inflight: int | None = None,
+                      start_cap: int | None = None) -> DispatcherThread:
     """A dispatcher on its own event-loop thread, with one client per inference server and
-    `max_inflight` permits (default: the config's)."""
+    `max_inflight` permits (default: the config's); a concurrency controller starts at `start_cap` (default:
+    dispatch.concurrency.start)."""
     inf = config.inference
     modes = {e.name: e.mode for e in config.envs}
     sampling = sampling_params(config, envs)
@@ -241,12 +244,23 @@ def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str,
     def build(emit: Callable[[Rollout], None], restore: Restore) -> Dispatcher:
         # At version 0 like the WeightSync that then brings them to the newest published weights.
         clients = [inference_client(config, url, key) for url in server_urls]
-        return Dispatcher(clients, envs, modes, sampling, max_inflight or inf.max_inflight,
+        ceiling = max_inflight or inf.max_inflight
+        return Dispatcher(clients, envs, modes, sampling, ceiling,
                           policy_version, emit, seed=config.run.seed, max_redispatches=inf.max_redispatches,
                           max_regenerations=config.off_policy.max_regenerations,
-                          stale_rule=config.off_policy.stale_rule, restore=restore)
+                          stale_rule=config.off_policy.stale_rule, restore=restore,
+                          concurrency=concurrency_for(config, ceiling, start_cap),
+                          max_off_policy_steps=config.off_policy.max_off_policy_steps)
 
     return DispatcherThread(build, abandoned_after_s=ABANDONED_SOURCE_S)
+
+
+def concurrency_for(config: RunConfig, ceiling: int, start_cap: int | None = None) -> ConcurrencyController:
+    """The in-flight controller of one shard's dispatcher holding `ceiling` permits."""
+    c = config.dispatch.concurrency
+    start = start_cap if start_cap is not None else c.start
+    start = min(start, ceiling) if start is not None else None
+    return concurrency_controller(c.mode, ceiling, start=start, kv_soft_cap=c.kv_soft_cap)
 
 
 def source_parts(config: RunConfig) -> SourceParts:

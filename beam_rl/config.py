@@ -294,10 +294,20 @@ class WeightsSection(_Section):
     update_timeout_s: float = Field(600.0, gt=0)  # one server's whole update (pause, load, resume)
 
 
+class ConcurrencySection(_Section):
+    # How many rollouts each shard keeps in flight (beam_rl/dispatch/concurrency.py): "fixed" holds
+    # inference.max_inflight; "goodput" chooses the cap that trains the most tokens per second, "kv" keeps
+    # the servers' KV-cache usage under kv_soft_cap; both stay under inference.max_inflight.
+    mode: Literal["fixed", "goodput", "kv"] = "fixed"
+    start: int | None = Field(None, gt=0)  # goodput and kv: the first cap (None: an eighth of the ceiling)
+    kv_soft_cap: float = Field(0.9, gt=0, le=1)
+
+
 class DispatchSection(_Section):
     # The dispatch source as this many elements: each shard owns every shards-th prompt, every
     # shards-th inference server and its share of the permits, so dispatch spreads over workers.
     shards: int = Field(1, ge=1)
+    concurrency: ConcurrencySection = Field(default_factory=ConcurrencySection)
 
 
 class RunnerSection(_Section):

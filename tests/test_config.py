@@ -63,7 +63,7 @@ def test_example_config_is_valid_and_spells_out_every_section():
     optional = {"batch.token_budget", "runner.flink_master", "runner.checkpointing_interval_ms",
                 "runner.state_backend", "runner.state_backend_storage_path",
                 "runner.environment", "runner.worker_pool", "runner.worker_command", "runner.flink_local_heap_mb",
-                "inference.api_key_env", "inference.ca_bundle"}
+                "inference.api_key_env", "inference.ca_bundle", "dispatch.concurrency.start"}
     assert _keys(dumped) - optional <= _keys({k: v for k, v in written.items() if k != "envs"})
     assert env_keys - {"limit", "args", "kind", "curriculum"} <= set(written["envs"][0])
 

@@ -1003,6 +1003,7 @@ def test_thread_host_runs_the_dispatcher_for_synchronous_callers():
             "cancelled_stale": 0,
             "redone_on_restart": 0,
             "inflight": 0,
+            "inflight_cap": 4,
             "healthy_servers": 2,
         }
     with pytest.raises(RuntimeError, match="closed"):

@@ -267,3 +267,22 @@ def test_the_jobs_own_counters_come_from_the_runner(servers, tmp_path):
     counters = job.counters()  # what the job's follower serves to Prometheus (beam_rl/observe)
     assert counters["beam_rl/steps_committed"] == len(RunDir(tmp_path).committed_steps()) == 2, counters
     assert not any(name.startswith("beam/") for name in counters)  # Beam's system metrics left out
+
+
+def test_goodput_concurrency_runs_two_shards_and_a_resumed_run_starts_from_the_committed_steps(servers, tmp_path):
+    """dispatch.concurrency.mode = "goodput" on Prism with two shards: every group once; run again on the
+    same run directory, each shard's controller starts where its servers' committed rollouts overlapped."""
+    from beam_rl.dispatch.concurrency import committed_concurrency
+
+    def config(max_steps):
+        return config_from_dict({**_config(tmp_path, max_steps=max_steps).model_dump(mode="json"),
+                                 "dispatch": {"shards": 2, "concurrency": {"mode": "goodput"}}})
+
+    run_rollouts(config(2), servers, with_trainer=False)
+    run_dir = RunDir(tmp_path)
+    windows = [run_dir.read_window(s) for s in run_dir.committed_steps()]
+    starts = [committed_concurrency(windows, {url}) for url in servers]
+    assert all(s is not None and 1 <= s <= 8 for s in starts), starts  # each shard: 16 // 2 permits
+    run_rollouts(config(4), servers, with_trainer=False)
+    assert run_dir.committed_steps() == [1, 2, 3, 4]
+    _assert_every_group_once(run_dir)

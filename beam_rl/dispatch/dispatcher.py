@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Literal
 
+from beam_rl.dispatch.concurrency import ConcurrencyController, FixedConcurrency
 from beam_rl.dispatch.failover import LaunchClient
 from beam_rl.dispatch.ledger import DispatchCounters, Launch, OpenGroup, rollout_seed
 from beam_rl.dispatch.permits import Permits
@@ -65,6 +66,8 @@ class Dispatcher:
         restore: Restore | None = None,
         unhealthy_after: int = 3,
         reprobe_s: float = 5.0,
+        concurrency: ConcurrencyController | None = None,
+        max_off_policy_steps: int | None = None,
     ) -> None:
         for name, env in envs.items():
             mode = env_modes.get(name, "rollout")
@@ -88,7 +91,15 @@ class Dispatcher:
         self.max_regenerations = max_regenerations
         self.stale_rule = stale_rule
         self.counters = DispatchCounters()
-        self._permits = Permits(max_inflight)
+        self._max_inflight = max_inflight
+        # The cap on rollouts in flight: fixed at max_inflight, or chosen as the run goes (concurrency).
+        self.concurrency = concurrency if concurrency is not None else FixedConcurrency(max_inflight)
+        if self.concurrency.cap > max_inflight:
+            raise ValueError(f"the in-flight cap {self.concurrency.cap} is above max_inflight {max_inflight}")
+        self._permits = Permits(self.concurrency.cap)
+        self.max_off_policy_steps = max_off_policy_steps
+        self._cap_floor = 1
+        self._preemptions_seen: dict[str, float] = {}  # each server's preemption counter at the last poll
         self._policy_version = policy_version
         self._emit_out = emit
         self._clock = clock
@@ -103,6 +114,12 @@ class Dispatcher:
 
     @property
     def max_inflight(self) -> int:
+        """The hard cap: no concurrency mode goes above it."""
+        return self._max_inflight
+
+    @property
+    def inflight_cap(self) -> int:
+        """The cap now (max_inflight, or what the concurrency controller chose)."""
         return self._permits.capacity
 
     @property
@@ -172,6 +189,9 @@ class Dispatcher:
             return self._reject(
                 request, f"GroupTooLarge: group_size {request.group_size} > max_inflight {self.max_inflight}"
             )
+        if mode == "group" and request.group_size > self._cap_floor:
+            self._cap_floor = request.group_size  # a group-mode call holds all its permits at once
+            self._apply_cap()
         try:
             prompt_ids = list(env.render_prompt(request.row))
         except Exception as exc:
@@ -251,6 +271,8 @@ class Dispatcher:
         self.pool.finished(launch.server, launch.permits)
         if launch.regenerate_requested and not (launch.cancel_requested or group.cancelled):
             self._requeue(launch)
+            for _ in launch.attempts:
+                self._observe_finished(0)  # its tokens are thrown away
             return
         # Rule: version stamps (end).
         version_end, t_finished = self._policy_version(), self._clock()
@@ -299,8 +321,42 @@ class Dispatcher:
             rollout.t_first_token = launch.progress.first_token_at
             for fate, tokens in group.discarded.pop(rollout.attempt, Counter()).items():
                 rollout.discarded_tokens[fate] += tokens
+            self._observe_finished(self._trainable_tokens(rollout, version_end))
             self._emit(rollout)
         self._close_if_finished(group)
+
+    def _trainable_tokens(self, rollout: Rollout, version_now: int) -> int:
+        """Completion tokens of `rollout` that can train: all of an ok one whose oldest token is inside the
+        off-policy bound now (none if it is not, or it failed)."""
+        if not rollout.ok:
+            return 0
+        if self.max_off_policy_steps is not None:
+            versions = [v for t in rollout.turns for v in t.policy_versions if v != UNKNOWN_VERSION]
+            if versions and version_now - min(versions) > self.max_off_policy_steps:
+                return 0
+        return rollout.completion_tokens
+
+    def _observe_finished(self, trained_tokens: int) -> None:
+        self.concurrency.finished(trained_tokens, self._clock())
+        self._apply_cap()
+
+    def observe_loads(self) -> None:
+        """Hand the concurrency controller the KV-cache usage the pool just polled, and whether a server
+        preempted sequences since the last poll."""
+        polled = [s for s in self.pool.healthy() if s.load is not None]
+        counts = {s.url: s.load.preemptions for s in polled if s.load.preemptions is not None}
+        preempted = any(n > self._preemptions_seen.get(url, n) for url, n in counts.items())
+        self._preemptions_seen.update(counts)
+        usages = [s.load.kv_cache_usage for s in polled if s.load.kv_cache_usage is not None]
+        self.concurrency.loads(usages, preempted, self._clock())
+        self._apply_cap()
+
+    def _apply_cap(self) -> None:
+        cap = min(self._max_inflight, max(self._cap_floor, self.concurrency.cap))
+        if cap != self._permits.capacity:
+            log.info("in-flight cap %d -> %d (%s)", self._permits.capacity, cap, self.concurrency.describe())
+            self._permits.resize(cap)
+            self._wakeup.set()
 
     def _stamp_versions(self, launch: Launch, rollouts: list[Rollout], version_end: int) -> None:
         """Rule: version stamps (per token). A turn the environment built from a completion without passing

@@ -14,7 +14,14 @@ class Permits:
 
     @property
     def available(self) -> int:
-        return self.capacity - self.in_use
+        # A capacity lowered under the permits in use (beam_rl.dispatch.concurrency) frees none until
+        # enough come back.
+        return max(0, self.capacity - self.in_use)
+
+    def resize(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"in-flight cap must be at least 1, got {capacity}")
+        self.capacity = capacity
 
     def take(self, n: int) -> None:
         if n > self.available:

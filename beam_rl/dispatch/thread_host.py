@@ -240,6 +240,7 @@ class DispatcherThread:
                 return
             try:
                 await self.dispatcher.pool.refresh()
+                self.dispatcher.observe_loads()
             except Exception:
                 log.exception("refreshing the server pool failed")
             self.dispatcher.wake()  # a server back in service may let fill() start work
@@ -257,6 +258,7 @@ class DispatcherThread:
             "cancelled_stale": c.cancelled_stale,
             "redone_on_restart": c.redone_on_restart,
             "inflight": self.dispatcher.inflight,
+            "inflight_cap": self.dispatcher.inflight_cap,
             "healthy_servers": len(self.dispatcher.pool.healthy()),
         }
 

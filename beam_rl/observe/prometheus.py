@@ -26,6 +26,7 @@ PREFIX = "beam_rl_"
 STATUS_GAUGES = {
     "inflight": ("permits_in_use", "Rollouts in flight, each holding one permit."),
     "max_inflight": ("permits_capacity", "Permits: the cap on rollouts in flight (inference.max_inflight)."),
+    "inflight_cap": ("inflight_cap", "The in-flight cap now: max_inflight, or what dispatch.concurrency chose."),
     "policy_version": ("policy_version", "The policy version new rollouts start on."),
     "healthy_servers": ("healthy_servers", "Inference servers taking requests."),
     "waiting_for_trainer": ("waiting_for_trainer", "1 while the source holds back for the trainer (max_async_level)."),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from beam_rl.config import RunConfig
 from beam_rl.dispatch import DispatcherThread
+from beam_rl.dispatch.concurrency import committed_concurrency
 from beam_rl.dispatch.weight_sync import WeightSync
 from beam_rl.envs.base import Environment
 from beam_rl.inference.inflight import UpdateTiming
@@ -95,7 +96,14 @@ class RolloutSource:
                                   config.off_policy.max_async_level, spec.with_trainer, shard.count,
                                   max_off_policy_steps=config.off_policy.max_off_policy_steps)
         self._max_inflight = permits
-        self._dispatcher = parts.dispatcher_thread(servers, self.envs, self.policy_version, permits)
+        start_cap = None
+        if config.dispatch.concurrency.mode != "fixed" and self._commits.last_step:
+            # Where the controller was, as far as the committed steps show: a restart does not slow-start
+            # from scratch, and nothing of it lives only in a worker's memory.
+            last = self._commits.last_step
+            windows = [self._run_dir.read_window(s) for s in range(max(1, last - 1), last + 1)]
+            start_cap = committed_concurrency(windows, set(servers))
+        self._dispatcher = parts.dispatcher_thread(servers, self.envs, self.policy_version, permits, start_cap)
         self._weights = WeightSync(self._run_dir, update=self._update_servers,
                                    validate=parts.validate_checkpoint)
         self._weights.poll()  # servers start on the newest published policy, not the initial one
