@@ -258,8 +258,7 @@ def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str,
 def concurrency_for(config: RunConfig, ceiling: int, start_cap: int | None = None) -> ConcurrencyController:
     """The in-flight controller of one shard's dispatcher holding `ceiling` permits."""
     c = config.dispatch.concurrency
-    start = start_cap if start_cap is not None else c.start
-    start = min(start, ceiling) if start is not None else None
+    start = start_cap if start_cap is not None else c.start  # the controller holds it within [1, ceiling]
     return concurrency_controller(c.mode, ceiling, start=start, kv_soft_cap=c.kv_soft_cap)
 
 

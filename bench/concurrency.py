@@ -26,7 +26,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl import components
 from beam_rl.config import config_from_dict
-from beam_rl.inference.inflight import UNKNOWN_VERSION
 from beam_rl.processes import stop_processes
 from beam_rl.standin.launch import start_subprocess_server
 
@@ -81,8 +80,8 @@ def run_one(name: str, concurrency: dict[str, Any], urls: list[str], size: dict[
                 position += 64
             for rollout in thread.poll(0.05):
                 rollouts += 1
-                versions = [v for t in rollout.turns for v in t.policy_versions if v != UNKNOWN_VERSION]
-                if rollout.ok and versions and version[0] - min(versions) <= BOUND:
+                oldest = rollout.token_version_min
+                if rollout.ok and oldest is not None and version[0] - oldest <= BOUND:
                     trained += rollout.completion_tokens
             if time.monotonic() >= next_step:
                 version[0] += 1

@@ -18,6 +18,7 @@ starts until the count is back under it. `inference.max_inflight` is the ceiling
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -27,6 +28,7 @@ CONCURRENCY_MODES: tuple[str, ...] = ("fixed", "goodput", "kv")
 
 class ConcurrencyController(Protocol):
     cap: int
+    counts_trained_tokens: bool  # whether `finished` needs its argument (the dispatcher skips it if not)
 
     def finished(self, trained_tokens: int, now: float) -> None:
         """A rollout finished: `trained_tokens` of its completion tokens can train (0 when none can)."""
@@ -40,6 +42,8 @@ class ConcurrencyController(Protocol):
 
 
 class FixedConcurrency:
+    counts_trained_tokens = False
+
     def __init__(self, cap: int) -> None:
         self.cap = cap
 
@@ -72,18 +76,19 @@ class GoodputController:
     A measurement under a cap starts once `cap` rollouts have finished since it was set (the pool turned
     over once) and lasts until `max(min_rollouts, measure_turns * cap)` more have finished."""
 
+    counts_trained_tokens = True
+
     def __init__(self, ceiling: int, floor: int = 1, start: int | None = None, *, min_rollouts: int = 16,
                  measure_turns: int = 2, tolerance: float = 0.05, collapse: float = 0.5) -> None:
-        if not 1 <= floor <= ceiling:
-            raise ValueError(f"the in-flight floor ({floor}) must be between 1 and the ceiling ({ceiling})")
         self.ceiling, self.floor = ceiling, floor
+        self.cap = _first_cap(ceiling, floor, start)
         self.min_rollouts, self.measure_turns = min_rollouts, measure_turns
         self.tolerance, self.collapse = tolerance, collapse
-        self.cap = min(ceiling, max(floor, start if start is not None else max(floor, ceiling // 8)))
         self.phase: Literal["slow_start", "probing"] = "slow_start"
         self.accepted_cap, self.accepted_rate = self.cap, 0.0
         self._probe_up = True
-        self.history: list[tuple[float, int, float]] = []  # (time, cap measured, trained tokens/s)
+        # (time, cap measured, trained tokens/s) of the latest decisions: a long run makes thousands.
+        self.history: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=256)
         self._measure = _Measurement(self.cap, warmup_left=0)
 
     def finished(self, trained_tokens: int, now: float) -> None:
@@ -155,16 +160,16 @@ class KvController:
     `soft_cap - headroom`, x`decrease` once it is above or a server preempted sequences (vLLM preempts when
     the cache is full: a preempted sequence waits and recomputes its prefix)."""
 
+    counts_trained_tokens = False
+
     def __init__(self, ceiling: int, floor: int = 1, start: int | None = None, *, soft_cap: float = 0.9,
                  headroom: float = 0.1, step: int | None = None, decrease: float = 0.75) -> None:
-        if not 1 <= floor <= ceiling:
-            raise ValueError(f"the in-flight floor ({floor}) must be between 1 and the ceiling ({ceiling})")
         if not 0 < soft_cap <= 1:
             raise ValueError(f"the KV soft cap must be in (0, 1], got {soft_cap}")
         self.ceiling, self.floor = ceiling, floor
+        self.cap = _first_cap(ceiling, floor, start)
         self.soft_cap, self.headroom, self.decrease = soft_cap, headroom, decrease
         self.step = step if step is not None else max(1, ceiling // 32)
-        self.cap = min(ceiling, max(floor, start if start is not None else max(floor, ceiling // 8)))
         self.last_usage: float | None = None
 
     def finished(self, trained_tokens: int, now: float) -> None:
@@ -181,6 +186,13 @@ class KvController:
 
     def describe(self) -> dict[str, object]:
         return {"mode": "kv", "cap": self.cap, "kv_cache_usage": self.last_usage}
+
+
+def _first_cap(ceiling: int, floor: int, start: int | None) -> int:
+    """`start` (default: an eighth of the ceiling) within [floor, ceiling]."""
+    if not 1 <= floor <= ceiling:
+        raise ValueError(f"the in-flight floor ({floor}) must be between 1 and the ceiling ({ceiling})")
+    return min(ceiling, max(floor, start if start is not None else ceiling // 8))
 
 
 def committed_concurrency(windows: Sequence[Any], servers: Collection[str]) -> int | None:

@@ -271,8 +271,9 @@ class Dispatcher:
         self.pool.finished(launch.server, launch.permits)
         if launch.regenerate_requested and not (launch.cancel_requested or group.cancelled):
             self._requeue(launch)
-            for _ in launch.attempts:
-                self._observe_finished(0)  # its tokens are thrown away
+            if self.concurrency.counts_trained_tokens:
+                for _ in launch.attempts:
+                    self._observe_finished(0)  # its tokens are thrown away
             return
         # Rule: version stamps (end).
         version_end, t_finished = self._policy_version(), self._clock()
@@ -321,7 +322,8 @@ class Dispatcher:
             rollout.t_first_token = launch.progress.first_token_at
             for fate, tokens in group.discarded.pop(rollout.attempt, Counter()).items():
                 rollout.discarded_tokens[fate] += tokens
-            self._observe_finished(self._trainable_tokens(rollout, version_end))
+            if self.concurrency.counts_trained_tokens:
+                self._observe_finished(self._trainable_tokens(rollout, version_end))
             self._emit(rollout)
         self._close_if_finished(group)
 
@@ -330,10 +332,9 @@ class Dispatcher:
         off-policy bound now (none if it is not, or it failed)."""
         if not rollout.ok:
             return 0
-        if self.max_off_policy_steps is not None:
-            versions = [v for t in rollout.turns for v in t.policy_versions if v != UNKNOWN_VERSION]
-            if versions and version_now - min(versions) > self.max_off_policy_steps:
-                return 0
+        oldest, bound = rollout.token_version_min, self.max_off_policy_steps
+        if bound is not None and oldest is not None and version_now - oldest > bound:
+            return 0
         return rollout.completion_tokens
 
     def _observe_finished(self, trained_tokens: int) -> None:
