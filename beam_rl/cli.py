@@ -65,7 +65,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         _add_step_row(table, record)
         verified.append(step)
     console.print(table)
-    for line in _curriculum_lines(run_dir, verified):
+    for line in _decision_lines(run_dir, verified):
         console.print(line)
     for path in stray:
         console.print(f"[yellow]{escape(str(path))}: not listed in its step's commit record; "
@@ -75,16 +75,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 2 if damaged else 0
 
 
-def _curriculum_lines(run_dir: RunDir, steps: list[int]) -> list[str]:
-    """What the run's curriculum decided, when its config has one (and can be read)."""
+def _decision_lines(run_dir: RunDir, steps: list[int]) -> list[str]:
+    """What the source decided in the run's committed `steps`: its curriculum and its mix of environments,
+    when its config has them (and can be read)."""
     from beam_rl.config import config_from_dict
-    from beam_rl.source.curriculum import describe
+    from beam_rl.source import curriculum, mixing
 
     try:
         config = config_from_dict(run_dir.read_config(), source=str(run_dir.config_path))
     except (RunDirError, ValueError):
         return []
-    return [escape(line) for line in describe(run_dir, config, steps)]
+    return [escape(line) for describe in (curriculum.describe, mixing.describe)
+            for line in describe(run_dir, config, steps)]
 
 
 def _cmd_inspect_samples(args: argparse.Namespace) -> int:

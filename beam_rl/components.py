@@ -73,11 +73,13 @@ def build_envs(config: RunConfig) -> dict[str, Environment]:
 
 
 def build_schedule(config: RunConfig, envs: dict[str, Environment], split: str | None = None) -> PromptSchedule:
+    """The training prompts: one stream taking turns, or a stream per environment when they are mixed by
+    ratio (the source then chooses the stream, beam_rl/source/mixing.py)."""
     return PromptSchedule([
         EnvSchedule(e.name, envs[e.name].load_rows(split or e.split)[:e.limit], e.group_size, e.epochs,
                     shuffle_seed=config.run.seed if e.curriculum is not None and e.curriculum.shuffle else None)
         for e in config.envs
-    ])
+    ], stream_per_env=any(e.ratio is not None for e in config.envs))
 
 
 def eval_schedule(config: RunConfig, envs: dict[str, Environment]) -> PromptSchedule:
@@ -167,6 +169,7 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
       it last said; a run never waits the longer `inference.all_servers_down_timeout_s` for servers that
       were never up (the dispatcher keeps the short patience too until one answers a request).
     - Some answering: the others are named in a warning and left to the dispatcher's re-probes.
+    - With dispatch.concurrency.mode = "kv": a server whose /metrics has no KV-cache usage is refused.
     No completion is requested on the completions route: a server's own counters see only the run.
     Each dispatch shard drives servers of its own: at least `dispatch.shards` servers, or a ConfigError."""
     problem = shards_problem(config.dispatch.shards, len(server_urls))  # the config counted inference.urls
@@ -198,6 +201,17 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
                 return f"{url} answers the generate route with HTTP {err.status}", True
             except InferenceError as err:
                 return f"{url} cannot be reached ({err})", True
+        if config.dispatch.concurrency.mode == "kv":
+            try:
+                load = await client.load()
+            except InferenceHTTPError as err:
+                return (f"{url} does not serve /metrics (HTTP {err.status}), which dispatch.concurrency.mode = "
+                        "\"kv\" reads", err.status >= 500)
+            except InferenceError as err:
+                return f"{url}/metrics cannot be read ({err})", True
+            if load.kv_cache_usage is None:
+                return (f"{url}/metrics has no vllm:kv_cache_usage_perc, which dispatch.concurrency.mode = \"kv\" "
+                        "reads: use \"goodput\" or \"fixed\" with this server", False)
         return None, False
 
     async def check_all() -> list[tuple[str | None, bool]]:

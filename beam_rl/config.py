@@ -218,6 +218,9 @@ class EnvConfig(_Section):
     limit: int | None = Field(None, gt=0)  # use only the first `limit` rows of the split
     reward: RewardSection = Field(default_factory=RewardSection)
     curriculum: CurriculumSection | None = None  # unset: every prompt every epoch, in row order
+    # Its share of what trains (dispatch.mix_by), relative to the other environments' ratios: set on every
+    # environment or on none (none: they take turns, row by row). beam_rl/source/mixing.py.
+    ratio: float | None = Field(None, gt=0)
 
     @property
     def min_scored(self) -> int:
@@ -308,6 +311,7 @@ class DispatchSection(_Section):
     # shards-th inference server and its share of the permits, so dispatch spreads over workers.
     shards: int = Field(1, ge=1)
     concurrency: ConcurrencySection = Field(default_factory=ConcurrencySection)
+    mix_by: Literal["samples", "tokens"] = "samples"  # what envs[].ratio shares: trained samples or their tokens
 
 
 class RunnerSection(_Section):
@@ -430,6 +434,11 @@ class RunConfig(_Section):
                     f"{inference.max_inflight} permits ({shard_permits} per dispatch shard) cannot admit a group "
                     f"of envs[{i}].group_size ({env.group_size}) in group mode",
                 ))
+        with_ratio = [i for i, env in enumerate(self.envs) if env.ratio is not None]
+        if with_ratio and len(with_ratio) < len(self.envs):
+            missing = next(i for i in range(len(self.envs)) if i not in with_ratio)
+            problems.append((f"envs[{missing}].ratio", f"unset, but envs[{with_ratio[0]}].ratio is set: set a ratio "
+                                                       "on every environment or on none"))
         off = self.off_policy
         if off.max_off_policy_steps < off.max_async_level:
             problems.append((

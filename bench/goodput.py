@@ -69,7 +69,8 @@ class PublishEveryStep(threading.Thread):
         self.run_dir, self.stop = run_dir, threading.Event()
 
     def run(self) -> None:
-        published, files = 0, [f for f in tiny_model_dir().iterdir() if f.is_file()]
+        latest = self.run_dir.latest_stable_weights()  # a resumed run's trainer goes on from its weights
+        published, files = (latest[0] if latest else 0), [f for f in tiny_model_dir().iterdir() if f.is_file()]
         while not self.stop.wait(0.02):
             for step in range(published + 1, (self.run_dir.last_committed_step() or 0) + 1):
                 with self.run_dir.publish_weights_dir(step) as directory:

@@ -40,9 +40,9 @@ def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PC
 
 
 def source_spec(config: RunConfig, server_urls: list[str], directory: RunDir, with_trainer: bool) -> SourceSpec:
-    envs = components.build_envs(config)
+    schedule = components.build_schedule(config, components.build_envs(config))
     return SourceSpec(config=config, server_urls=tuple(server_urls), run_dir=str(directory.path),
                       run_id=uuid.uuid4().hex, first_step=directory.next_step(), with_trainer=with_trainer,
-                      schedule_groups=len(components.build_schedule(config, envs)))
+                      schedule_groups=len(schedule), schedule_streams=schedule.stream_lengths)
 
 

@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import collections
+import os
+import signal
+import subprocess
+import time
 
 import pyarrow as pa
 
 from beam_rl.rundir import RunDir
+
+
+def kill_after_step(run: subprocess.Popen, run_dir: RunDir, step: int, timeout_s: float = 180) -> list[int]:
+    """SIGKILL the run's process group once `step` steps are committed; returns the steps committed then."""
+    deadline = time.monotonic() + timeout_s
+    while len(run_dir.committed_steps()) < step:
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
+        time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    steps = run_dir.committed_steps()
+    print(f"killed after step {steps[-1]}")
+    return steps
 
 
 def assert_each_group_and_offset_once(run_dir: RunDir, steps: list[int]) -> None:

@@ -101,6 +101,26 @@ def test_the_generate_route_is_checked_before_the_run_starts(monkeypatch):
         components.check_servers(_config([server.url], api_key_env="BEAM_RL_TEST_KEY"), [server.url])
 
 
+class _WithoutKvMetrics(EmbeddedServer):
+    """An OpenAI-compatible server whose /metrics says nothing of its KV cache (not vLLM's)."""
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text="# TYPE requests_total counter\nrequests_total 3\n", content_type="text/plain")
+
+
+def test_kv_concurrency_is_refused_before_the_run_starts_on_a_server_without_kv_metrics():
+    kv = {"concurrency": {"mode": "kv"}}
+    with EmbeddedServer(mode="instant") as server:
+        components.check_servers(config_from_dict({**_config([server.url]).model_dump(mode="json"), "dispatch": kv}),
+                                 [server.url])
+    with _WithoutKvMetrics(mode="instant") as server:
+        config = config_from_dict({**_config([server.url]).model_dump(mode="json"), "dispatch": kv})
+        with pytest.raises(ValueError, match=rf"{server.url}/metrics has no vllm:kv_cache_usage_perc, which "
+                                             r"dispatch.concurrency.mode = \"kv\" reads"):
+            components.check_servers(config, [server.url])
+        components.check_servers(_config([server.url]), [server.url])  # fixed: /metrics is not needed
+
+
 @pytest.mark.parametrize("rule", [None, "cancel_group"])
 def test_the_dispatcher_gets_the_configs_stale_rule_and_its_pool_the_hooks_of_its_owners(rule):
     off_policy = {"stale_rule": rule} if rule else {}

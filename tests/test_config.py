@@ -65,7 +65,7 @@ def test_example_config_is_valid_and_spells_out_every_section():
                 "runner.environment", "runner.worker_pool", "runner.worker_command", "runner.flink_local_heap_mb",
                 "inference.api_key_env", "inference.ca_bundle", "dispatch.concurrency.start"}
     assert _keys(dumped) - optional <= _keys({k: v for k, v in written.items() if k != "envs"})
-    assert env_keys - {"limit", "args", "kind", "curriculum"} <= set(written["envs"][0])
+    assert env_keys - {"limit", "args", "kind", "curriculum", "ratio"} <= set(written["envs"][0])
 
 
 def test_model_dump_to_json_loads_back_to_the_same_config(tmp_path):

@@ -8,10 +8,8 @@ import collections
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,7 +19,7 @@ from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.source.curriculum import Curriculum
 from beam_rl.source.schedule import EnvSchedule, PromptSchedule
-from tests.run_checks import assert_each_group_and_offset_once
+from tests.run_checks import assert_each_group_and_offset_once, kill_after_step
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -132,16 +130,8 @@ def _run(config: dict) -> subprocess.Popen:
 def test_solved_prompts_are_not_sent_again_and_a_run_killed_and_resumed_keeps_every_decision(tmp_path):
     config = _config(tmp_path / "run", _dataset(tmp_path / "data"))
     run_dir = RunDir(tmp_path / "run")
-    killed_after = random.Random().randint(2, 6)  # steps: the kill lands anywhere in the first two epochs
-    run = _run(config)
-    deadline = time.monotonic() + 120
-    while len(run_dir.committed_steps()) < killed_after:
-        assert run.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
-        time.sleep(0.05)
-    os.killpg(run.pid, signal.SIGKILL)
-    run.wait()
-    first = run_dir.committed_steps()
-    print(f"killed after step {first[-1]}")
+    # The kill lands anywhere in the first two epochs.
+    first = kill_after_step(_run(config), run_dir, random.Random().randint(2, 6), timeout_s=120)
     assert _run(config).wait(timeout=300) == 0  # resumed: to the end of the schedule
     steps = run_dir.committed_steps()
     assert steps == list(range(1, len(steps) + 1)) and len(steps) > len(first)

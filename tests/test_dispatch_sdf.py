@@ -50,7 +50,10 @@ class _Source:
     def wants_more(self) -> bool:
         return len(self.admitted) < self.allow
 
-    def admit(self, offset: int) -> None:
+    def next_stream(self) -> None:
+        return None  # one stream: the offset is the draw
+
+    def admit(self, offset: int, stream: None = None) -> None:
         self.admitted.append(offset)
         self.out.append(Rollout(f"g{offset}", "reverse_text", 0, 1))
 

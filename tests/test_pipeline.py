@@ -6,7 +6,6 @@ import collections
 import gc
 import os
 import shutil
-import threading
 
 import pyarrow as pa
 import pytest
@@ -16,6 +15,7 @@ from beam_rl.rundir import RunDir
 from beam_rl.source import admission
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.tinymodel import tiny_model_dir
+from bench.goodput import PublishEveryStep
 from runners.rollout_job import run_rollouts, runner_settings, start_rollouts
 
 PROMPTS, GROUP_SIZE, ROLLOUTS_PER_STEP = 32, 8, 64
@@ -162,29 +162,11 @@ def test_two_dispatch_shards_share_the_work_and_keep_every_group_exactly_once(se
     assert workers == in_this_process if runner == "direct" else (workers and not workers & in_this_process), workers
 
 
-class _PublishEveryStep(threading.Thread):
-    """A stand-in trainer: publishes weights (the tiny model's own tensors) as soon as each step commits."""
-
-    def __init__(self, run_dir: RunDir) -> None:
-        super().__init__(daemon=True)
-        self.run_dir, self.stop = run_dir, threading.Event()
-
-    def run(self) -> None:
-        published = 0
-        while not self.stop.wait(0.02):
-            for step in range(published + 1, (self.run_dir.last_committed_step() or 0) + 1):
-                with self.run_dir.publish_weights_dir(step) as directory:
-                    for file in tiny_model_dir().iterdir():
-                        if file.is_file():
-                            shutil.copy(file, directory)
-                published = step
-
-
 def run_publishing_every_step(config, urls: list[str]) -> tuple[RunDir, list[dict]]:
     """The rollout pipeline beside a stand-in trainer that publishes weights after every step: the run
     directory and its weight-update records."""
     run_dir = RunDir(config.run.dir)
-    trainer = _PublishEveryStep(run_dir)
+    trainer = PublishEveryStep(run_dir)
     trainer.start()
     try:
         run_rollouts(config, urls, with_trainer=True)

@@ -45,14 +45,22 @@ class _RangeTracker(RestrictionTracker):
     def __init__(self, restriction: DispatchRange) -> None:
         self._restriction = restriction
         self._next = restriction.start
+        self._draws = list(restriction.draws)
 
     def current_restriction(self) -> DispatchRange:
         return self._restriction
 
-    def try_claim(self, offset: int) -> bool:
+    def try_claim(self, position: int | tuple[int, int]) -> bool:
+        """Claim `position`: an offset, or (offset, stream) when the source chose which stream it draws
+        from; the draw is counted here, under the runner's lock on the tracker, so a split never
+        separates it from its offset."""
+        offset, stream = position if isinstance(position, tuple) else (position, None)
         if not self._next <= offset < self._restriction.stop:
             return False
         self._next = offset + 1
+        if stream is not None:
+            self._draws += [0] * (stream + 1 - len(self._draws))
+            self._draws[stream] += 1
         return True
 
     def try_split(self, fraction_of_remainder: float):
@@ -60,7 +68,8 @@ class _RangeTracker(RestrictionTracker):
         if fraction_of_remainder > 0 or self._next >= r.stop:
             return None
         # The residual copies what the process() call last noted as in flight (DispatchRange).
-        primary, residual = DispatchRange(r.start, self._next), DispatchRange(self._next, r.stop, r.in_flight)
+        primary = DispatchRange(r.start, self._next, draws=r.draws)
+        residual = DispatchRange(self._next, r.stop, r.in_flight, tuple(self._draws))
         self._restriction = primary
         return primary, residual
 
@@ -192,9 +201,10 @@ class _DispatchFn(beam.DoFn):
             restriction.in_flight = source.in_flight()
             # Claim.
             while next_offset < restriction.end_marker and source.wants_more():
-                if not tracker.try_claim(next_offset):
+                stream = source.next_stream()
+                if not tracker.try_claim(next_offset if stream is None else (next_offset, stream)):
                     return
-                source.admit(next_offset)
+                source.admit(next_offset, stream)
                 next_offset += 1
                 restriction.in_flight = source.in_flight()
             # Work and yield: the rollouts of one group that finished together leave as one element
@@ -225,7 +235,7 @@ def _shard_elements(spec: SourceSpec) -> list[ShardElement]:
     subtask, and so a worker, while another worker has none."""
     elements = []
     for i in range(spec.shards):
-        size = Shard(i, spec.shards).size(spec.schedule_groups)
+        size = spec.shard_draws(i)
         elements.append((_routing_key(spec, i, size), (i, size)))
     return elements
 

@@ -125,6 +125,11 @@ class DispatcherThread:
         """Groups added but not yet opened by the dispatcher (waiting for permits)."""
         return self.dispatcher.waiting
 
+    @property
+    def inflight_cap(self) -> int:
+        """How many rollouts the dispatcher keeps in flight now (its concurrency controller's cap)."""
+        return self.dispatcher.inflight_cap
+
     def counters(self) -> dict[str, int]:
         return self._call(self._snapshot)
 

@@ -26,6 +26,7 @@ class Hold(str, enum.Enum):
     OFF_POLICY = "off_policy"  # a group admitted now would queue behind enough work to train past the bound
     SINK = "sink"  # too many groups in transit: scoring, packing or committing is behind
     BACKLOG = "backlog"  # the dispatcher already has enough groups waiting for permits
+    ENV_CAPS = "env_caps"  # mixing: every environment with prompts left is at its in-flight cap
 
 
 @dataclass(frozen=True)

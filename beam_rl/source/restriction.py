@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-Redo = tuple[tuple[int, tuple[int, ...]], ...]  # (shard offset, attempts) pairs
+Redo = tuple[tuple[int, tuple[int, ...]], ...]  # (schedule position, attempts) pairs
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,17 @@ class InFlight:
 class DispatchRange:
     """Offsets [start, stop) of a shard's part of the prompt schedule still to claim (the last one,
     stop - 1, is the end marker), and what was in flight when it was saved. The process() call working
-    on a range keeps `in_flight` current as rollouts leave; a checkpoint's residual takes a copy."""
+    on a range keeps `in_flight` current as rollouts leave; a checkpoint's residual takes a copy.
+
+    Each offset claimed is one prompt drawn from one stream of the schedule. With several streams (mixing
+    by ratio) the source chooses the stream, and `draws` counts, per stream, the draws made before
+    `start`; the tracker counts them as it claims, so they always agree with `start`. Empty: none yet,
+    or a one-stream schedule, whose draws are the offsets."""
 
     start: int
     stop: int
     in_flight: InFlight = field(default_factory=InFlight)
+    draws: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.start <= self.stop:

@@ -11,8 +11,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Shard:
-    """Shard `index` of `count`. It owns every `count`-th position of the prompt schedule (so all shards
-    move through the epochs together), every `count`-th server, and its share of the permits."""
+    """Shard `index` of `count`. It owns every `count`-th draw of each stream of the prompt schedule (so all
+    shards move through the epochs together), every `count`-th server, and its share of the permits."""
 
     index: int = 0
     count: int = 1
@@ -25,9 +25,17 @@ class Shard:
         """How many of `positions` schedule positions this shard owns."""
         return len(range(self.index, positions, self.count))
 
+    def draws(self, stream_lengths: Sequence[int]) -> tuple[int, ...]:
+        """How many draws of each stream of the prompt schedule this shard owns."""
+        return tuple(map(self.size, stream_lengths))
+
     def position(self, offset: int) -> int:
-        """The schedule position of this shard's `offset`-th prompt."""
-        return offset * self.count + self.index
+        """The schedule position of this shard's `offset`-th prompt (of a one-stream schedule)."""
+        return self.draw(offset)
+
+    def draw(self, local: int) -> int:
+        """The stream's draw that is this shard's `local`-th of it."""
+        return local * self.count + self.index
 
     def offset(self, position: int) -> int | None:
         """This shard's offset of a schedule position, or None if another shard owns it."""

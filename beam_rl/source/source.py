@@ -9,6 +9,7 @@ rounds (eval_rounds), the commits it reads (commits), live status (status).
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from beam_rl.source.admission import AdmissionState, Hold, hold_reason, input_fi
 from beam_rl.source.commits import CommittedSteps
 from beam_rl.source.curriculum import Curriculum
 from beam_rl.source.eval_rounds import EvalRounds
+from beam_rl.source.mixing import EnvMix
 from beam_rl.source.restriction import DispatchRange, InFlight
 from beam_rl.source.schedule import PromptSchedule
 from beam_rl.source.shard import Shard
@@ -48,10 +50,19 @@ class SourceSpec:
     first_step: int = 1  # the step this pipeline run starts at (last committed + 1)
     with_trainer: bool = True  # False: nobody publishes weights, so staleness is not checked
     schedule_groups: int = 0  # len(PromptSchedule), set by the launcher
+    schedule_streams: tuple[int, ...] = ()  # PromptSchedule.stream_lengths (unset: one of schedule_groups)
 
     @property
     def shards(self) -> int:
         return self.config.dispatch.shards
+
+    @property
+    def stream_lengths(self) -> tuple[int, ...]:
+        return self.schedule_streams or (self.schedule_groups,)
+
+    def shard_draws(self, shard: int) -> int:
+        """How many prompts shard `shard` draws over the run (its restriction's offsets)."""
+        return sum(Shard(shard, self.shards).draws(self.stream_lengths))
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,13 @@ class RolloutSource:
         if self._curriculum is not None:
             self._curriculum.follow(self._run_dir, self._commits.last_step)
         self._curriculum_skipped = 0
+        self._mix = EnvMix.for_run(config, shard.count)  # None: one stream, environments taking turns
+        if self._mix is not None:
+            self._mix.follow(self._run_dir, self._commits.last_step)
+        self._stream_draws = shard.draws(self.schedule.stream_lengths)  # per stream, the draws this shard owns
+        self._draws = self._restored_draws(restored)
+        self._pending_by_env: collections.Counter[str] = collections.Counter()  # groups not yet in a committed step
+        self._inflight_by_env: collections.Counter[str] = collections.Counter()  # rollouts of groups not returned
         permits = shard.permits(config.inference.max_inflight)
         servers = shard.servers(list(spec.server_urls))
         self._limits = limits_for(config.batch.rollouts_per_step, min(e.group_size for e in config.envs), permits,
@@ -119,11 +137,21 @@ class RolloutSource:
         self._rollouts_ahead = 0  # the rollouts of the groups admitted or in transit: what a new group queues behind
         self._stopping = False
         self._worker = worker_id()
-        for offset, attempts in restored.in_flight.redo:
-            self.admit(offset, attempts)
+        for position, attempts in restored.in_flight.redo:
+            self._admit(position, attempts)
         if restored.in_flight.redo or restored.start:
             _LOG.warning("shard %d restored at offset %d: %d groups left it before, %d run again",
                          shard.index, restored.start, self.emitted, len(self._admitted))
+
+    def _restored_draws(self, restored: DispatchRange) -> list[int]:
+        streams = len(self._stream_draws)
+        if streams == 1:
+            return [restored.start]
+        draws = list(restored.draws) + [0] * (streams - len(restored.draws))
+        if len(draws) != streams or sum(draws) != restored.start:
+            raise ValueError(f"restored dispatch range {restored} does not say how many prompts each of the "
+                             f"schedule's {streams} streams gave (the environments or their ratios changed?)")
+        return draws
 
     def policy_version(self) -> int:
         return self._weights.version
@@ -148,13 +176,33 @@ class RolloutSource:
             rollouts_ahead=self._rollouts_ahead,
             room_share=self._commits.room_share, stalled=stalled,
         ), self._limits)
+        if hold is None and self._mix is not None and self._mixed_stream() is None:
+            hold = Hold.ENV_CAPS
         self._held.note(hold, now)
         return hold is None
 
-    def admit(self, offset: int, attempts: tuple[int, ...] | None = None) -> None:
-        """Dispatch the group at this shard's `offset` (all its attempts, or those given), unless a
-        committed step already holds it."""
-        position = self.shard.position(offset)
+    def next_stream(self) -> int | None:
+        """The stream the next offset claimed draws from: mixing's choice, or None with one stream (the
+        offset is the draw). Only while `wants_more` says so."""
+        if self._mix is None:
+            return None
+        stream = self._mixed_stream()
+        if stream is None:
+            raise RuntimeError("no environment may draw now: wants_more said so")
+        return stream
+
+    def admit(self, offset: int, stream: int | None = None) -> None:
+        """Dispatch the group of this shard's `offset`-th prompt, unless a committed step already holds it:
+        with one stream, its `offset`-th draw; mixed, the next draw of `stream` (next_stream's choice)."""
+        if stream is None:
+            stream, draw = 0, offset
+        else:
+            draw = self._draws[stream]
+        self._draws[stream] = draw + 1
+        self._admit(self.schedule.position_of(stream, self.shard.draw(draw)))
+
+    def _admit(self, position: int, attempts: tuple[int, ...] | None = None) -> None:
+        """Dispatch the group at `position` (all its attempts, or those given)."""
         if self.schedule.offset(position) in self._commits.consumed:
             return
         if attempts is None and self._skipped_by_curriculum(position):
@@ -162,7 +210,24 @@ class RolloutSource:
         group = self.schedule.group(position, attempts)
         self._admitted[group.group_id] = position
         self._rollouts_ahead += self.schedule.group_size(position)
+        self._pending_by_env[group.env_name] += 1
+        self._inflight_by_env[group.env_name] += len(attempts) if attempts is not None else group.group_size
         self._dispatcher.add_groups([group])
+
+    def _mixed_stream(self) -> int | None:
+        """Mixing: the stream of the environment furthest behind its target share, of those with prompts
+        left and room under their in-flight cap (one group always has room); None if there is none."""
+        assert self._mix is not None
+        caps = self._mix.caps(self._dispatcher.inflight_cap)
+        candidates = []
+        for stream, env in enumerate(self.schedule.stream_envs):
+            if self._draws[stream] >= self._stream_draws[stream]:
+                continue
+            inflight = self._inflight_by_env[env]
+            if caps is None or inflight == 0 or inflight + self._mix.targets[env].group_size <= caps[env]:
+                candidates.append(env)
+        env = self._mix.choose(candidates, self._pending_by_env)
+        return None if env is None else self.schedule.stream_envs.index(env)
 
     def _skipped_by_curriculum(self, position: int) -> bool:
         """Whether the curriculum keeps this group back; each one kept back is a metrics record. A group
@@ -192,7 +257,9 @@ class RolloutSource:
             if self._dispatcher.is_unreturned(group_id):
                 continue
             if group_id in self._admitted:
-                self._in_transit.add(self._admitted.pop(group_id))
+                position = self._admitted.pop(group_id)
+                self._in_transit.add(position)
+                self._inflight_by_env[self.schedule.offset(position)[0]] -= self.schedule.group_size(position)
                 self.emitted += 1
             self._evaluating.discard(group_id)
         now = time.monotonic()
@@ -205,7 +272,7 @@ class RolloutSource:
         returned yet (by shard offset: run again on restore), the groups emitted whole, and the token
         the next call must bring. Evaluation rounds are not restored."""
         unreturned = self._dispatcher.unreturned()
-        redo = tuple(sorted((self.shard.offset(position), unreturned[group_id])
+        redo = tuple(sorted((position, unreturned[group_id])
                             for group_id, position in self._admitted.items() if group_id in unreturned))
         return InFlight(redo, self.emitted, self.token)
 
@@ -231,8 +298,11 @@ class RolloutSource:
             trained = self._in_transit & self.schedule.positions_of(consumed)
             self._in_transit -= trained
             self._rollouts_ahead -= sum(map(self.schedule.group_size, trained))
+            self._pending_by_env.subtract(self.schedule.offset(p)[0] for p in trained)
         if self._curriculum is not None:
             self._curriculum.follow(self._run_dir, self._commits.last_step)
+        if self._mix is not None:
+            self._mix.follow(self._run_dir, self._commits.last_step)
         if not self._stopping and self._commits.last_step >= self.spec.config.run.max_steps:
             self._stopping = True
             cancelled = self._dispatcher.cancel_groups(list(self._admitted))
@@ -278,6 +348,7 @@ class RolloutSource:
                                        if self._servers_down.down_since is not None else None),
             "max_inflight": self._max_inflight,
             "curriculum_skipped": self._curriculum_skipped,
+            "mix": self._mix.summary(self._dispatcher.inflight_cap) if self._mix is not None else None,
             "servers": servers,
             **counters,
         }, now)
