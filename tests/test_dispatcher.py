@@ -288,6 +288,26 @@ def test_server_pool_selects_least_loaded_then_polled_queue_then_order():
     assert pool.select() is s2
 
 
+def test_a_server_seen_full_is_sent_nothing_more_while_another_has_room():
+    """Its slots are what it ran while requests waited at its /metrics (max_num_seqs, or fewer when its KV
+    cache held them back); heterogeneous servers then fill each to its own size."""
+    pool = ServerPool([FakeClient(f"http://s{i}", Tracker()) for i in range(2)])
+    small, big = pool.servers
+    small.observe(ServerLoad(running=8, waiting=3))
+    assert small.slots == 8 and big.slots is None
+    pool.started(small, 7)
+    pool.started(big, 20)
+    assert pool.select() is small  # one slot left: still the least loaded with room
+    pool.started(small, 1)
+    assert pool.select() is big  # full: what it is sent would only queue there
+    big.observe(ServerLoad(running=20, waiting=1))
+    assert pool.select() is small  # both full: the least loaded, as before
+    small.observe(ServerLoad(running=12, waiting=0))  # it ran more without a queue: it has room again
+    assert small.slots == 12 and pool.select() is small
+    small.observe(ServerLoad(running=5, waiting=0))  # less running and nothing waiting says nothing of its size
+    assert small.slots == 12
+
+
 def test_dispatcher_sends_a_fresh_group_to_the_least_loaded_server():
     async def main() -> None:
         source = groups(3, 1)

@@ -56,11 +56,28 @@ class Server:
     unhealthy_since: float = 0.0
     load: ServerLoad | None = None  # last polled /metrics; None until polled
     checking: asyncio.Future[None] | None = None  # the weight check under way (ServerPool.confirm_weights)
+    # What it runs at once, as its /metrics last showed while requests waited beside them: its
+    # max_num_seqs, or fewer when its KV cache is what holds them back. None: never seen full.
+    slots: int | None = None
 
-    def load_key(self) -> tuple[float, float, int]:
-        # Our own in-flight count is exact and current; the polled queue also sees other
-        # dispatchers sharing the server but lags, so it only breaks ties.
-        return (self.inflight, self.load.queued if self.load else 0.0, self.order)
+    @property
+    def full(self) -> bool:
+        return self.slots is not None and self.inflight >= self.slots
+
+    def observe(self, load: ServerLoad) -> None:
+        """A polled load: while requests wait, what runs is what the server can take now; a server that
+        runs more than that without a queue has room again."""
+        self.load = load
+        if load.waiting > 0 and load.running > 0:
+            self.slots = int(load.running)
+        elif self.slots is not None and load.running > self.slots:
+            self.slots = int(load.running)
+
+    def load_key(self) -> tuple[bool, float, float, int]:
+        # A server with free slots first: what a full one is sent only waits in its queue while another
+        # server could run it. Then our own in-flight count, exact and current; the polled queue also sees
+        # other dispatchers sharing the server but lags, so it only breaks ties.
+        return (self.full, self.inflight, self.load.queued if self.load else 0.0, self.order)
 
 
 # Brings a server that was down to the current policy before it takes requests again.
@@ -101,7 +118,8 @@ class ServerPool:
         return [s for s in self.servers if s.healthy]
 
     def select(self) -> Server | None:
-        """The least-loaded healthy server (in-flight count, then polled queue, then pool order)."""
+        """The least-loaded healthy server with free slots, if any has (in-flight count, then polled
+        queue, then pool order); when every one is full, the least loaded of them."""
         return min(self.healthy(), key=Server.load_key, default=None)
 
     def started(self, server: Server, rollouts: int) -> None:
@@ -143,7 +161,7 @@ class ServerPool:
     async def _refresh_one(self, server: Server) -> None:
         if server.healthy:
             try:
-                server.load = await server.client.load()
+                server.observe(await server.client.load())
             except Exception as exc:  # load is advisory: a failed scrape changes nothing
                 log.debug("polling load of %s failed: %s", server.url, exc)
             await self.confirm_weights(server)

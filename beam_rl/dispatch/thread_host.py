@@ -275,6 +275,7 @@ class DispatcherThread:
             "running": server.load.running if server.load else None,
             "waiting": server.load.waiting if server.load else None,
             "kv_cache_usage": server.load.kv_cache_usage if server.load else None,
+            "slots": server.slots,
             "tokens_received": server.client.tokens_received,
         } for server in self.dispatcher.pool.servers]
 
