@@ -48,7 +48,7 @@ def write_dataset(directory: Path, rows: int, filtered_of_10: int) -> Path:
 
 
 def mixed_config(run_dir: Path, data: Path, steps: int, ratios: dict[str, float] | None, *, shards: int = 1,
-                 mix_by: str = "samples") -> dict[str, Any]:
+                 mix_by: str = "samples", rollouts_per_step: int = 16) -> dict[str, Any]:
     """The run of two environments `a` and `b`, at `ratios` (None: taking turns), as a config dict."""
     envs = []
     for name, filtered in FILTERED_OF_10.items():
@@ -59,8 +59,8 @@ def mixed_config(run_dir: Path, data: Path, steps: int, ratios: dict[str, float]
         "run": {"dir": str(run_dir), "max_steps": steps},
         "envs": envs,
         "model": {"max_context": 256},
-        "batch": {"rollouts_per_step": 16, "seq_len": 256},
-        "inference": {"max_tokens": 8, "max_inflight": 16},
+        "batch": {"rollouts_per_step": rollouts_per_step, "seq_len": 256},
+        "inference": {"max_tokens": 8, "max_inflight": rollouts_per_step},
         "runner": {"name": "direct"},
         "dispatch": {"shards": shards, "mix_by": mix_by},
     }
@@ -77,7 +77,8 @@ def run(config_dict: dict[str, Any]) -> None:
     config = config_from_dict(config_dict)
     run_dir = RunDir(config.run.dir)
     run_dir.write_config(config.model_dump(mode="json"))  # as `beam-rl run` does: inspect reads it
-    servers = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny", max_num_seqs=16,
+    servers = [EmbeddedServer(model_dir=tiny_model_dir(), served_model_name="tiny",
+                              max_num_seqs=config.inference.max_inflight,
                               faults=FaultConfig(replies=REPLIES)) for _ in range(config.dispatch.shards)]
     trainer = PublishEveryStep(run_dir)
     trainer.start()

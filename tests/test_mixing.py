@@ -110,7 +110,9 @@ def _run(config: dict) -> subprocess.Popen:
 @pytest.mark.parametrize("shards", [1, 2])
 def test_two_environments_at_3_to_1_one_four_times_as_often_filtered_train_75_25_across_a_kill(tmp_path, shards):
     # a: one group in ten filtered; b: four in ten, four times as often (bench.mixing.FILTERED_OF_10).
-    config = mixed_config(tmp_path / "run", tmp_path / "data", STEPS, {"a": 3.0, "b": 1.0}, shards=shards)
+    # 32 rollouts a step: a group is 0.6 points of what trains.
+    config = mixed_config(tmp_path / "run", tmp_path / "data", STEPS, {"a": 3.0, "b": 1.0}, shards=shards,
+                          rollouts_per_step=32)
     run_dir = RunDir(tmp_path / "run")
     kill_after_step(_run(config), run_dir, random.Random().randint(3, 12))
     assert _run(config).wait(timeout=300) == 0
