@@ -389,6 +389,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     check_published_weights(run_dir, config)
     import torch
 
+    nproc = args.nproc if args.nproc is not None else config.trainer.nproc
+    if nproc > 1:
+        from beam_rl.trainer.data_parallel import launch
+
+        launch(run_dir.path, components.model_dir(config), config.trainer, config.run.max_steps, nproc,
+               seed=config.run.seed)
+        return 0
     torch.set_num_threads(config.trainer.threads)
     run_trainer(run_dir, components.model_dir(config), config.trainer, config.run.max_steps, seed=config.run.seed)
     return 0
@@ -460,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="the reference trainer, reading and publishing in a run directory")
     train.add_argument("--run-dir", required=True)
     train.add_argument("--config", help="default: the run directory's config.json")
+    train.add_argument("--nproc", type=int, default=None,
+                       help="data-parallel ranks, each reading its own rank file (batch.trainer_ranks); 1: the "
+                            "reference trainer, standing in for every rank (default: trainer.nproc)")
     train.set_defaults(func=_cmd_train)
 
     report = sub.add_parser("report", help="the step table and a PNG plot of reward, lag and throughput")

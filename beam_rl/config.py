@@ -342,6 +342,9 @@ class TrainerSection(_Section):
     clip_eps_high: float = Field(0.2, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)  # global gradient-norm clip before each optimizer step
     threads: int = Field(1, ge=1)  # torch CPU threads; 1 leaves the cores to the servers and the pipeline
+    # Data-parallel ranks (gloo), each reading its own rank file (beam_rl/trainer/data_parallel.py); more
+    # than 1 must equal batch.trainer_ranks. 1: one process stands in for every rank.
+    nproc: int = Field(1, ge=1)
 
 
 class EvalSection(_Section):
@@ -439,6 +442,9 @@ class RunConfig(_Section):
             missing = next(i for i in range(len(self.envs)) if i not in with_ratio)
             problems.append((f"envs[{missing}].ratio", f"unset, but envs[{with_ratio[0]}].ratio is set: set a ratio "
                                                        "on every environment or on none"))
+        if self.trainer.nproc > 1 and self.trainer.nproc != batch.trainer_ranks:
+            problems.append(("trainer.nproc", f"{self.trainer.nproc} ranks, but batch.trainer_ranks = "
+                                              f"{batch.trainer_ranks} rank files a step"))
         off = self.off_policy
         if off.max_off_policy_steps < off.max_async_level:
             problems.append((

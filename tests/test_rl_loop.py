@@ -49,6 +49,19 @@ def test_the_tiny_run_learns(tiny_run):
     assert last > first + 0.03, rewards
 
 
+def test_the_tiny_run_learns_on_two_data_parallel_ranks(tmp_path):
+    """The main job's config with the trainer as two gloo ranks, each reading its own rank file."""
+    config, run_dir = _run(tmp_path, batch={"trainer_ranks": 2}, trainer={"nproc": 2})
+    rewards = [row.reward_mean for row in step_rows(run_dir)]
+    assert len(rewards) == config.run.max_steps
+    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    print(f"reward, first 5 steps {first:.3f}, last 5 {last:.3f}")
+    assert last > first + 0.03, rewards
+    trained = [m["trainer"] for m in run_dir.read_metrics() if "trainer" in m]
+    assert [m["step"] for m in trained] == list(range(1, config.run.max_steps + 1))
+    assert {m["ranks"] for m in trained} == {2} and {m["processes"] for m in trained} == {2}
+
+
 def test_rollouts_see_the_policy_version_advance(tiny_run):
     config, run_dir = tiny_run
     last = run_dir.last_committed_step()

@@ -107,10 +107,7 @@ class ReferenceTrainer:
         # Every rank's file is verified against the commit record (StepCorruptError names a damaged one)
         # before any gradient is taken: a damaged step trains nothing and publishes nothing.
         record = self.run.read_commit(step)
-        micro_batches = [
-            mb for rank in range(record.counts.ranks)
-            for mb in StepReader(self.run, rank).read_step(step, record=record)
-        ]
+        micro_batches = self._read_micro_batches(step, record)
         for mb in micro_batches:
             _check_positions(mb, self.run, step)
         t1 = time.monotonic()
@@ -119,17 +116,19 @@ class ReferenceTrainer:
             torch.manual_seed(self.seed + step)
             loss, stats, grad_norm = self._optimize(step, micro_batches)
         t2 = time.monotonic()
-        # Optimizer state first: STABLE weights must never exist without the state to resume them.
-        save_optimizer_state(self.run, step, self.optimizer)
-        publish_weights(self.run, step, self.model, source_dir=self.model_dir)
-        prune_optimizer_states(self.run, keep_step=step)
+        if self.publishes:
+            # Optimizer state first: STABLE weights must never exist without the state to resume them.
+            save_optimizer_state(self.run, step, self.optimizer)
+            publish_weights(self.run, step, self.model, source_dir=self.model_dir)
+            prune_optimizer_states(self.run, keep_step=step)
         t3 = time.monotonic()
         self.step = step + 1
 
         # Per sample: the version its rollout started on (the per-token `policy_versions` are not used here).
-        versions = (np.concatenate([mb["sample_policy_versions"] for mb in micro_batches]) if micro_batches
-                    else np.zeros(0))
-        rewards = np.concatenate([mb["rewards"] for mb in micro_batches]) if micro_batches else np.zeros(0)
+        parts = self._gather([(mb["sample_policy_versions"], mb["rewards"], len(mb["input_ids"]))
+                              for mb in micro_batches])
+        versions = np.concatenate([v for v, _, _ in parts]) if parts else np.zeros(0)
+        rewards = np.concatenate([r for _, r, _ in parts]) if parts else np.zeros(0)
         staleness = (step - 1) - versions  # docs/design.md, "Staleness": step s trains policy s-1
         metrics: StepMetrics = {
             "step": step,
@@ -139,10 +138,11 @@ class ReferenceTrainer:
             "grad_norm": grad_norm,
             "lr": self.config.lr,
             "trainable_tokens": stats.tokens,
-            "tokens": int(sum(len(mb["input_ids"]) for mb in micro_batches)),
+            "tokens": int(sum(n for _, _, n in parts)),
             "samples": len(versions),
-            "micro_batches": len(micro_batches),
+            "micro_batches": len(parts),
             "ranks": record.counts.ranks,
+            "processes": self.world_size,  # trainer processes that took the step together
             "reward_mean": float(rewards.mean()) if len(rewards) else None,
             "staleness_mean": float(staleness.mean()) if len(staleness) else None,
             "staleness_max": int(staleness.max()) if len(staleness) else None,
@@ -151,18 +151,42 @@ class ReferenceTrainer:
             "compute_s": round(t2 - t1, 6),
             "publish_s": round(t3 - t2, 6),
         }
-        self.run.append_metrics({"trainer": metrics})
+        if self.publishes:
+            self.run.append_metrics({"trainer": metrics})
         logger.info("trainer step %d: loss %.4f, ratio %.4f, clip %.3f, %d tokens",
                     step, loss, metrics["ratio_mean"], metrics["clip_fraction"], stats.tokens)
         if self.progress is not None:
             self.progress(metrics)
         return metrics
 
+    # -- what a data-parallel rank does differently (beam_rl/trainer/data_parallel.py) ----------------
+
+    publishes = True  # this process saves the optimizer state, publishes the weights and records metrics
+    world_size = 1
+
+    def _read_micro_batches(self, step: int, record: Any) -> list[MicroBatchArrays]:
+        """The step's micro-batches this process trains on: every rank's (it stands in for all of them)."""
+        return [mb for rank in range(record.counts.ranks)
+                for mb in StepReader(self.run, rank).read_step(step, record=record)]
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        return values
+
+    def _sum_gradients(self) -> None:
+        pass
+
+    def _reduce_stats(self, total: float, stats: PolicyLossStats) -> tuple[float, PolicyLossStats]:
+        return total, stats
+
+    def _gather(self, items: list[Any]) -> list[Any]:
+        return items
+
     def _optimize(self, step: int, micro_batches: list[MicroBatchArrays]) -> tuple[float, PolicyLossStats, float]:
-        """Accumulate the loss gradient over all micro-batches, then one clipped AdamW step."""
+        """Accumulate the loss gradient over the micro-batches (all ranks' gradients summed), then one
+        clipped AdamW step."""
         cfg = self.config
         trainable = [_trainable_mask(mb) for mb in micro_batches]
-        num_tokens = int(sum(int(m.sum()) for m in trainable))
+        num_tokens = int(self._sum_over_ranks([float(sum(int(m.sum()) for m in trainable))])[0])
         self.optimizer.zero_grad(set_to_none=True)
         total, stats = 0.0, PolicyLossStats()
         if num_tokens == 0:
@@ -185,6 +209,8 @@ class ReferenceTrainer:
             loss.backward()
             total += float(loss.detach())
             stats = stats + mb_stats
+        self._sum_gradients()
+        total, stats = self._reduce_stats(total, stats)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
         if not (np.isfinite(grad_norm) and np.isfinite(total)):
             self.optimizer.zero_grad(set_to_none=True)
