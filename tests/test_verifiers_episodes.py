@@ -89,13 +89,12 @@ def test_a_killed_env_server_is_started_again_and_its_episodes_run_again(tok, to
         out: list = []
         deadline = time.monotonic() + 60
         server = None
-        while server is None or server.process is None:
-            assert time.monotonic() < deadline
-            out += thread.poll(0.1)
+        while server is None or server.process is None or not server.episodes.tasks:
+            assert time.monotonic() < deadline, "no episode started on the env server"
+            out += thread.poll(0.05)
             server = _started_server(thread)
-        time.sleep(1.0)
-        os.killpg(server.process.pid, signal.SIGKILL)
-        while len(out) < 8:
+        os.killpg(server.process.pid, signal.SIGKILL)  # with episodes in flight on it
+        while len(out) < 8 or server.restarts == 0:
             assert time.monotonic() < deadline + 60, f"only {len(out)} rollouts came out"
             out += thread.poll(0.2)
         restarts, recoveries = server.restarts, list(server.recoveries_s)
