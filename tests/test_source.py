@@ -136,8 +136,7 @@ def test_the_input_is_finished_when_claimed_or_stopped_and_nothing_is_out(all_cl
 def test_a_shard_owns_every_nth_position_server_and_its_share_of_permits():
     shards = [Shard(i, 3) for i in range(3)]
     assert [s.size(10) for s in shards] == [4, 3, 3]
-    assert [[s.position(o) for o in range(s.size(10))] for s in shards] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
-    assert [s.offset(7) for s in shards] == [None, 2, None]
+    assert [[s.draw(o) for o in range(s.size(10))] for s in shards] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
     assert [s.servers(["a", "b", "c", "d"]) for s in shards] == [["a", "d"], ["b"], ["c"]]
     assert [s.permits(64) for s in shards] == [22, 21, 21]
     with pytest.raises(ValueError, match="does not exist"):

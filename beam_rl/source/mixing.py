@@ -89,9 +89,13 @@ class EnvMix:
     def follow(self, run_dir: RunDir, last_step: int) -> None:
         """Read the steps committed since the last call, up to `last_step`."""
         for step in range(self.last_step + 1, last_step + 1):
-            record = run_dir.read_commit(step)
-            self.observe(record, trained_by_env(run_dir, record, self.by), run_dir.read_window(step))
+            self.observe_step(run_dir, step)
             self.last_step = step
+
+    def observe_step(self, run_dir: RunDir, step: int) -> None:
+        """A committed step, from its commit record, rank files and window."""
+        record = run_dir.read_commit(step)
+        self.observe(record, trained_by_env(run_dir, record, self.by), run_dir.read_window(step))
 
     def observe(self, record: CommitRecord, trained: Mapping[str, int], window: pa.Table) -> None:
         consumed = collections.Counter(env for env, _, _ in record.offsets)
@@ -119,11 +123,10 @@ class EnvMix:
         size = self.targets[env].group_size
         if self.by == "samples":
             return float(size)
-        groups = sum(sum(f.consumed.values()) for f in self._recent)
         units = sum(sum(f.trained.values()) for f in self._recent)
-        per_group = {t.name: t.group_size for t in self.targets.values()}
-        rollouts = sum(per_group.get(e, 0) * n for f in self._recent for e, n in f.consumed.items())
-        return size * (units / rollouts) if groups and units and rollouts else float(size)
+        rollouts = sum(self.targets[e].group_size * n for f in self._recent for e, n in f.consumed.items()
+                       if e in self.targets)
+        return size * units / rollouts if units and rollouts else float(size)
 
     def shares(self) -> dict[str, float | None]:
         """Of what committed steps trained, each environment's share (None before anything trained)."""
@@ -196,8 +199,7 @@ def describe(run_dir: RunDir, config: RunConfig, steps: list[int]) -> list[str]:
     if mix is None:
         return []
     for step in steps:
-        record = run_dir.read_commit(step)
-        mix.observe(record, trained_by_env(run_dir, record, mix.by), run_dir.read_window(step))
+        mix.observe_step(run_dir, step)
     lines = []
     for env, figures in mix.summary(config.inference.max_inflight).items():
         share = "-" if figures["trained_share"] is None else f"{figures['trained_share']:.3f}"

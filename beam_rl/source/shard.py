@@ -29,18 +29,9 @@ class Shard:
         """How many draws of each stream of the prompt schedule this shard owns."""
         return tuple(map(self.size, stream_lengths))
 
-    def position(self, offset: int) -> int:
-        """The schedule position of this shard's `offset`-th prompt (of a one-stream schedule)."""
-        return self.draw(offset)
-
     def draw(self, local: int) -> int:
         """The stream's draw that is this shard's `local`-th of it."""
         return local * self.count + self.index
-
-    def offset(self, position: int) -> int | None:
-        """This shard's offset of a schedule position, or None if another shard owns it."""
-        offset, owner = divmod(position, self.count)
-        return offset if owner == self.index else None
 
     def servers(self, servers: Sequence[T]) -> list[T]:
         return list(servers[self.index::self.count])

@@ -10,6 +10,7 @@ rounds (eval_rounds), the commits it reads (commits), live status (status).
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -106,8 +107,7 @@ class RolloutSource:
             self._mix.follow(self._run_dir, self._commits.last_step)
         self._stream_draws = shard.draws(self.schedule.stream_lengths)  # per stream, the draws this shard owns
         self._draws = self._restored_draws(restored)
-        self._pending_by_env: collections.Counter[str] = collections.Counter()  # groups not yet in a committed step
-        self._inflight_by_env: collections.Counter[str] = collections.Counter()  # rollouts of groups not returned
+        self._next_mixed: int | None = None  # the stream wants_more found for the next claim (mixing)
         permits = shard.permits(config.inference.max_inflight)
         servers = shard.servers(list(spec.server_urls))
         self._limits = limits_for(config.batch.rollouts_per_step, min(e.group_size for e in config.envs), permits,
@@ -176,19 +176,21 @@ class RolloutSource:
             rollouts_ahead=self._rollouts_ahead,
             room_share=self._commits.room_share, stalled=stalled,
         ), self._limits)
-        if hold is None and self._mix is not None and self._mixed_stream() is None:
-            hold = Hold.ENV_CAPS
+        if hold is None and self._mix is not None:
+            self._next_mixed = self._mixed_stream()
+            if self._next_mixed is None:
+                hold = Hold.ENV_CAPS
         self._held.note(hold, now)
         return hold is None
 
     def next_stream(self) -> int | None:
         """The stream the next offset claimed draws from: mixing's choice, or None with one stream (the
-        offset is the draw). Only while `wants_more` says so."""
+        offset is the draw). Once after each `wants_more` that said yes: it is the stream that call found."""
         if self._mix is None:
             return None
-        stream = self._mixed_stream()
+        stream, self._next_mixed = self._next_mixed, None
         if stream is None:
-            raise RuntimeError("no environment may draw now: wants_more said so")
+            raise RuntimeError("next_stream without a wants_more that said yes before it")
         return stream
 
     def admit(self, offset: int, stream: int | None = None) -> None:
@@ -210,8 +212,6 @@ class RolloutSource:
         group = self.schedule.group(position, attempts)
         self._admitted[group.group_id] = position
         self._rollouts_ahead += self.schedule.group_size(position)
-        self._pending_by_env[group.env_name] += 1
-        self._inflight_by_env[group.env_name] += len(attempts) if attempts is not None else group.group_size
         self._dispatcher.add_groups([group])
 
     def _mixed_stream(self) -> int | None:
@@ -219,14 +219,20 @@ class RolloutSource:
         left and room under their in-flight cap (one group always has room); None if there is none."""
         assert self._mix is not None
         caps = self._mix.caps(self._dispatcher.inflight_cap)
+        # Per environment, the rollouts of its groups not returned whole (as _rollouts_ahead counts them),
+        # and its groups not yet in a committed step.
+        inflight: collections.Counter[str] = collections.Counter()
+        for position in self._admitted.values():
+            inflight[self.schedule.offset(position)[0]] += self.schedule.group_size(position)
+        pending = collections.Counter(self.schedule.offset(position)[0]
+                                      for position in itertools.chain(self._admitted.values(), self._in_transit))
         candidates = []
         for stream, env in enumerate(self.schedule.stream_envs):
             if self._draws[stream] >= self._stream_draws[stream]:
                 continue
-            inflight = self._inflight_by_env[env]
-            if caps is None or inflight == 0 or inflight + self._mix.targets[env].group_size <= caps[env]:
+            if caps is None or inflight[env] == 0 or inflight[env] + self._mix.targets[env].group_size <= caps[env]:
                 candidates.append(env)
-        env = self._mix.choose(candidates, self._pending_by_env)
+        env = self._mix.choose(candidates, pending)
         return None if env is None else self.schedule.stream_envs.index(env)
 
     def _skipped_by_curriculum(self, position: int) -> bool:
@@ -257,9 +263,7 @@ class RolloutSource:
             if self._dispatcher.is_unreturned(group_id):
                 continue
             if group_id in self._admitted:
-                position = self._admitted.pop(group_id)
-                self._in_transit.add(position)
-                self._inflight_by_env[self.schedule.offset(position)[0]] -= self.schedule.group_size(position)
+                self._in_transit.add(self._admitted.pop(group_id))
                 self.emitted += 1
             self._evaluating.discard(group_id)
         now = time.monotonic()
@@ -269,7 +273,7 @@ class RolloutSource:
 
     def in_flight(self) -> InFlight:
         """What a checkpoint taken now must carry: the attempts admitted whose rollouts `poll` has not
-        returned yet (by shard offset: run again on restore), the groups emitted whole, and the token
+        returned yet (by schedule position: run again on restore), the groups emitted whole, and the token
         the next call must bring. Evaluation rounds are not restored."""
         unreturned = self._dispatcher.unreturned()
         redo = tuple(sorted((position, unreturned[group_id])
@@ -298,7 +302,6 @@ class RolloutSource:
             trained = self._in_transit & self.schedule.positions_of(consumed)
             self._in_transit -= trained
             self._rollouts_ahead -= sum(map(self.schedule.group_size, trained))
-            self._pending_by_env.subtract(self.schedule.offset(p)[0] for p in trained)
         if self._curriculum is not None:
             self._curriculum.follow(self._run_dir, self._commits.last_step)
         if self._mix is not None:
