@@ -52,6 +52,13 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, for a child process or a rendezvous to bind."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
 def die_with_parent() -> None:
     """A `preexec_fn`: the child gets SIGTERM when the thread that started it ends, so a killed parent
     (SIGKILL included) leaves no child behind. Linux only; start such children from a thread that

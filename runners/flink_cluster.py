@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from beam_rl.processes import die_with_parent, stop_processes, tree_pids
+from beam_rl.processes import die_with_parent, free_port, stop_processes, tree_pids
 from runners.bootstrap import ensure_flink_distribution
 from runners.flink_rest import FlinkRest
 
@@ -77,12 +77,6 @@ def _can_unshare_mounts() -> bool:
                               capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -300,13 +294,13 @@ def start_cluster(taskmanagers: int = 2, slots_per_taskmanager: int = 2, workdir
             "worker_pools=False and run the workers elsewhere (runner.environment = \"loopback\" or \"process\")")
     home = flink_home()
     workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="beam-rl-flink-"))
-    cluster = FlinkCluster(home=home, workdir=workdir, rest_port=_free_port(),
+    cluster = FlinkCluster(home=home, workdir=workdir, rest_port=free_port(),
                            slots_per_taskmanager=slots_per_taskmanager, worker_pools=worker_pools)
     cluster.log_dir.mkdir(parents=True, exist_ok=True)
     write_conf(home, cluster.conf_dir, {
         **DEFAULT_SETTINGS,
         "rest.port": cluster.rest_port,
-        "jobmanager.rpc.port": _free_port(),
+        "jobmanager.rpc.port": free_port(),
         "taskmanager.numberOfTaskSlots": slots_per_taskmanager,
         "io.tmp.dirs": str(workdir / "tmp"),
         **(settings or {}),

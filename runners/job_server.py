@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from beam_rl.processes import die_with_parent, stop_processes
+from beam_rl.processes import die_with_parent, free_port, stop_processes
 from runners import bootstrap
 from runners.flink_rest import FlinkRest
 
@@ -21,12 +21,6 @@ _EMBEDDED_REST = re.compile(rb"Rest endpoint listening at (\S+):(\d+)")
 
 class JobServerError(RuntimeError):
     """The job server did not start; the message holds the end of its log."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

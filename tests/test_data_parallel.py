@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from safetensors.numpy import load_file
 
 from beam_rl.config import TrainerSection, config_from_dict
+from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer
 from beam_rl.tinymodel import tiny_model_dir
@@ -71,16 +72,8 @@ def _audited_rank(rank: int, world_size: int, port: int, args: tuple, log_dir: s
 def _launch(run_dir: RunDir, nproc: int, log_dir: Path, dies: int | None = None) -> None:
     log_dir.mkdir(exist_ok=True)
     args = (str(run_dir.path), str(tiny_model_dir()), TrainerSection(), 1, 0)
-    mp.start_processes(_audited_rank, args=(nproc, _free_port(), args, str(log_dir), dies), nprocs=nproc,
+    mp.start_processes(_audited_rank, args=(nproc, free_port(), args, str(log_dir), dies), nprocs=nproc,
                        start_method="spawn")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_two_gloo_ranks_train_a_step_to_the_reference_trainers_weights_each_reading_only_its_file(

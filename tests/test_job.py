@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import re
-import socket
 import threading
 import time
 
@@ -17,6 +16,7 @@ from test_live_table import commit, dispatch, trainer
 from beam_rl.config import load_config
 from beam_rl.observe import RunObserver
 from beam_rl.observe.report import LIVE_COLUMNS, STEP_COLUMNS
+from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer
 from runners import job as job_module
@@ -99,12 +99,6 @@ enabled = true
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _scrape_until_a_step_is_committed(port: int, seen: list[str], stop: threading.Event) -> None:
     while not stop.is_set():
         try:
@@ -120,7 +114,7 @@ def _scrape_until_a_step_is_committed(port: int, seen: list[str], stop: threadin
 def test_a_job_left_running_is_followed_not_submitted_again_and_the_run_is_observed(tmp_path, monkeypatch):
     servers = [EmbeddedServer(mode="instant") for _ in range(2)]
     urls = [s.start() for s in servers]
-    port, scraped, stop = _free_port(), [], threading.Event()
+    port, scraped, stop = free_port(), [], threading.Event()
     scraper = threading.Thread(target=_scrape_until_a_step_is_committed, args=(port, scraped, stop))
     try:
         path = tmp_path / "run.toml"

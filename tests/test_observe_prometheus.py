@@ -10,20 +10,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from observe_run import grow, observe_config, status
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.observe import RunObserver
+from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
-from observe_run import grow, observe_config, status
 
 REPO = Path(__file__).resolve().parent.parent
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> Samples:

@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import replace
@@ -30,6 +29,7 @@ from beam_rl.config import config_from_dict
 from beam_rl.dispatch import Dispatcher, ServerPool
 from beam_rl.dispatch.ledger import rollout_seed
 from beam_rl.inference.client import InferenceClient, parse_server_load
+from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
 from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
 from beam_rl.trainer.checkpoint import publish_weights
@@ -54,17 +54,11 @@ pytestmark = pytest.mark.skipif(
            "(its own ~6 GB virtualenv under ~/.cache/beam-rl)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VllmServer:
     """`python -m vllm.entrypoints.launchers.api_server.entry` serving the tiny model as "tiny"."""
 
     def __init__(self, model_dir: Path, log_path: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.cmd = [

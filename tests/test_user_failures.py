@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 from small_run import write_small_run_config
 
+from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 
@@ -152,15 +152,9 @@ def test_a_copied_run_directory_resumes_in_the_copy(resumable, tmp_path):
     assert committed(original) == before and original.committed_steps() == [1, 2, 3, 4]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_server_where_nothing_listens_is_named_within_the_start_up_patience(tmp_path, record_property):
     """The defaults: inference.startup_timeout_s = 30, not all_servers_down_timeout_s (300)."""
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     config = _small_config(tmp_path, ('embedded_mode = "instant"', f'urls = ["{url}"]'))
     started = time.monotonic()
     proc = beam_rl("run", str(config))

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from beam_rl.processes import free_port
 
 PACKAGE = Path(__file__).resolve().parent / "fixtures" / "vf_toy_mt"
 # The embedded server's answers, in turn: a tool call the proxy hands the harness as `tool_calls`, an answer.
@@ -22,12 +23,6 @@ REPLIES = ['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 40}}</tool_cal
 def answers(tok) -> list[list[int]]:
     """REPLIES as the completion ids the server samples for them."""
     return [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in REPLIES]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def package_env() -> dict[str, str]:
