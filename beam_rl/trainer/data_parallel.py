@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from beam_rl.config import RunConfig, TrainerSection
+from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
 from beam_rl.trainer.policy_loss import PolicyLossStats
 from beam_rl.trainer.reader import MicroBatchArrays, StepReader
@@ -97,6 +97,7 @@ def train_rank(run_dir: str, model_dir: str, trainer: TrainerSection, max_steps:
     try:
         torch.set_num_threads(trainer.threads)
         DataParallelTrainer(run_dir, model_dir, trainer, seed).train(max_steps)
+        dist.barrier()  # every rank done with the last step's collectives before rank 0's store goes away
     finally:
         dist.destroy_process_group()
 
@@ -114,11 +115,8 @@ def launch(run_dir: str | os.PathLike[str], model_dir: str | os.PathLike[str], t
 
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
-    with socket.socket() as probe:  # a free port for the ranks' rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.start_processes(_spawned_rank, args=(nproc, port, (str(run_dir), str(model_dir), trainer, max_steps, seed)),
-                       nprocs=nproc, start_method="spawn")
+    rank_args = (str(run_dir), str(model_dir), trainer, max_steps, seed)
+    mp.start_processes(_spawned_rank, args=(nproc, free_port(), rank_args), nprocs=nproc, start_method="spawn")
 
 
 def main(argv: list[str] | None = None) -> None:
