@@ -30,6 +30,7 @@ setup(
         "prometheus-client>=0.20",
         "pyyaml>=6",  # the Flink cluster config (runners/flink_cluster.py)
         "aiohttp>=3.10",  # the inference client and the embedded server
+        "dnspython>=2.6,<3",  # a fleet named by DNS (beam_rl/fleet/dns_fleet.py)
         "rich>=13",
         "transformers>=4.45",
         "tokenizers>=0.20",

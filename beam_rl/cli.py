@@ -448,6 +448,59 @@ def _report_timeline(run_dir: RunDir, steps: list[int]) -> int:
     return 0
 
 
+def _cmd_servers(args: argparse.Namespace) -> int:
+    """Edit or show a run's fleet: its servers file (read by inference.discovery = "file"), each server's
+    shard from fleet.json, and what the shards' status says of it."""
+    from beam_rl.fleet.assignment import Fleet
+    from beam_rl.fleet.discovery import DiscoveryError, ServersFile
+
+    run_dir = RunDir(args.run_dir)
+    if not run_dir.path.is_dir():
+        console.print(f"[red]no run directory at {run_dir.path}[/red]")
+        return 2
+    if args.action != "list" and not args.url:
+        console.print(f"[red]beam-rl servers {args.action} needs the server's base URL[/red]")
+        return 2
+    servers = ServersFile.of_run(run_dir.path)
+    try:
+        if args.action == "add":
+            done = servers.add(args.url)
+            console.print(f"{escape(args.url)} {'added to' if done else 'is already in'} {servers.path}")
+        elif args.action == "remove":
+            done = servers.remove(args.url)
+            console.print(f"{escape(args.url)} {'removed from' if done else 'is not in'} {servers.path}")
+        listed = servers.read() if servers.exists() else []
+        fleet = Fleet.read(run_dir.fleet_path)
+    except (DiscoveryError, ValueError) as err:
+        console.print(f"[red]{escape(str(err))}[/red]")
+        return 2
+    discovery = run_dir.read_config().get("inference", {}).get("discovery") if run_dir.config_path.is_file() else None
+    if discovery not in (None, "file"):
+        console.print(f"[yellow]this run's inference.discovery is {discovery!r}: it does not read {servers.path}[/yellow]")
+    if args.action == "list":
+        console.print(_fleet_table(run_dir, listed, fleet))
+    return 0
+
+
+def _fleet_table(run_dir: RunDir, listed: list, fleet) -> Table:
+    live = {s["url"]: s for s in run_dir.read_status().get("servers", []) if isinstance(s, dict) and "url" in s}
+    placed = {p.url: p for p in fleet.servers} if fleet is not None else {}
+    table = Table(title=f"fleet of {run_dir.path}")
+    for column in ("server", "listed", "shard", "joined", "state", "rollouts in flight"):
+        table.add_column(column)
+    for url in sorted({line.url for line in listed} | set(placed) | set(live)):
+        line = next((x for x in listed if x.url == url), None)
+        placement, state = placed.get(url), live.get(url, {})
+        joined = state.get("joined_at") or (placement.joined_at if placement else None)
+        status = ("joining" if state.get("joining") else "draining" if state.get("draining")
+                  else "healthy" if state.get("healthy") else "down" if state else "-")
+        table.add_row(url, "embedded" if line and line.embedded else "yes" if line else "no",
+                      str(placement.shard) if placement else "-",
+                      time.strftime("%H:%M:%S", time.localtime(joined)) if joined else "-", status,
+                      str(state.get("inflight", "-")))
+    return table
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="beam-rl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -500,6 +553,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="whether the run's packer checked staleness; auto: on for a `beam-rl run` run "
                         "(it has a config.json), off for a `beam-rl rollouts` one")
     replay.set_defaults(func=_cmd_replay)
+
+    servers = sub.add_parser("servers", help="add a server to a running run's fleet, remove one (it drains), or "
+                             "list them (inference.discovery = \"file\")")
+    servers.add_argument("action", choices=("add", "remove", "list"))
+    servers.add_argument("run_dir")
+    servers.add_argument("url", nargs="?", help="the server's base URL (add, remove)")
+    servers.set_defaults(func=_cmd_servers)
     return parser
 
 

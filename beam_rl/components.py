@@ -266,7 +266,9 @@ def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str,
                           concurrency=concurrency_for(config, ceiling, start_cap),
                           max_off_policy_steps=config.off_policy.max_off_policy_steps)
 
-    return DispatcherThread(build, abandoned_after_s=ABANDONED_SOURCE_S)
+    return DispatcherThread(build, abandoned_after_s=ABANDONED_SOURCE_S,
+                            connect=lambda url: inference_client(config, url, key),
+                            drain_timeout_s=inf.drain_timeout_s)
 
 
 def concurrency_for(config: RunConfig, ceiling: int, start_cap: int | None = None) -> ConcurrencyController:

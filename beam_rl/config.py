@@ -7,6 +7,7 @@ import math
 import re
 import string
 import tomllib
+import urllib.parse
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -76,6 +77,17 @@ class InferenceSection(_Section):
     # never goes in a config, a log or the run directory.
     api_key_env: str | None = Field(None, min_length=1)
     ca_bundle: Path | None = Field(None, strict=False)  # PEM file of the CA that signed https servers' certificates
+    # Where the fleet comes from while the run goes on (docs/fleet.md). static: `urls` (or the embedded
+    # servers), fixed. file: the run directory's `servers` file, seeded with those and edited by `beam-rl
+    # servers add|remove`. dns: every A/AAAA record of `dns_name`'s host, as a Kubernetes headless service gives.
+    discovery: Literal["static", "file", "dns"] = "static"
+    # With discovery = "dns": the servers' base URL with the service's name as host, "http://vllm.ns.svc:8000".
+    dns_name: str | None = None
+    dns_resolver: str | None = None  # "host:port" of the nameserver to ask; None: the system's
+    discovery_interval_s: float = Field(5.0, gt=0)  # how often the fleet is discovered again
+    # A server leaving the fleet takes no new group; what it still runs after this long moves, with the
+    # tokens it streamed, to another server.
+    drain_timeout_s: float = Field(60.0, ge=0)
 
     @field_validator("urls")
     @classmethod
@@ -85,6 +97,24 @@ class InferenceSection(_Section):
                 raise ValueError(f"{url!r} is not an http(s) base URL")
         # Clients append "/v1/completions"; a trailing slash would double it.
         return [url.rstrip("/") for url in urls]
+
+    @field_validator("dns_name")
+    @classmethod
+    def _dns_base_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"{url!r} is not an http(s) base URL whose host is the name to resolve")
+        return url.rstrip("/")
+
+    @model_validator(mode="after")
+    def _discovery_source(self) -> InferenceSection:
+        if self.discovery == "dns" and self.dns_name is None:
+            raise ValueError("discovery = \"dns\" needs dns_name, the servers' base URL with the name to resolve")
+        if self.discovery != "dns" and self.dns_name is not None:
+            raise ValueError(f"dns_name is set but discovery = {self.discovery!r}: set discovery = \"dns\"")
+        return self
 
     @field_validator("ca_bundle")
     @classmethod
@@ -452,7 +482,7 @@ class RunConfig(_Section):
                 f"{off.max_off_policy_steps} is below off_policy.max_async_level ({off.max_async_level}): "
                 "every rollout the source runs ahead would be dropped as stale",
             ))
-        if not inference.urls and inference.embedded_servers == 0:
+        if not inference.urls and inference.embedded_servers == 0 and inference.discovery == "static":
             problems.append(("inference.embedded_servers", "0 with no inference.urls leaves no server to generate"))
         if inference.max_tokens >= self.model.max_context:
             problems.append((
@@ -467,7 +497,7 @@ class RunConfig(_Section):
                 "a long trajectory could not be packed",
             ))
         servers = len(inference.urls) or inference.embedded_servers
-        if servers > 0 and (problem := shards_problem(self.dispatch.shards, servers)):
+        if inference.discovery == "static" and servers > 0 and (problem := shards_problem(self.dispatch.shards, servers)):
             problems.append(("dispatch.shards", problem))
         if self.dispatch.shards > inference.max_inflight:
             problems.append(("dispatch.shards", f"{self.dispatch.shards} shards cannot share "

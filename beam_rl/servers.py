@@ -21,7 +21,7 @@ def inference_servers(config: RunConfig) -> Iterator[list[str]]:
     """Yields the base URLs to dispatch to; embedded servers live exactly as long as the block, and
     die with this process however it ends."""
     inf = config.inference
-    if inf.urls:
+    if inf.urls or inf.discovery == "dns":  # a DNS name is the fleet (beam_rl/fleet/keeper.py:initial_fleet)
         yield list(inf.urls)
         return
     model_dir = components.model_dir(config)

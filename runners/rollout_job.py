@@ -15,6 +15,7 @@ from apache_beam.runners.runner import PipelineState
 
 from beam_rl import components
 from beam_rl.config import RunConfig
+from beam_rl.fleet.keeper import FleetKeeper, initial_fleet
 from beam_rl.processes import worker_id
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.lease import RunLease, read_job_record, write_job_record
@@ -137,11 +138,13 @@ class RolloutJob:
     """A rollout job this process follows: it holds the run directory's lease, ends the job once the run
     is over (max_steps committed, or the input exhausted), and cancels it on request."""
 
-    def __init__(self, spec: SourceSpec, handle: _JobHandle, lease: RunLease, job_server: JobServer | None = None) -> None:
+    def __init__(self, spec: SourceSpec, handle: _JobHandle, lease: RunLease, job_server: JobServer | None = None,
+                 fleet: FleetKeeper | None = None) -> None:
         self.spec = spec
         self._handle = handle
         self._lease = lease
         self.job_server = job_server  # the Flink job server this process started, if any
+        self.fleet = fleet  # keeps fleet.json current while the job runs (a living fleet)
         self._run_dir = RunDir(spec.run_dir)
 
     def wait(self) -> None:
@@ -190,6 +193,8 @@ class RolloutJob:
             time.sleep(POLL_S)
 
     def _release(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop()
         if self.job_server is not None:
             self.job_server.stop()
         self._lease.release()
@@ -201,7 +206,9 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
     directory = RunDir(run_dir or config.run.dir)
     directory.check_writable()
     lease = RunLease(directory.path).acquire()  # a run another process follows: said at once
+    fleet = None
     try:
+        server_urls = initial_fleet(config, str(directory.path), server_urls)
         components.check_servers(config, server_urls)  # a refused API key fails here, not rollout by rollout
         removed = directory.clean_uncommitted()  # what a killed run left half-written
         if removed:
@@ -211,6 +218,8 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
             _LOG.warning("dropped the torn last line of %s (%d bytes, a crash mid-append)", directory.metrics_path, torn)
         directory.input_exhausted_path.unlink(missing_ok=True)  # this job decides afresh
         spec = source_spec(config, server_urls, directory, with_trainer)
+        if config.inference.discovery != "static":
+            fleet = FleetKeeper(config, str(directory.path), server_urls)  # fleet.json, before any source reads it
         job_server = None
         if config.runner.name != "direct":
             master = config.runner.flink_master if config.runner.name == "flink" else "[local]"
@@ -224,12 +233,14 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
     except BaseException:
         lease.release()
         raise
+    if fleet is not None:
+        fleet.start()
     handle: _JobHandle = _BeamJob(result)
     if config.runner.name == "flink":
         handle = _record_cluster_job(config, directory, job_name) or handle
     elif config.runner.name == "flink-local" and job_server is not None:
         handle = _BeamJob(result, _embedded_flink_job(job_server, job_name))
-    return RolloutJob(spec, handle, lease, job_server)
+    return RolloutJob(spec, handle, lease, job_server, fleet)
 
 
 def _find_flink_job(rest: FlinkRest, job_name: str, timeout_s: float = 60.0) -> _FlinkJob | None:
@@ -281,7 +292,8 @@ def attach_rollouts(config: RunConfig, run_dir: str, with_trainer: bool = True) 
     spec = SourceSpec(config=config, server_urls=(), run_dir=str(directory.path), run_id=record["job_name"],
                       first_step=directory.next_step(), with_trainer=with_trainer)
     _LOG.warning("attached to job %s, still running on %s", record["job_id"], rest.master)
-    return RolloutJob(spec, _FlinkJob(rest, record["job_id"]), lease)
+    fleet = FleetKeeper(config, run_dir).start() if config.inference.discovery != "static" else None
+    return RolloutJob(spec, _FlinkJob(rest, record["job_id"]), lease, fleet=fleet)
 
 
 def run_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,

@@ -72,3 +72,13 @@ def test_goodput_benchmark_accounts_for_every_generated_token(tmp_path):
     # Stalled: the part of those pauses the engine had sequences to step.
     assert 0 <= keep["engine_stalled_s_per_update"] <= keep["server_paused_s_per_update"]
     assert results["cancel"]["server_paused_s_per_update"] is None  # reload mode never pauses
+
+
+def test_fleet_benchmark_times_a_join_against_the_load_alone():
+    # bench/fleet.py's join figure, one trial on the simulated engine (no timing asserted).
+    from bench.fleet import join_to_first_request
+
+    result = join_to_first_request("simulated", trials=1)
+    (trial,) = result["trials"]
+    assert trial["load_alone_s"] > 0 and 0 < trial["join_s"] <= trial["join_to_first_request_s"]
+    assert result["over_load_s_max"] == trial["over_load_s"]

@@ -63,7 +63,8 @@ def test_example_config_is_valid_and_spells_out_every_section():
     optional = {"batch.token_budget", "runner.flink_master", "runner.checkpointing_interval_ms",
                 "runner.state_backend", "runner.state_backend_storage_path",
                 "runner.environment", "runner.worker_pool", "runner.worker_command", "runner.flink_local_heap_mb",
-                "inference.api_key_env", "inference.ca_bundle", "dispatch.concurrency.start"}
+                "inference.api_key_env", "inference.ca_bundle", "inference.dns_name", "inference.dns_resolver",
+                "dispatch.concurrency.start"}
     assert _keys(dumped) - optional <= _keys({k: v for k, v in written.items() if k != "envs"})
     assert env_keys - {"limit", "args", "kind", "curriculum", "ratio"} <= set(written["envs"][0])
 
@@ -257,3 +258,10 @@ def test_the_advantage_algorithm_and_its_arguments_are_checked_when_the_config_l
     cfg = load_config(write(tmp_path, '[[envs]]\nname = "arithmetic"\nalgorithm = "rloo"\n'
                                       '[[envs]]\nname = "b"\nalgorithm_args = {eps = 1, unbiased_std = false}\n'))
     assert [e.algorithm_args for e in cfg.envs] == [{}, {"eps": 1, "unbiased_std": False}]
+
+
+def test_dns_discovery_needs_a_base_url_to_resolve(tmp_path):
+    assert "needs dns_name" in str(problems_of(tmp_path, MINIMAL + '[inference]\ndiscovery = "dns"\n'))
+    assert "is not an http(s) base URL" in str(problems_of(
+        tmp_path, MINIMAL + '[inference]\ndiscovery = "dns"\ndns_name = "vllm.svc:8000"\n'))
+    assert "set discovery" in str(problems_of(tmp_path, MINIMAL + '[inference]\ndns_name = "http://vllm.svc:8000"\n'))

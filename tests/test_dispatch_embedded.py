@@ -68,25 +68,26 @@ def dispatcher_thread(
     extra_body: dict | None = None,
     max_tokens: int = MAX_TOKENS,
     route: str = "completions",
+    drain_timeout_s: float = 60.0,
 ) -> DispatcherThread:
     """Built like `beam_rl.components.dispatcher_thread`: clients are made on the dispatcher's loop.
     By default a failed server's rollouts are not re-dispatched, so each fault surfaces on its rollout."""
     stop = tuple(env.stop_token_ids())
     sampling = {env.name: SamplingParams(max_tokens=max_tokens, temperature=1.0, stop_token_ids=stop)}
 
+    def client(url: str) -> InferenceClient:
+        return InferenceClient(url, model="tiny", timeout_s=timeout_s, max_retries=max_retries, backoff_s=0.01,
+                               stream=stream, extra_body=extra_body, route=route)
+
     def build(emit: Callable[[Rollout], None], restore: Restore) -> Dispatcher:
-        clients = [
-            InferenceClient(url, model="tiny", timeout_s=timeout_s, max_retries=max_retries, backoff_s=0.01,
-                            stream=stream, extra_body=extra_body, route=route)
-            for url in urls
-        ]
+        clients = [client(url) for url in urls]
         # A short re-probe: a server taken out of service by injected faults comes back within the test.
         return Dispatcher(
             clients, {env.name: env}, {env.name: mode}, sampling, max_inflight, version, emit, seed=3,
             max_redispatches=max_redispatches, restore=restore, reprobe_s=0.5,
         )
 
-    return DispatcherThread(build, refresh_s=0.5, tick_s=0.05)
+    return DispatcherThread(build, refresh_s=0.5, tick_s=0.05, connect=client, drain_timeout_s=drain_timeout_s)
 
 
 def run_groups(
@@ -469,3 +470,76 @@ def test_rollouts_a_restarted_server_ran_on_its_initial_weights_start_again(star
     redone = sum(r.discarded_tokens["server_failure"] for r in rollouts)
     assert counters["redone_on_restart"] > 0 and redone > 0, (counters, redone)
     assert first.backend.weights.loads == 2  # loaded again when found
+
+
+# -- a living fleet (ServerPool.set_members) ---------------------------------------------------------
+
+
+def test_a_server_that_joins_holds_the_newest_weights_before_its_first_request(start_server, env, weights_dir):
+    slow = FaultConfig(step_delay_s=0.005)
+    first = start_server(mode="simulated", faults=slow)
+    version = [0]
+    with served_versions() as served, dispatcher_thread(
+            [first.url], env, "group", max_inflight=16, stream=True, version=lambda: version[0],
+            extra_body={"return_weight_versions": True}, max_tokens=12) as thread:
+        assert len(thread.update_weights(weights_dir, 1, "keep")) == 1
+        version[0] = 1
+        joiner = start_server(mode="simulated", faults=slow)
+        thread.set_servers([first.url, joiner.url])
+        rollouts = run_groups(thread, group_requests(env, 16, 4))
+        _, servers = thread.counters_and_servers()
+
+    assert joiner.backend.weights.loads == 1
+    assert all(r.ok for r in rollouts) and joiner.url in {r.server for r in rollouts}
+    truth = [served[id(t.policy_versions)] for r in rollouts if r.server == joiner.url for t in r.turns]
+    assert truth and all(t and set(t) == {1} for t in truth), truth  # nothing ran on its initial weights
+    joined = next(s for s in servers if s["url"] == joiner.url)
+    assert joined["joined_at"] is not None and 0 < joined["join_s"] <= joined["join_to_first_request_s"]
+    assert next(s for s in servers if s["url"] == first.url)["join_s"] is None  # there from the start
+
+
+def test_a_server_that_leaves_drains_and_what_it_still_runs_moves_with_its_tokens(start_server, env):
+    slow = FaultConfig(step_delay_s=0.02)
+    long = SimulatedParams(length_median=400, length_sigma=0.1)  # every completion runs to max_tokens
+    leaving = start_server(mode="simulated", faults=slow, simulated=long)
+    staying = start_server(mode="simulated", faults=slow, simulated=long)
+    with dispatcher_thread([leaving.url, staying.url], env, "group", max_inflight=16, stream=True,
+                           max_tokens=40, drain_timeout_s=0.3) as thread:
+        requests = group_requests(env, 4, 4)
+        thread.add_groups(requests[:2])  # one group on each server (least loaded first)
+        wait_until_running(leaving)
+        thread.set_servers([staying.url])
+        rollouts = run_groups(thread, requests[2:], expected_before=8)
+        pool = [s.url for s in thread.dispatcher.pool.servers]
+        counters = thread.counters()
+
+    assert pool == [staying.url]  # gone from the pool once drained
+    assert all(r.ok and r.completion_tokens == 40 for r in rollouts) and counters["errored"] == 0
+    assert {r.server for r in rollouts} == {staying.url}  # what ran there finished on the other server
+    assert sum(sum(r.discarded_tokens.values()) for r in rollouts) == 0
+    # Continued from its tokens, not started again: the two servers sampled about the tokens the rollouts
+    # hold (a leaving server may sample a token or two after its streams are cut).
+    sampled = {s.url: metrics(s.url)["vllm:generation_tokens_total"] for s in (leaving, staying)}
+    held = sum(r.completion_tokens for r in rollouts)
+    assert 0 < sampled[leaving.url] < 4 * 40, sampled  # the drain timeout came while its group ran there
+    assert held <= sum(sampled.values()) <= held + 4 * 2, (sampled, held)
+
+
+def test_a_server_listed_again_while_it_drains_takes_new_groups(start_server, env):
+    slow = FaultConfig(step_delay_s=0.02)
+    first, second = start_server(mode="simulated", faults=slow), start_server(mode="simulated", faults=slow)
+    with dispatcher_thread([first.url, second.url], env, "group", max_inflight=16, stream=True,
+                           max_tokens=12, drain_timeout_s=30.0) as thread:
+        requests = group_requests(env, 13, 4)
+        thread.add_groups(requests[:1])
+        wait_until_running(first)  # a server running nothing would leave at once
+        thread.set_servers([second.url])
+        drained = next(s for s in thread.dispatcher.pool.servers if s.url == first.url)
+        assert drained.draining
+        thread.set_servers([first.url, second.url])
+        assert not drained.draining
+        rollouts = run_groups(thread, requests[1:], expected_before=4)
+        counters = thread.counters()
+
+    assert all(r.ok for r in rollouts) and {r.server for r in rollouts} == {first.url, second.url}
+    assert counters["redispatched"] == 0  # nothing was moved off it

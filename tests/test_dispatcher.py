@@ -106,6 +106,9 @@ class FakeClient:
     async def aclose(self) -> None:
         pass
 
+    def retire(self) -> None:
+        pass
+
 
 def test_the_inference_client_and_the_fake_are_pool_clients():
     assert isinstance(InferenceClient("http://s0"), PoolClient)

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from beam_rl import cli
 from beam_rl.config import RunConfig, config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.failures import read_failure
@@ -63,8 +64,8 @@ def _config(run_dir, prompts: int = PROMPTS, max_inflight: int = MAX_INFLIGHT, *
 def start_server(start_embedded) -> Callable[..., EmbeddedServer]:
     """Starts instant-mode embedded servers; each is stopped afterwards (stop() is idempotent)."""
 
-    def start(**faults) -> EmbeddedServer:
-        return start_embedded(mode="instant", faults=FaultConfig(**faults))
+    def start(served_model_name: str | None = None, **faults) -> EmbeddedServer:
+        return start_embedded(mode="instant", faults=FaultConfig(**faults), served_model_name=served_model_name)
 
     return start
 
@@ -275,3 +276,49 @@ def test_groups_after_the_last_batch_are_still_committed(start_server, tmp_path)
     assert requests_received(hanging) == 1 and requests_received(clean) == prompts - 1  # the premise
     records = checked_windows(run_dir, prompts=prompts)
     assert len(errored(records)) == GROUP_SIZE
+
+
+# -- a living fleet ---------------------------------------------------------------------------------
+
+
+def _servers_in_status(run_dir: RunDir) -> dict[str, dict]:
+    return {s["url"]: s for s in run_dir.read_status().get("servers", [])}
+
+
+def test_a_server_added_and_one_removed_mid_run_with_beam_rl_servers_cost_no_rollout(start_server, tmp_path,
+                                                                                     record_property):
+    first = start_server(served_model_name="tiny", latency_s=0.3)
+    second = start_server(served_model_name="tiny", latency_s=0.3)
+    run_dir = RunDir(tmp_path)
+    seen: dict[str, float] = {}
+
+    def operate() -> None:
+        # What an operator does: add a server once the run is going, take the first one out once the new one
+        # answers; then note what the first had received once its shard let it go.
+        seen["added"] = time.time()
+        assert cli.main(["servers", "add", str(tmp_path), second.url]) == 0
+        wait_for(lambda: _servers_in_status(run_dir).get(second.url, {}).get("join_to_first_request_s") is not None)
+        assert cli.main(["servers", "remove", str(tmp_path), first.url]) == 0
+        wait_for(lambda: first.url not in _servers_in_status(run_dir))
+        seen["first_left_with_requests"] = requests_received(first)
+
+    prompts = 48
+    operator = after_first_commit(run_dir, operate)
+    run_rollouts(_config(tmp_path, prompts=prompts, max_inflight=2 * GROUP_SIZE, discovery="file",
+                         discovery_interval_s=0.5, drain_timeout_s=2.0), [first.url], with_trainer=False)
+    operator.join()
+
+    records = checked_windows(run_dir, prompts=prompts)  # contiguous steps, every group once and whole
+    record_outcome(record_property, run_dir, records)
+    assert errored(records) == [] and "first_left_with_requests" in seen, seen
+    on_second = [r for r in records if r["server"] == second.url]
+    assert on_second and all(r["t_sent"] > seen["added"] for r in on_second)
+    assert requests_received(first) == seen["first_left_with_requests"]  # nothing reached it after it left
+    assert {r["server"] for r in records} == {first.url, second.url}
+
+
+def wait_for(condition: Callable[[], bool], deadline_s: float = 60.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, "the run never got there"
+        time.sleep(0.05)

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -140,14 +141,14 @@ def vllm(tmp_path_factory):
 
 
 def _config(run_dir, urls, max_steps=4, mode="group", group_size=4, limit=16, rollouts_per_step=16,
-            max_inflight=32, max_tokens=MAX_TOKENS, env_args=None):
+            max_inflight=32, max_tokens=MAX_TOKENS, env_args=None, **inference):
     return config_from_dict({
         "run": {"dir": str(run_dir), "max_steps": max_steps},
         "envs": [{"name": "reverse_text", "group_size": group_size, "limit": limit, "mode": mode,
                   "args": env_args or {}}],
         "batch": {"rollouts_per_step": rollouts_per_step},
         "inference": {"urls": list(urls), "max_tokens": max_tokens, "temperature": TEMPERATURE,
-                      "max_inflight": max_inflight, "request_timeout_s": 120.0},
+                      "max_inflight": max_inflight, "request_timeout_s": 120.0, **inference},
         "runner": {"name": "direct"},
     })
 
@@ -353,3 +354,63 @@ def test_group_affinity_raises_the_servers_prefix_cache_hit_rate(vllm, tmp_path,
     off = _prefix_hit_rate(vllm, tmp_path / "off", monkeypatch, affinity=False)
     print(json.dumps({"prefix_cache_hit_rate": {"affinity_on": round(on, 4), "affinity_off": round(off, 4)}}))
     assert on > off + 0.05, (on, off)
+
+
+def test_a_server_added_mid_run_serves_the_current_policy_first_and_one_removed_costs_no_rollout(
+        vllm, tmp_path, record_property):
+    """`beam-rl servers add` while the run goes on: the new server loads the published weights (version 1)
+    before its first request, and on the generate route its own labels say version 1 sampled every token
+    it sent; then the first server is removed: it drains, and no rollout fails or runs twice."""
+    from beam_rl import cli
+
+    first, second = vllm
+    run_dir = RunDir(tmp_path)
+    publish_weights(run_dir, 1, load_tiny_model(tiny_model_dir(seed=1)), source_dir=tiny_model_dir())
+    prompts = 160  # long enough a run for the operator's add and remove
+    config = _config(tmp_path, [first.url], max_steps=100, limit=prompts, max_inflight=8, max_tokens=16,
+                     discovery="file", discovery_interval_s=0.5, drain_timeout_s=5.0, route="generate")
+    seen: dict[str, float] = {}
+
+    def status_of(url: str) -> dict:
+        return {s["url"]: s for s in run_dir.read_status().get("servers", [])}.get(url, {})
+
+    def wait_for(condition, deadline_s: float = 120.0) -> None:
+        deadline = time.monotonic() + deadline_s
+        while not condition():
+            assert time.monotonic() < deadline, "the run never got there"
+            time.sleep(0.05)
+
+    def operate() -> None:
+        wait_for(lambda: run_dir.is_committed(1))
+        seen["added"] = time.time()
+        assert cli.main(["servers", "add", str(tmp_path), second.url]) == 0
+        wait_for(lambda: status_of(second.url).get("join_to_first_request_s") is not None)
+        seen.update({k: status_of(second.url)[k] for k in ("join_s", "join_to_first_request_s")})
+        assert cli.main(["servers", "remove", str(tmp_path), first.url]) == 0
+        wait_for(lambda: not status_of(first.url))
+        seen["removed"] = time.time()
+
+    operator = threading.Thread(target=operate, daemon=True)
+    try:
+        operator.start()
+        run_rollouts(config, [first.url], with_trainer=False)
+        operator.join(timeout=60)
+        reload_s = httpx.post(f"{second.url}/collective_rpc", timeout=120, json={
+            "method": "reload_weights", "kwargs": {"weights_path": str(run_dir.weights_path(1))}}).elapsed.total_seconds()
+    finally:  # later tests expect the base weights
+        for server in vllm:
+            server.post("/collective_rpc", {"method": "reload_weights",
+                                            "kwargs": {"weights_path": str(tiny_model_dir())}})
+    windows = _window_rows(run_dir)
+    assert "removed" in seen, seen
+    assert len({r["rollout_id"] for r in windows}) == len(windows) == prompts * 4
+    assert {r["status"] for r in windows} == {"ok"}
+    joined = [r for r in windows if r["server"] == second.url]
+    assert joined and all(r["t_sent"] > seen["added"] for r in joined)
+    # The server's own labels (generate route): version 1 sampled every token it sent.
+    assert {(r["token_version_min"], r["token_version_max"]) for r in joined} == {(1, 1)}
+    record_property("join_s", seen["join_s"])
+    record_property("join_to_first_request_s", seen["join_to_first_request_s"])
+    record_property("reload_alone_s", round(reload_s, 3))
+    print(f"vLLM join: listed -> current weights {seen['join_s']:.2f}s, -> first request "
+          f"{seen['join_to_first_request_s']:.2f}s; the reload alone {reload_s:.2f}s")

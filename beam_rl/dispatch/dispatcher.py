@@ -80,7 +80,7 @@ class Dispatcher:
         if stale_rule not in STALE_RULES:
             raise ValueError(f"stale_rule must be one of {STALE_RULES}, got {stale_rule!r}")
         self.pool = ServerPool(clients, restore=restore, on_restart=self.redo_on_restarted,
-                               unhealthy_after=unhealthy_after, reprobe_s=reprobe_s)
+                               unhealthy_after=unhealthy_after, reprobe_s=reprobe_s, on_serving=self.wake)
         self.envs = dict(envs)
         self.env_modes = {name: env_modes.get(name, "rollout") for name in envs}
         self.sampling = dict(sampling)

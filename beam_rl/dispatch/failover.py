@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from beam_rl.dispatch.ledger import Launch
 from beam_rl.dispatch.server_pool import Server, ServerPool
-from beam_rl.inference.client import InferenceConnectionError, InferenceError
+from beam_rl.inference.client import InferenceConnectionError, InferenceError, InferenceRetired
 from beam_rl.inference.types import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,8 @@ class LaunchClient:
     Rule: re-dispatch. A failure that says the server is sick (refused, reset, 5xx after the client's
     retries, a timeout, death mid-request) moves the launch, at most `max_redispatches` times, to the
     least-loaded other healthy server; the group's affinity moves with it. A failure that says the request
-    is bad (a 4xx) is raised to the environment as before.
+    is bad (a 4xx) is raised to the environment as before. A server that left the fleet (InferenceRetired)
+    hands its launches on the same way, without counting a failure or a re-dispatch.
     """
 
     def __init__(self, launch: Launch, pool: ServerPool, max_redispatches: int,
@@ -41,6 +42,13 @@ class LaunchClient:
             try:
                 completions = await server.client.complete(prompt_ids, sampling, n, partial=partial,
                                                            progress=launch.progress)
+            except InferenceRetired as exc:
+                partial = exc.partial if exc.partial is not None else partial
+                target = await self._next_server(server)
+                log.info("rollout %s: %s; continuing on %s with %d tokens it had", launch.name, exc, target.url,
+                         sum(len(c.token_ids) for c in partial or ()))
+                self._on_move(launch, server, target)
+                continue
             except InferenceError as exc:
                 partial = exc.partial if exc.partial is not None else partial
                 if not exc.server_fault:
@@ -62,12 +70,12 @@ class LaunchClient:
             return completions
 
     async def _next_server(self, failed: Server) -> Server:
-        """The least-loaded healthy server other than `failed`; `failed` itself if it is the only healthy
+        """The least-loaded serving server other than `failed`; `failed` itself if it is the only healthy
         one left; else waits (re-probed by the pool's refresh) until one is back."""
         while True:
-            others = [s for s in self._pool.healthy() if s is not failed]
+            others = [s for s in self._pool.serving() if s is not failed]
             if others:
                 return min(others, key=Server.load_key)
-            if failed.healthy:
+            if failed.serving:
                 return failed
             await asyncio.sleep(min(1.0, max(0.05, self._pool.reprobe_s / 4)))

@@ -42,6 +42,12 @@ class PoolClient(Protocol):
 
     async def aclose(self) -> None: ...
 
+    def retire(self) -> None: ...
+
+
+# A pool member's client, made from its base URL (for servers that join while the pool runs).
+Connect = Callable[[str], PoolClient]
+
 
 @dataclass(eq=False)
 class Server:
@@ -59,6 +65,19 @@ class Server:
     # What it runs at once, as its /metrics last showed while requests waited beside them: its
     # max_num_seqs, or fewer when its KV cache is what holds them back. None: never seen full.
     slots: int | None = None
+    # Membership (ServerPool.set_members): joining until it holds the current weights; draining once it
+    # left the fleet (no new group); retired once what it still ran was moved off it.
+    joining: bool = False
+    draining: bool = False
+    retired: bool = False
+    asked_to_join_at: float | None = None  # Unix time; None for the pool's first servers
+    joined_at: float | None = None  # Unix time it took requests in this pool
+    first_request_at: float | None = None  # Unix time of its first rollout from this pool
+
+    @property
+    def serving(self) -> bool:
+        """Takes new groups."""
+        return self.healthy and not self.draining
 
     @property
     def full(self) -> bool:
@@ -91,7 +110,8 @@ class ServerPool:
 
     `restore` is the dispatcher's host's (a restarted server is back on its initial weights; None: nothing
     to restore), `on_restart` the dispatcher's (what runs on a restarted server was sampled with the wrong
-    weights; None: nobody to tell)."""
+    weights; None: nobody to tell), `on_serving` told when a server starts taking requests (one that joined
+    or came back), so work waiting for a server starts at once."""
 
     def __init__(
         self,
@@ -99,31 +119,41 @@ class ServerPool:
         *,
         restore: Restore | None = None,
         on_restart: OnRestart | None = None,
+        on_serving: Callable[[], object] | None = None,
         unhealthy_after: int = 3,
         reprobe_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not clients:
-            raise ValueError("a server pool needs at least one inference client")
         if unhealthy_after < 1:
             raise ValueError(f"unhealthy_after must be at least 1, got {unhealthy_after}")
-        self.servers = [Server(client, i, str(client.base_url)) for i, client in enumerate(clients)]
+        now = time.time()
+        self.servers = [Server(client, i, str(client.base_url), joined_at=now) for i, client in enumerate(clients)]
+        self._next_order = len(self.servers)
         self.unhealthy_after = unhealthy_after
         self.reprobe_s = reprobe_s
         self._clock = clock
         self._restore = restore
         self._on_restart = on_restart
+        self._on_serving = on_serving
+        self._tasks: set[asyncio.Future[None]] = set()  # joins and drains under way
 
     def healthy(self) -> list[Server]:
+        """The servers that hold the current weights and answer (draining ones too: they still run groups)."""
         return [s for s in self.servers if s.healthy]
 
+    def serving(self) -> list[Server]:
+        """The healthy servers that take new groups."""
+        return [s for s in self.servers if s.serving]
+
     def select(self) -> Server | None:
-        """The least-loaded healthy server with free slots, if any has (in-flight count, then polled
+        """The least-loaded serving server with free slots, if any has (in-flight count, then polled
         queue, then pool order); when every one is full, the least loaded of them."""
-        return min(self.healthy(), key=Server.load_key, default=None)
+        return min(self.serving(), key=Server.load_key, default=None)
 
     def started(self, server: Server, rollouts: int) -> None:
         server.inflight += rollouts
+        if server.first_request_at is None:
+            server.first_request_at = time.time()
 
     def finished(self, server: Server, rollouts: int) -> None:
         server.inflight -= rollouts
@@ -159,6 +189,8 @@ class ServerPool:
         await asyncio.gather(*(self._refresh_one(s) for s in self.servers))
 
     async def _refresh_one(self, server: Server) -> None:
+        if server.joining or server.retired:  # its own task (set_members) looks after it
+            return
         if server.healthy:
             try:
                 server.observe(await server.client.load())
@@ -207,8 +239,80 @@ class ServerPool:
                 return
         server.healthy = True
         server.consecutive_failures = 0
+        if self._on_serving is not None:
+            self._on_serving()
         log.info("server %s is healthy again", server.url)
 
+    # -- membership ----------------------------------------------------------------------------------
+
+    def set_members(self, urls: Sequence[str], connect: Connect, drain_timeout_s: float) -> None:
+        """The fleet is `urls` now (called on the loop): a new server joins once it answers and holds the
+        current weights (`restore`); one no longer listed drains: no new group goes to it, what it still
+        runs after `drain_timeout_s` moves to another server with its tokens, and then it leaves."""
+        wanted = set(urls)
+        present = {s.url: s for s in self.servers if not s.retired}
+        for url in urls:
+            server = present.get(url)
+            if server is None:
+                self._spawn(self._join(self._add(connect(url))))
+            elif server.draining:
+                server.draining = False
+                log.info("server %s is in the fleet again: it takes new groups", url)
+        for server in present.values():
+            if server.url not in wanted and not server.draining:
+                server.draining = True
+                self._spawn(self._drain(server, drain_timeout_s))
+
+    def _add(self, client: PoolClient) -> Server:
+        server = Server(client, self._next_order, str(client.base_url), healthy=False, joining=True,
+                        asked_to_join_at=time.time())
+        self._next_order += 1
+        self.servers.append(server)
+        log.info("server %s joins: loading the current weights before its first request", server.url)
+        return server
+
+    async def _join(self, server: Server) -> None:
+        try:
+            while not server.draining:
+                if await server.client.health():
+                    await self._bring_back(server)
+                    if server.healthy:
+                        server.joined_at = time.time()
+                        log.info("server %s joined in %.2fs", server.url, server.joined_at - server.asked_to_join_at)
+                        return
+                await asyncio.sleep(min(1.0, self.reprobe_s))
+        finally:
+            server.joining = False
+
+    async def _drain(self, server: Server, timeout_s: float) -> None:
+        log.info("server %s left the fleet: draining (%d rollouts on it, at most %gs)", server.url, server.inflight,
+                 timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while server.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            if not server.draining:
+                return  # listed again
+        while server.joining:
+            await asyncio.sleep(0.05)
+        if not server.draining:
+            return
+        moved = server.inflight
+        server.retired, server.healthy = True, False
+        server.client.retire()  # what it still runs moves to another server with its tokens (failover)
+        while server.inflight > 0:
+            await asyncio.sleep(0.05)
+        self.servers.remove(server)
+        await server.client.aclose()
+        log.info("server %s left: %d rollouts moved off it after the drain", server.url, moved)
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for server in self.servers:
             await server.client.aclose()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from beam_rl.dispatch.dispatcher import Dispatcher
-from beam_rl.dispatch.server_pool import Restore, Server
+from beam_rl.dispatch.server_pool import Connect, Restore, Server
 from beam_rl.inference.client import DRAIN_QUIET_S, InferenceConnectionError, InferenceTimeout
 from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.types import GroupRequest, Rollout
@@ -33,7 +33,8 @@ class DispatcherThread:
     `build(emit, restore)` is called on that thread, so clients bound to an event loop are created on the
     loop that uses them; the Dispatcher it returns must emit every finished rollout through `emit`, and
     have its pool bring a server back through `restore` (Dispatcher's `restore`): this host keeps the
-    newest weights a server that was down must load first.
+    newest weights a server that was down must load first. `connect` makes the client of a server that
+    joins (`set_servers`); a server that leaves drains for at most `drain_timeout_s`.
     """
 
     def __init__(
@@ -43,8 +44,12 @@ class DispatcherThread:
         tick_s: float = 0.5,
         name: str = "beam-rl-dispatcher",
         abandoned_after_s: float | None = None,
+        connect: Connect | None = None,
+        drain_timeout_s: float = 60.0,
     ) -> None:
         self._build = build
+        self._connect = connect
+        self._drain_timeout_s = drain_timeout_s
         self._refresh_s = refresh_s
         self._tick_s = tick_s
         # A runner that cancelled its job (or moved the work elsewhere) never polls again: past this
@@ -137,6 +142,14 @@ class DispatcherThread:
         """`counters()` and, taken at the same instant, per server: our rollouts running on it, its
         health, and its own last polled queue."""
         return self._call(lambda: (self._snapshot(), self._server_loads()))
+
+    def set_servers(self, urls: Sequence[str]) -> None:
+        """The fleet of this dispatcher is `urls` now: new servers join once they hold the newest weights,
+        servers not listed drain and leave (ServerPool.set_members)."""
+        if self._connect is None:
+            raise RuntimeError("this dispatcher was built without `connect`: its servers are fixed")
+        connect, drain_s = self._connect, self._drain_timeout_s
+        self._call(lambda: self.dispatcher.pool.set_members(list(urls), connect, drain_s))
 
     def cancel_groups(self, group_ids: Iterable[str]) -> list[str]:
         """Cancel groups wherever they are; every rollout of each still comes out of `poll`."""
@@ -277,6 +290,12 @@ class DispatcherThread:
             "kv_cache_usage": server.load.kv_cache_usage if server.load else None,
             "slots": server.slots,
             "tokens_received": server.client.tokens_received,
+            "joining": server.joining,
+            "draining": server.draining,
+            "joined_at": server.joined_at,
+            # From being listed to holding the current weights, and to its first rollout (servers that joined).
+            "join_s": _since(server.asked_to_join_at, server.joined_at),
+            "join_to_first_request_s": _since(server.asked_to_join_at, server.first_request_at),
         } for server in self.dispatcher.pool.servers]
 
     def _call(self, fn: Callable[[], T], timeout_s: float = 30.0) -> T:
@@ -295,3 +314,7 @@ class DispatcherThread:
             raise RuntimeError(f"the dispatcher loop failed: {self._error!r}") from self._error
         if self._closed or not self._thread.is_alive():
             raise RuntimeError("the dispatcher thread is closed")
+
+
+def _since(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else round(end - start, 3)

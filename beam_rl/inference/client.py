@@ -17,9 +17,10 @@ import ipaddress
 import logging
 import random
 import ssl
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -32,6 +33,7 @@ from beam_rl.inference.errors import (
     InferenceConnectionError,
     InferenceError,
     InferenceHTTPError,
+    InferenceRetired,
     InferenceTimeout,
     http_error,
 )
@@ -40,6 +42,8 @@ from beam_rl.inference.parsing import parse_completions, parse_server_load, pars
 from beam_rl.inference.sse import EventData
 from beam_rl.inference.types import Completion, SamplingParams, ServerLoad
 from beam_rl.inference.weight_updates import DRAIN_QUIET_S, UpdateMode, WeightUpdates
+
+T = TypeVar("T")
 
 # What other modules and plug-ins import from here: the client, its errors (their home is errors.py), the
 # load type and the parsers they use, and the update mode's defaults.
@@ -55,6 +59,7 @@ __all__ = [
     "InferenceConnectionError",
     "InferenceError",
     "InferenceHTTPError",
+    "InferenceRetired",
     "InferenceTimeout",
     "Route",
     "ServerLoad",
@@ -157,6 +162,7 @@ class InferenceClient:
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
         self._live: set[LiveRequest] = set()  # what a weight update restamps
         self._updates = WeightUpdates(self)
+        self._retired = asyncio.Event()  # retire(): the server left the fleet
 
     def __repr__(self) -> str:
         return f"InferenceClient({self.base_url!r}, model={self.model!r})"
@@ -186,7 +192,7 @@ class InferenceClient:
             if not todo:
                 return choices
             try:
-                ours = await self._generate(prompt_ids, sampling, choices, todo, progress)
+                ours = await self._unless_retired(self._generate(prompt_ids, sampling, choices, todo, progress))
                 foreign = [i for i in todo if choices[i].finish_reason == ABORT and i not in ours]
                 if foreign:
                     raise InferenceAborted(f"{self.base_url}: the server aborted choices {foreign} "
@@ -203,6 +209,30 @@ class InferenceClient:
                 if retries:
                     exc.args = (f"{exc.args[0]} (after {retries + 1} attempts)",)
                 raise
+
+    def retire(self) -> None:
+        """The server leaves the fleet: every completion in flight here stops and raises InferenceRetired
+        with the tokens it had received (continued on another server), and so does every later one."""
+        self._retired.set()
+
+    async def _unless_retired(self, work: Coroutine[Any, Any, T]) -> T:
+        if not self._retired.is_set():
+            task = asyncio.ensure_future(work)
+            retired = asyncio.ensure_future(self._retired.wait())
+            try:
+                await asyncio.wait({task, retired}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            finally:
+                retired.cancel()
+            if task.done():
+                return task.result()
+            task.cancel()  # its choices keep what arrived: they are the caller's own Completion objects
+            await asyncio.gather(task, return_exceptions=True)
+        else:
+            work.close()
+        raise InferenceRetired(f"{self.base_url} left the fleet", self.base_url)
 
     async def _generate(self, prompt_ids: list[int], sampling: SamplingParams, choices: list[Completion],
                         todo: list[int], progress: Progress | None) -> set[int]:
@@ -417,6 +447,32 @@ class InferenceClient:
         """`GET /v1/models`, a route vLLM guards with its API key: InferenceAuthError when the server wants
         a key this client lacks or refuses the one it has; InferenceError when it cannot be reached."""
         await self._request("GET", "/v1/models", retry=False, timeout_s=min(self.timeout_s, 30.0))
+
+    async def served_models(self) -> list[str]:
+        """The model names `GET /v1/models` lists."""
+        answer = await self._request("GET", "/v1/models", retry=False, timeout_s=min(self.timeout_s, 30.0))
+        try:
+            return [str(card["id"]) for card in answer.json()["data"]]
+        except (ValueError, KeyError, TypeError) as err:
+            raise InferenceError(f"GET {answer.url}: not a model list ({type(err).__name__}: {err})",
+                                 self.base_url) from None
+
+    async def tokenize(self, text: str) -> list[int] | None:
+        """The token ids the server's tokenizer makes of `text` (vLLM's `POST /tokenize`, no special
+        tokens); None when the server has no such route."""
+        payload = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        try:
+            answer = await self._request("POST", "/tokenize", json=payload, retry=False,
+                                         timeout_s=min(self.timeout_s, 30.0))
+        except InferenceHTTPError as err:
+            if err.status in (404, 405):
+                return None
+            raise
+        try:
+            return [int(t) for t in answer.json()["tokens"]]
+        except (ValueError, KeyError, TypeError) as err:
+            raise InferenceError(f"POST {answer.url}: not a tokenization ({type(err).__name__}: {err})",
+                                 self.base_url) from None
 
     async def check_generate_route(self) -> None:
         """One token from `/inference/v1/generate`: InferenceHTTPError (403 or 404) when the server does not

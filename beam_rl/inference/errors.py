@@ -53,6 +53,11 @@ class InferenceAborted(InferenceError):
     retryable = True
 
 
+class InferenceRetired(InferenceError):
+    """The server left the fleet while the request ran (InferenceClient.retire): continued from its tokens
+    on another server. Not a failure of the server: it does not count toward marking it unhealthy."""
+
+
 class InferenceTimeout(InferenceError):
     server_fault = True
     retryable = True

@@ -52,6 +52,9 @@ SERVER_GAUGES = {  # per server, from status.json's "servers" (running/waiting/K
     "running": ("server_requests_running", "Requests the server is running (vLLM num_requests_running)."),
     "waiting": ("server_requests_waiting", "Requests queued on the server (vLLM num_requests_waiting)."),
     "kv_cache_usage": ("server_kv_cache_usage_ratio", "The server's KV-cache usage, 0 to 1 (vLLM kv_cache_usage_perc)."),
+    "draining": ("server_draining", "1 while the server, gone from the fleet, finishes what it runs."),
+    "joined_at": ("server_joined_timestamp_seconds", "When the server took its first requests in this run."),
+    "join_s": ("server_join_seconds", "From being listed in the fleet to holding the current weights."),
 }
 
 

@@ -35,6 +35,8 @@ class RunLayout:
         status-<K>.json                   dispatch shard K's live state, replaced as it changes
         INPUT_EXHAUSTED.json              every group of the input is in a committed step: the run is over
         metrics.jsonl                     one JSON object per line
+        servers                           the fleet, one base URL per line (inference.discovery = "file")
+        fleet.json                        the servers each dispatch shard drives now (beam_rl/fleet/assignment.py)
         rollouts/step_<N>/rank_<R>.arrow  packed micro-batches of rank R (Arrow IPC file, TRAIN_BATCH_SCHEMA)
         rollouts/step_<N>/window.arrow    every rollout seen since the previous step (ROLLOUT_RECORD_SCHEMA)
         rollouts/step_<N>/COMMIT.json     written last (schemas/commit_record.py): the step exists once it does
@@ -48,6 +50,8 @@ class RunLayout:
         self.metrics_path = self.path / "metrics.jsonl"
         self.config_path = self.path / "config.json"
         self.input_exhausted_path = self.path / "INPUT_EXHAUSTED.json"
+        self.servers_path = self.path / "servers"
+        self.fleet_path = self.path / "fleet.json"
 
     def status_path(self, shard: int = 0) -> Path:
         return self.path / f"status-{shard}.json"

@@ -22,6 +22,7 @@ from beam_rl.dispatch import DispatcherThread
 from beam_rl.dispatch.concurrency import committed_concurrency
 from beam_rl.dispatch.weight_sync import WeightSync
 from beam_rl.envs.base import Environment
+from beam_rl.fleet.assignment import FleetFollower
 from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.processes import worker_id
 from beam_rl.rundir import RunDir
@@ -109,7 +110,12 @@ class RolloutSource:
         self._draws = self._restored_draws(restored)
         self._next_mixed: int | None = None  # the stream wants_more found for the next claim (mixing)
         permits = shard.permits(config.inference.max_inflight)
-        servers = shard.servers(list(spec.server_urls))
+        # A living fleet (inference.discovery "file" or "dns"): the servers fleet.json deals this shard.
+        self._fleet = (FleetFollower(self._run_dir.fleet_path, shard.index)
+                       if config.inference.discovery != "static" else None)
+        servers = self._fleet.changed(time.time()) if self._fleet is not None else None
+        if servers is None:
+            servers = shard.servers(list(spec.server_urls))
         self._limits = limits_for(config.batch.rollouts_per_step, min(e.group_size for e in config.envs), permits,
                                   config.off_policy.max_async_level, spec.with_trainer, shard.count,
                                   max_off_policy_steps=config.off_policy.max_off_policy_steps)
@@ -313,6 +319,9 @@ class RolloutSource:
                       self._commits.last_step, self.shard.index, len(cancelled))
         if self._stopping:
             return
+        if self._fleet is not None and (servers := self._fleet.changed(time.time())) is not None:
+            self._dispatcher.set_servers(servers)
+            self._servers_down.urls = servers
         update = self._weights.poll()
         if update is not None:
             # The earliest step that could still train a rollout is version + 1, where its staleness is

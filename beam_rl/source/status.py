@@ -79,7 +79,7 @@ class ServersDownWatch:
     """
 
     def __init__(self, urls: list[str], limit_s: float, startup_limit_s: float) -> None:
-        self._urls = urls
+        self.urls = urls  # the shard's servers now (a living fleet changes them)
         self._limit_s = limit_s
         self._startup_limit_s = startup_limit_s
         self.down_since: float | None = None
@@ -94,9 +94,9 @@ class ServersDownWatch:
         if self.down_since is None:
             self.down_since = now
             _LOG.warning("all %d inference servers are unhealthy; waiting for one to come back (limit %.0fs)",
-                         len(self._urls), limit)
+                         len(self.urls), limit)
         elif now - self.down_since > limit:
-            servers = f"all {len(self._urls)} inference servers ({', '.join(self._urls)})"
+            servers = f"all {len(self.urls)} inference servers ({', '.join(self.urls)})"
             if answered:
                 raise AllServersDownError(f"{servers} have been unhealthy for {now - self.down_since:.0f}s, past "
                                           f"inference.all_servers_down_timeout_s = {limit:g}")

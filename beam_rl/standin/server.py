@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import json
 import os
 import pathlib
 import signal
@@ -143,6 +144,7 @@ class EmbeddedServer:
                 web.post("/v1/chat/completions", self._chat_completions),
                 web.post("/inference/v1/generate", self._generate),
                 web.get("/v1/models", self._models),
+                web.post("/tokenize", self._tokenize),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
                 web.post("/collective_rpc", self._collective_rpc),
@@ -392,6 +394,18 @@ class EmbeddedServer:
         return await handler(request)
 
     # -- control and status ------------------------------------------------------------------
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize for a text prompt: the ids this server's tokenizer makes of it."""
+        try:
+            body = json.loads(await request.read())
+            prompt, special = body["prompt"], bool(body.get("add_special_tokens", True))
+            if not isinstance(prompt, str):
+                raise TypeError("prompt must be a string")
+        except (ValueError, KeyError, TypeError) as exc:
+            return _error_response(400, f"bad tokenize request: {exc}", "BadRequestError")
+        tokens = self.tokenizer.encode(prompt, add_special_tokens=special)
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.backend.max_model_len})
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {
