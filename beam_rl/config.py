@@ -342,6 +342,9 @@ class DispatchSection(_Section):
     shards: int = Field(1, ge=1)
     concurrency: ConcurrencySection = Field(default_factory=ConcurrencySection)
     mix_by: Literal["samples", "tokens"] = "samples"  # what envs[].ratio shares: trained samples or their tokens
+    # A runner checkpoint keeps the tokens of the rollouts in flight, so a restored worker continues them
+    # from there (beam_rl/dispatch/resume.py); false: they start again from their prompts.
+    checkpoint_tokens: bool = True
 
 
 class RunnerSection(_Section):

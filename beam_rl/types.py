@@ -52,6 +52,9 @@ class GroupRequest:
     # The attempts to run; None = all of 0..group_size-1. A group restored from a runner checkpoint
     # runs again only the attempts whose rollouts had not left the source yet.
     attempts: tuple[int, ...] | None = None
+    # Of those, what a runner checkpoint kept of the ones that were generating (beam_rl.dispatch.resume.
+    # ResumePoint): they continue from their tokens.
+    resume: tuple[Any, ...] = ()
 
     @property
     def attempts_to_run(self) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ received, and its fault sequence is a seeded RNG that the tests replay to know w
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import time
@@ -543,3 +544,72 @@ def test_a_server_listed_again_while_it_drains_takes_new_groups(start_server, en
 
     assert all(r.ok for r in rollouts) and {r.server for r in rollouts} == {first.url, second.url}
     assert counters["redispatched"] == 0  # nothing was moved off it
+
+
+# -- a rollout a checkpoint took in flight continues from its tokens ---------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["rollout", "group"])
+def test_a_rollout_resumed_from_a_checkpoint_continues_from_its_tokens_and_their_versions(
+        start_server, env, weights_dir, mode):
+    long = SimulatedParams(length_median=400, length_sigma=0.1)  # every completion runs to max_tokens
+    server = start_server(mode="simulated", faults=FaultConfig(step_delay_s=0.02), simulated=long)
+    (request,) = group_requests(env, 1, 4)
+    with dispatcher_thread([server.url], env, mode, max_inflight=4, stream=True, max_tokens=40) as first:
+        first.add_groups([request])
+        deadline = time.monotonic() + 30
+        while not (points := first.resume_points()) or min(p.tokens_per_choice()[0] for p in points) < 5:
+            assert time.monotonic() < deadline, "no tokens streamed"
+            time.sleep(0.02)
+        assert first.poll(0) == []  # taken mid-generation, like a checkpoint, and then the worker is gone
+    kept = {a: c for p in points for a, c in zip(p.attempts, p.calls[-1].choices)}
+    assert sorted(kept) == [0, 1, 2, 3] and all(0 < len(c) < 40 and not p.calls[-1].finished for p in points
+                                                for c in p.calls[-1].choices)
+    asked_before = len(server.requests_seen)
+
+    version = [0]
+    with dispatcher_thread([server.url], env, mode, max_inflight=4, stream=True, max_tokens=40,
+                           version=lambda: version[0]) as restored:
+        assert len(restored.update_weights(weights_dir, 1, "keep")) == 1  # the restored run is on newer weights
+        version[0] = 1
+        rollouts = run_groups(restored, [dataclasses.replace(request, resume=tuple(points))])
+        counters = restored.counters()
+
+    assert counters["resumed"] == 4 and counters["resumed_tokens"] == sum(len(c) for c in kept.values())
+    asked = list(server.requests_seen)[asked_before:]
+    prompt = len(request_prompt(env, request))
+    # Each asked for the rest only: prompt + the tokens kept, 40 - those to go, under the attempt's seed.
+    assert sorted((a.prompt_tokens - prompt, a.max_tokens) for a in asked) == sorted(
+        (len(c), 40 - len(c)) for c in kept.values())
+    for rollout in rollouts:
+        (turn,) = rollout.turns
+        before = kept[rollout.attempt].completion()
+        assert rollout.ok and len(turn.completion_ids) == 40
+        assert turn.completion_ids[:len(before.token_ids)] == before.token_ids
+        assert turn.logprobs[:len(before.token_ids)] == before.logprobs
+        # The kept tokens keep the version that sampled them; the rest are the restored run's.
+        assert turn.policy_versions == [0] * len(before.token_ids) + [1] * (40 - len(before.token_ids))
+        assert rollout.policy_version_start == 0 and sum(rollout.discarded_tokens.values()) == 0
+
+
+def test_a_resumed_rollout_whose_oldest_token_is_past_the_off_policy_bound_starts_again(start_server, env):
+    server = start_server(mode="simulated", faults=FaultConfig(step_delay_s=0.01))
+    (request,) = group_requests(env, 1, 2)
+    with dispatcher_thread([server.url], env, "rollout", max_inflight=2, stream=True, max_tokens=20) as first:
+        first.add_groups([request])
+        deadline = time.monotonic() + 30
+        while len(points := first.resume_points()) < 2:
+            assert time.monotonic() < deadline, "no tokens streamed"
+            time.sleep(0.01)
+    with dispatcher_thread([server.url], env, "rollout", max_inflight=2, stream=True, max_tokens=20,
+                           version=lambda: 5) as restored:
+        restored.dispatcher.max_off_policy_steps = 2  # version 5 - the kept tokens' 0 is past it
+        rollouts = run_groups(restored, [dataclasses.replace(request, resume=tuple(points))])
+        counters = restored.counters()
+    assert counters["resumed"] == 0 and all(r.ok for r in rollouts)
+    assert [r.discarded_tokens["stale"] for r in sorted(rollouts, key=lambda r: r.attempt)] == [
+        p.tokens for p in sorted(points, key=lambda p: p.attempts)]
+
+
+def request_prompt(env: Environment, request: GroupRequest) -> list[int]:
+    return list(env.render_prompt(request.row))

@@ -1025,6 +1025,8 @@ def test_thread_host_runs_the_dispatcher_for_synchronous_callers():
             "regenerated": 0,
             "cancelled_stale": 0,
             "redone_on_restart": 0,
+            "resumed": 0,
+            "resumed_tokens": 0,
             "inflight": 0,
             "inflight_cap": 4,
             "healthy_servers": 2,

@@ -30,6 +30,7 @@ from beam_rl.processes import tree_pids
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.lease import RunDirBusyError, read_job_record
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
+from beam_rl.standin.simulated import SimulatedParams
 from runners.flink_cluster import start_cluster
 from runners.rollout_job import attach_rollouts, start_rollouts
 
@@ -55,8 +56,8 @@ def cluster(tmp_path_factory):
         cluster.stop()
 
 
-def _servers(**faults):
-    started = [EmbeddedServer(mode="instant", served_model_name="tiny", max_num_seqs=256,
+def _servers(mode: str = "instant", simulated: SimulatedParams | None = None, **faults):
+    started = [EmbeddedServer(mode=mode, served_model_name="tiny", max_num_seqs=256, simulated=simulated,
                               faults=FaultConfig(**faults)) for _ in range(2)]
     return started, [s.start() for s in started]
 
@@ -75,6 +76,17 @@ def slow_servers():
     `prompts` groups takes about prompts / 2 seconds, long enough to kill things in the middle."""
     started, urls = _servers(latency_s=1.0)
     yield urls
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def streaming_servers():
+    """Each request streams its 8 tokens over ~1 s (simulated engine steps of 0.125 s), so a kill always
+    finds rollouts part-way through their tokens."""
+    started, urls = _servers(mode="simulated", simulated=SimulatedParams(decode_base_s=0.125, length_median=400,
+                                                                         length_sigma=0.1))
+    yield started, urls
     for s in started:
         s.stop()
 
@@ -202,9 +214,11 @@ def test_a_taskmanager_killed_over_a_minute_in_is_restored_from_a_checkpoint_tak
             cluster.wait_ready(2)
 
 
-def test_a_killed_worker_process_is_replaced_and_the_run_loses_nothing(cluster, slow_servers, tmp_path):
+def test_a_killed_worker_process_is_replaced_and_its_rollouts_continue_from_their_tokens(
+        cluster, streaming_servers, tmp_path):
     prompts = 48
-    _, job, job_id = _start(cluster, slow_servers, tmp_path, prompts, checkpointing_interval_ms=1000)
+    servers, urls = streaming_servers
+    _, job, job_id = _start(cluster, urls, tmp_path, prompts, checkpointing_interval_ms=1000)
     run_dir = RunDir(tmp_path)
     try:
         _wait(lambda: len(run_dir.committed_steps()) >= 1, FIRST_STEP_TIMEOUT_S, "step 1 committed")
@@ -218,6 +232,13 @@ def test_a_killed_worker_process_is_replaced_and_the_run_loses_nothing(cluster, 
         job.wait()
         _assert_exactly_once(run_dir, prompts)
         assert victim not in cluster.worker_pids()
+        # The restored sources continued what the checkpoint kept: the servers were asked for the rest of
+        # those rollouts (the prompt plus the tokens kept, fewer than 8 to go).
+        restores = [m["dispatch_restore"] for m in run_dir.read_metrics() if "dispatch_restore" in m]
+        resumed = sum(r["rollouts_resumed"] for r in restores)
+        continued = [seen for s in servers for seen in s.requests_seen if seen.max_tokens < 8]
+        print(f"restored: {resumed} rollouts continued from {sum(r['tokens_resumed'] for r in restores)} tokens")
+        assert resumed > 0 and len(continued) >= 1
     finally:
         job.cancel()
 

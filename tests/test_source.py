@@ -17,7 +17,9 @@ from beam_rl.source.commits import CommittedSteps
 from beam_rl.source.eval_rounds import EvalRounds, first_eval_after
 from beam_rl.source.schedule import EnvSchedule, PromptSchedule
 from beam_rl.source.status import AllServersDownError, ServersDownWatch, StallWatch
+from beam_rl.standin.faults import FaultConfig
 from beam_rl.standin.server import EmbeddedServer
+from beam_rl.standin.simulated import SimulatedParams
 from beam_rl.types import TrainBatch
 
 LIMITS = limits_for(rollouts_per_step=64, group_size=8, permits=64, max_async_level=1, with_trainer=True,
@@ -182,10 +184,10 @@ def test_evaluation_rounds_come_every_k_steps_as_this_shards_part_of_the_split()
     assert rounds.due(6) == [] and [g.eval_round for g in rounds.due(12)] == [10, 10]  # a missed round is not run twice
 
 
-def _source(tmp_path, url: str, restored: DispatchRange) -> RolloutSource:
+def _source(tmp_path, url: str, restored: DispatchRange, max_tokens: int = 4) -> RolloutSource:
     config = config_from_dict({
         "run": {"dir": str(tmp_path)}, "envs": [{"name": "reverse_text", "group_size": 4, "limit": 6}],
-        "batch": {"rollouts_per_step": 8}, "inference": {"max_tokens": 4, "max_inflight": 8},
+        "batch": {"rollouts_per_step": 8}, "inference": {"max_tokens": max_tokens, "max_inflight": 8},
     })
     spec = SourceSpec(config=config, server_urls=(url,), run_dir=str(tmp_path), run_id=uuid.uuid4().hex,
                       with_trainer=False, schedule_groups=6)
@@ -239,3 +241,35 @@ def test_servers_never_up_get_the_start_up_patience_and_a_probe_alone_does_not_r
     up_once.check(healthy=0, answered=True, now=600.0)
     with pytest.raises(AllServersDownError, match="past inference.all_servers_down_timeout_s = 300"):
         up_once.check(healthy=0, answered=True, now=901.0)
+
+
+def test_a_restored_source_continues_the_rollouts_it_had_in_flight_from_their_tokens(tmp_path):
+    long = SimulatedParams(length_median=400, length_sigma=0.1)  # every completion runs to max_tokens
+    with EmbeddedServer(mode="simulated", simulated=long, faults=FaultConfig(step_delay_s=0.02)) as server:
+        source = _source(tmp_path, server.url, DispatchRange(0, 7), max_tokens=40)
+        try:
+            source.admit(0)
+            deadline = time.monotonic() + 30
+            # reverse_text runs a group as one request of n=4: one launch, its four choices' tokens.
+            while not (saved := source.in_flight(with_tokens=True)).resume or min(
+                    saved.resume[0].tokens_per_choice()) < 3:
+                assert time.monotonic() < deadline, "no tokens streamed"
+                time.sleep(0.02)
+            assert [p.attempts for p in saved.resume] == [(0, 1, 2, 3)]
+            assert saved.redo == ((0, (0, 1, 2, 3)),)
+            assert source.in_flight().resume == saved.resume  # between two takes, the last one is carried
+        finally:
+            source.close()
+        asked_before = len(server.requests_seen)
+        restored = _source(tmp_path, server.url, DispatchRange(1, 7, saved), max_tokens=40)
+        try:
+            rollouts = _drain(restored, 4)
+        finally:
+            restored.close()
+    kept = dict(enumerate(saved.resume[0].tokens_per_choice()))
+    assert sorted(r.attempt for r in rollouts) == [0, 1, 2, 3] and all(r.completion_tokens == 40 for r in rollouts)
+    asked = list(server.requests_seen)[asked_before:]
+    assert sorted(a.max_tokens for a in asked) == sorted(40 - n for n in kept.values())
+    (record,) = [m["dispatch_restore"] for m in RunDir(tmp_path).read_metrics() if "dispatch_restore" in m]
+    assert record["rollouts_resumed"] == 4 and record["tokens_resumed"] == sum(kept.values())
+    assert 0 < record["resume_bytes"] <= 12 * sum(kept.values())

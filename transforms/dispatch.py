@@ -216,7 +216,9 @@ class _DispatchFn(beam.DoFn):
                 parts.setdefault(rollout.group_id, []).append(rollout)
             for group_id, part in parts.items():
                 yield beam.window.TimestampedValue((self._keys.key(part[0], source), part), now)
-            restriction.in_flight = source.in_flight()
+            # The tokens of the rollouts generating are taken as the call ends: its residual is what a
+            # checkpoint holds.
+            restriction.in_flight = source.in_flight(with_tokens=time.monotonic() >= deadline)
             watermark.set_watermark(now)
             if source.finished(all_claimed=next_offset >= restriction.end_marker):
                 if tracker.try_claim(restriction.end_marker):

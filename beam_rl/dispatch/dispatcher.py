@@ -24,6 +24,7 @@ from beam_rl.dispatch.concurrency import ConcurrencyController, FixedConcurrency
 from beam_rl.dispatch.failover import LaunchClient
 from beam_rl.dispatch.ledger import DispatchCounters, Launch, OpenGroup, rollout_seed
 from beam_rl.dispatch.permits import Permits
+from beam_rl.dispatch.resume import Replay, ResumePoint
 from beam_rl.dispatch.server_pool import PoolClient, Restore, Server, ServerPool
 from beam_rl.envs.base import Environment, Trajectory
 from beam_rl.envs.loop_local import close_loop_locals
@@ -201,7 +202,8 @@ class Dispatcher:
                 f"{type(exc).__name__}: {exc}",
             )
         group = OpenGroup(request, env, mode, self.sampling[request.env_name], prompt_ids,
-                          collections.deque(request.attempts_to_run), t_admitted=self._clock())
+                          collections.deque(request.attempts_to_run), t_admitted=self._clock(),
+                          resume={point.attempts: point for point in request.resume})
         self._groups[request.group_id] = group
         return group
 
@@ -230,7 +232,9 @@ class Dispatcher:
         sampling = replace(group.sampling, seed=rollout_seed(self.seed, request.group_id, attempts[0]))
         self._permits.take(needed)
         self.pool.started(server, needed)
-        launch = Launch(group, attempts, server, version, self._clock())
+        point = self._resume_point(group, attempts, version)
+        launch = (Launch(group, attempts, server, version, self._clock()) if point is None
+                  else self._resumed_launch(group, point, server))
         client = LaunchClient(launch, self.pool, self.max_redispatches, self._moved)
         task = asyncio.create_task(
             _run_env(group.env, group.mode, client, request.row, group.prompt_ids, sampling, needed),
@@ -241,6 +245,41 @@ class Dispatcher:
         task.add_done_callback(self._on_finished)
         self.counters.started += needed
         return needed
+
+    def _resume_point(self, group: OpenGroup, attempts: tuple[int, ...], version: int) -> ResumePoint | None:
+        """The tokens a checkpoint kept of these attempts, if they can still train: ones whose oldest token is
+        past the off-policy bound now could only be filtered out, so they start again (counted as stale)."""
+        point = group.resume.pop(attempts, None)
+        if point is None:
+            return None
+        oldest, bound = point.oldest_version, self.max_off_policy_steps
+        if bound is not None and oldest is not None and version - oldest > bound:
+            for attempt, tokens in zip(attempts, point.tokens_per_choice()):
+                group.discarded.setdefault(attempt, Counter())["stale"] += tokens
+            return None
+        return point
+
+    def _resumed_launch(self, group: OpenGroup, point: ResumePoint, server: Server) -> Launch:
+        """A launch that continues from a checkpoint's tokens, its start version and time the original's."""
+        launch = Launch(group, point.attempts, server, point.version_start, point.t_start, replay=Replay(point))
+        floor = point.oldest_version if point.oldest_version is not None else point.version_start
+        for choice, tokens in enumerate(point.tokens_per_choice()):
+            launch.progress.received(choice, tokens, floor)
+        self.counters.resumed += launch.permits
+        self.counters.resumed_tokens += point.tokens
+        return launch
+
+    def resume_points(self) -> list[ResumePoint]:
+        """What a runner checkpoint taken now keeps of the launches in flight: their calls and tokens so
+        far. Launches being cancelled or started again keep nothing."""
+        points = []
+        for task, launch in self._inflight.items():
+            if task.done() or launch.cancel_requested or launch.regenerate_requested:
+                continue
+            point = launch.resume_point()
+            if point is not None:
+                points.append(point)
+        return points
 
     def _pin_server(self, group: OpenGroup) -> Server | None:
         # Rule: group affinity. The first attempt picks the least-loaded server; later attempts go

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable
 
 from beam_rl.dispatch.ledger import Launch
+from beam_rl.dispatch.resume import Call, prompt_digest
 from beam_rl.dispatch.server_pool import Server, ServerPool
 from beam_rl.inference.client import InferenceConnectionError, InferenceError, InferenceRetired
 from beam_rl.inference.types import Completion, SamplingParams
@@ -37,6 +38,13 @@ class LaunchClient:
     async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
         launch = self._launch
         partial: list[Completion] | None = None
+        prompt = prompt_digest(prompt_ids, n)
+        recorded = launch.replay.next(prompt_ids, n) if launch.replay is not None else None
+        if recorded is not None:  # a resumed launch: this call as the checkpoint kept it
+            partial, finished = recorded
+            if finished:
+                return self._done(launch, prompt, partial)
+        launch.live_prompt = prompt
         while True:
             server = launch.server
             try:
@@ -66,8 +74,14 @@ class LaunchClient:
                 self._on_move(launch, server, target)
                 continue
             self._pool.record_success(server)
-            launch.completions.extend(completions)
-            return completions
+            return self._done(launch, prompt, completions)
+
+    @staticmethod
+    def _done(launch: Launch, prompt: bytes, completions: list[Completion]) -> list[Completion]:
+        launch.live_prompt = None
+        launch.completions.extend(completions)
+        launch.calls.append(Call.of(prompt, completions, finished=True))
+        return completions
 
     async def _next_server(self, failed: Server) -> Server:
         """The least-loaded serving server other than `failed`; `failed` itself if it is the only healthy

@@ -8,6 +8,7 @@ import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 
+from beam_rl.dispatch.resume import Call, Replay, ResumePoint
 from beam_rl.dispatch.server_pool import Server
 from beam_rl.envs.base import Environment
 from beam_rl.inference.inflight import Progress
@@ -35,6 +36,8 @@ class DispatchCounters:
     regenerated: int = 0  # rollouts started again because new weights made them too stale
     cancelled_stale: int = 0  # rollouts cancelled as too stale once regenerating them could not help
     redone_on_restart: int = 0  # rollouts started again from their prompt: their server restarted under them
+    resumed: int = 0  # rollouts continued from the tokens a runner checkpoint kept (dispatch/resume.py)
+    resumed_tokens: int = 0  # the tokens they were continued from
 
     @property
     def emitted(self) -> int:
@@ -60,6 +63,8 @@ class OpenGroup:
     # generated and lost, by fate (schemas/fields.py DISCARD_FATES).
     regenerations: Counter[int] = field(default_factory=Counter)
     discarded: dict[int, Counter[str]] = field(default_factory=dict)
+    # Restored from a runner checkpoint: per attempts of a launch, the tokens it had (dispatch/resume.py).
+    resume: dict[tuple[int, ...], ResumePoint] = field(default_factory=dict)
 
     @property
     def group_id(self) -> str:
@@ -91,6 +96,11 @@ class Launch:
     redispatches: int = 0
     progress: Progress = field(default_factory=Progress)  # its tokens as they arrive, over every server
     completions: list[Completion] = field(default_factory=list)  # what the environment got, in call order
+    # A checkpoint's view of it (dispatch/resume.py): its finished calls, the digest of the one in flight
+    # (whose tokens so far are `progress.live`), and, resumed after a restore, the record it answers from.
+    calls: list[Call] = field(default_factory=list)
+    live_prompt: bytes | None = None
+    replay: Replay | None = None
 
     def __post_init__(self) -> None:
         if self.progress.choices != len(self.attempts):
@@ -99,6 +109,18 @@ class Launch:
     @property
     def permits(self) -> int:
         return len(self.attempts)
+
+    def resume_point(self) -> ResumePoint | None:
+        """What a checkpoint taken now keeps of it; None when it holds no token yet."""
+        if self.replay is not None and not self.calls and self.live_prompt is None:
+            return self.replay.point  # resumed, and its environment has not called yet
+        calls = list(self.calls)
+        live = self.progress.live
+        if self.live_prompt is not None and live is not None and any(c.token_ids for c in live):
+            calls.append(Call.of(self.live_prompt, live, finished=False))
+        if not any(call.tokens for call in calls):
+            return None
+        return ResumePoint(self.group.group_id, self.attempts, self.version_start, self.t_start, tuple(calls))
 
     @property
     def name(self) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from beam_rl.dispatch.dispatcher import Dispatcher
+from beam_rl.dispatch.resume import ResumePoint
 from beam_rl.dispatch.server_pool import Connect, Restore, Server
 from beam_rl.inference.client import DRAIN_QUIET_S, InferenceConnectionError, InferenceTimeout
 from beam_rl.inference.inflight import UpdateTiming
@@ -115,6 +116,10 @@ class DispatcherThread:
         """Group id -> attempts added whose rollouts `poll` has not returned yet."""
         with self._lock:
             return {group: tuple(sorted(attempts)) for group, attempts in self._unreturned.items()}
+
+    def resume_points(self) -> list[ResumePoint]:
+        """What a runner checkpoint keeps of the launches in flight now (Dispatcher.resume_points)."""
+        return self._call(self.dispatcher.resume_points)
 
     def is_unreturned(self, group_id: str) -> bool:
         """Some rollout of the group has not been returned by `poll` yet."""
@@ -275,6 +280,8 @@ class DispatcherThread:
             "regenerated": c.regenerated,
             "cancelled_stale": c.cancelled_stale,
             "redone_on_restart": c.redone_on_restart,
+            "resumed": c.resumed,
+            "resumed_tokens": c.resumed_tokens,
             "inflight": self.dispatcher.inflight,
             "inflight_cap": self.dispatcher.inflight_cap,
             "healthy_servers": len(self.dispatcher.pool.healthy()),

@@ -186,6 +186,8 @@ class InferenceClient:
         choices = [copy_completion(c) for c in partial] if partial else [Completion([], [], None) for _ in range(n)]
         if len(choices) != n:
             raise ValueError(f"partial holds {len(choices)} choices for n={n}")
+        if progress is not None:
+            progress.live = choices
         retries = 0
         while True:
             todo = [i for i, c in enumerate(choices) if c.finish_reason in (None, ABORT)]

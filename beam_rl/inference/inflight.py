@@ -26,6 +26,9 @@ class Progress:
     tokens: list[int] = field(init=False)
     oldest_version: int | None = None
     first_token_at: float | None = None  # Unix time
+    # The choices of the call in flight, as its tokens arrive (InferenceClient.complete sets them): what a
+    # checkpoint of the rollout takes (dispatch/resume.py). Read them; never change them.
+    live: list[Completion] | None = None
 
     def __post_init__(self) -> None:
         self.tokens = [0] * self.choices

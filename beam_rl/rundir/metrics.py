@@ -65,7 +65,7 @@ class MetricsStore(RunLayout):
 
 _SUMMED_STATUS = ("inflight", "max_inflight", "started", "ok", "errored", "cancelled", "groups_admitted",
                   "healthy_servers", "groups_out", "groups_in_transit", "groups_emitted", "cancelled_stale_groups",
-                  "redispatched", "regenerated", "cancelled_stale", "redone_on_restart")
+                  "redispatched", "regenerated", "cancelled_stale", "redone_on_restart", "resumed", "resumed_tokens")
 
 
 def merge_status(shards: list[dict[str, Any]]) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from beam_rl.dispatch.resume import ResumePoint
+
 Redo = tuple[tuple[int, tuple[int, ...]], ...]  # (schedule position, attempts) pairs
 
 
@@ -18,6 +20,9 @@ class InFlight:
       Downstream state in the same checkpoint lacks them, so a restore runs them again.
     - `emitted`: how many groups had left the source whole (the packer's restored count of groups seen
       agrees with it, so the end of input is announced with the right total).
+    - `resume`: of those, the ones that were generating, with their tokens so far (dispatch/resume.py):
+      a restore continues them from there. Taken at the end of each process() call (`dispatch.
+      checkpoint_tokens`); a split mid-call carries the last one taken.
     - `token`: names the process() call that saved it. A worker process that outlived a restore (the
       runner went back to an older checkpoint) still holds a source ahead of it; a token the source did
       not hand out tells it so.
@@ -26,6 +31,7 @@ class InFlight:
     redo: Redo = ()
     emitted: int = 0
     token: str | None = None
+    resume: tuple[ResumePoint, ...] = ()
 
 
 @dataclass

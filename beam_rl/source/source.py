@@ -10,16 +10,18 @@ rounds (eval_rounds), the commits it reads (commits), live status (status).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from beam_rl.config import RunConfig
 from beam_rl.dispatch import DispatcherThread
 from beam_rl.dispatch.concurrency import committed_concurrency
+from beam_rl.dispatch.resume import ResumePoint
 from beam_rl.dispatch.weight_sync import WeightSync
 from beam_rl.envs.base import Environment
 from beam_rl.fleet.assignment import FleetFollower
@@ -143,11 +145,28 @@ class RolloutSource:
         self._rollouts_ahead = 0  # the rollouts of the groups admitted or in transit: what a new group queues behind
         self._stopping = False
         self._worker = worker_id()
+        self._checkpoint_tokens = config.dispatch.checkpoint_tokens
+        self._resume_points: tuple[ResumePoint, ...] = ()  # the last taken (in_flight with_tokens)
+        resume = collections.defaultdict(list)
+        for point in restored.in_flight.resume:
+            resume[point.group_id].append(point)
         for position, attempts in restored.in_flight.redo:
-            self._admit(position, attempts)
+            self._admit(position, attempts, resume)
         if restored.in_flight.redo or restored.start:
-            _LOG.warning("shard %d restored at offset %d: %d groups left it before, %d run again",
-                         shard.index, restored.start, self.emitted, len(self._admitted))
+            self._note_restore(restored)
+
+    def _note_restore(self, restored: DispatchRange) -> None:
+        resume = restored.in_flight.resume
+        record = {"t": time.time(), "shard": self.shard.index, "offset": restored.start,
+                  "groups_emitted_before": self.emitted, "groups_run_again": len(self._admitted),
+                  "rollouts_redone": sum(len(attempts) for _, attempts in restored.in_flight.redo),
+                  "rollouts_resumed": sum(len(p.attempts) for p in resume),
+                  "tokens_resumed": sum(p.tokens for p in resume),
+                  "resume_bytes": sum(p.encoded_bytes for p in resume)}
+        _LOG.warning("shard %d restored at offset %d: %d groups left it before, %d run again, %d rollouts "
+                     "continue from %d tokens", self.shard.index, restored.start, self.emitted, len(self._admitted),
+                     record["rollouts_resumed"], record["tokens_resumed"])
+        self._run_dir.append_metrics({"dispatch_restore": record})
 
     def _restored_draws(self, restored: DispatchRange) -> list[int]:
         streams = len(self._stream_draws)
@@ -209,13 +228,18 @@ class RolloutSource:
         self._draws[stream] = draw + 1
         self._admit(self.schedule.position_of(stream, self.shard.draw(draw)))
 
-    def _admit(self, position: int, attempts: tuple[int, ...] | None = None) -> None:
-        """Dispatch the group at `position` (all its attempts, or those given)."""
+    def _admit(self, position: int, attempts: tuple[int, ...] | None = None,
+               resume: Mapping[str, list[ResumePoint]] | None = None) -> None:
+        """Dispatch the group at `position` (all its attempts, or those given, continuing those `resume`
+        holds tokens of)."""
         if self.schedule.offset(position) in self._commits.consumed:
             return
         if attempts is None and self._skipped_by_curriculum(position):
             return
         group = self.schedule.group(position, attempts)
+        if resume and group.group_id in resume:
+            group = dataclasses.replace(group, resume=tuple(
+                p for p in resume[group.group_id] if set(p.attempts) <= set(group.attempts_to_run)))
         self._admitted[group.group_id] = position
         self._rollouts_ahead += self.schedule.group_size(position)
         self._dispatcher.add_groups([group])
@@ -277,14 +301,20 @@ class RolloutSource:
             self._publish_status(now)
         return rollouts
 
-    def in_flight(self) -> InFlight:
+    def in_flight(self, with_tokens: bool = False) -> InFlight:
         """What a checkpoint taken now must carry: the attempts admitted whose rollouts `poll` has not
         returned yet (by schedule position: run again on restore), the groups emitted whole, and the token
-        the next call must bring. Evaluation rounds are not restored."""
+        the next call must bring. `with_tokens` takes the tokens of those generating now (else the last
+        taken are kept, for the attempts still to redo). Evaluation rounds are not restored."""
+        if with_tokens and self._checkpoint_tokens:
+            # Before `unreturned`: a rollout that finishes in between is redone from its tokens, not lost.
+            self._resume_points = tuple(self._dispatcher.resume_points())
         unreturned = self._dispatcher.unreturned()
         redo = tuple(sorted((position, unreturned[group_id])
                             for group_id, position in self._admitted.items() if group_id in unreturned))
-        return InFlight(redo, self.emitted, self.token)
+        resume = tuple(p for p in self._resume_points
+                       if p.group_id in unreturned and set(p.attempts) <= set(unreturned[p.group_id]))
+        return InFlight(redo, self.emitted, self.token, resume)
 
     def finished(self, all_claimed: bool) -> bool:
         # An evaluation round that started before the stop is finished too: its summary is the last one.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import gc
 import json
@@ -21,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from aiohttp import web
@@ -28,7 +30,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from beam_rl.standin.backend import Backend, PauseGate, PauseState
-from beam_rl.standin.faults import FaultConfig, FaultInjector, add_fault_args, fault_config_from_args, scripted_choice
+from beam_rl.standin.faults import (
+    FaultConfig,
+    FaultInjector,
+    add_fault_args,
+    fault_config_from_args,
+    scripted_choice,
+)
 from beam_rl.standin.generator import ChoiceResult, GenerationParams, WeightsError
 from beam_rl.standin.launch import start_subprocess_server
 from beam_rl.standin.metrics import ServerMetrics
@@ -49,7 +57,12 @@ from beam_rl.standin.responses import (
     generate_body,
 )
 from beam_rl.standin.security import api_key_middleware, server_ssl_context
-from beam_rl.standin.simulated import SimulatedEngine, SimulatedParams, add_simulated_args, simulated_params_from_args
+from beam_rl.standin.simulated import (
+    SimulatedEngine,
+    SimulatedParams,
+    add_simulated_args,
+    simulated_params_from_args,
+)
 from beam_rl.standin.stepped import InstantBackend, ModelBackend
 from beam_rl.tokenizer import load_tokenizer
 
@@ -62,6 +75,20 @@ DIED_EXIT_CODE = 70  # a subprocess server killed by the die_after_tokens fault 
 
 def _error_response(status: int, message: str, kind: str) -> web.Response:
     return web.json_response(RequestError(status, message, kind).body(), status=status)
+
+
+@dataclass(eq=False)
+class SeenRequest:
+    """A generation request as the server read it and how it ended: what tests and benchmarks check a client
+    asked for (a continued completion: the same seed, a longer prompt, fewer tokens to go)."""
+
+    t: float  # Unix time it arrived
+    seed: int | None
+    prompt_tokens: int
+    max_tokens: int
+    n: int
+    ended: float | None = None  # Unix time its answer was over, sent in full or cut off
+    tokens: int | None = None  # completion tokens of an answer generated to its end; None: cut off (or failed)
 
 
 class EmbeddedServer:
@@ -108,6 +135,7 @@ class EmbeddedServer:
         self._strict_model_name = served_model_name is not None
         self.served_model_name = served_model_name or (self.model_dir.name if self.model_dir else f"tiny-{mode}")
         self.requests_total = 0
+        self.requests_seen: collections.deque[SeenRequest] = collections.deque(maxlen=100_000)  # newest last
         self._death_at = self._death_threshold()
         self._exit_on_death = exit_on_death
         self._dead = False  # died of die_after_tokens, in-process: answers nothing until started again
@@ -284,6 +312,8 @@ class EmbeddedServer:
     ) -> web.StreamResponse:
         """Apply the request's fault, then `respond` from the choices as they are generated (after
         every step with `progress`, else once finished)."""
+        seen = SeenRequest(time.time(), params.seed, len(params.prompt_ids), params.max_tokens, params.n)
+        self.requests_seen.append(seen)
         fault = self.faults.draw()
         if fault == "drop":
             assert request.transport is not None
@@ -295,8 +325,11 @@ class EmbeddedServer:
             await asyncio.Event().wait()  # cancelled when the client disconnects or the server stops
         # Every step is watched when streaming, or when the server may have to die mid-request.
         progress = progress or self._death_at is not None
-        async with contextlib.aclosing(self._choices(params, fault == "empty", progress)) as source:
-            return await respond(source)
+        try:
+            async with contextlib.aclosing(self._choices(params, fault == "empty", progress)) as source:
+                return await respond(_noting_the_end(source, seen))
+        finally:
+            seen.ended = time.time()
 
     async def _choices(self, params: GenerationParams, empty: bool, progress: bool) -> AsyncIterator[list[ChoiceResult]]:
         """The request's choices as they grow: generated, scripted (fault `replies`) or empty (fault)."""
@@ -504,6 +537,14 @@ class EmbeddedServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics_collector.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _noting_the_end(source: AsyncIterator[list[ChoiceResult]], seen: SeenRequest,
+                          ) -> AsyncIterator[list[ChoiceResult]]:
+    choices: list[ChoiceResult] = []
+    async for choices in source:
+        yield choices
+    seen.tokens = sum(len(c.token_ids) for c in choices)
 
 
 # -- subprocess mode --------------------------------------------------------------------------
