@@ -46,6 +46,7 @@ class _Source:
         self.token = restriction.in_flight.token
         self.emitted = restriction.in_flight.emitted
         self.allow, self.admitted, self.out, self.closed = 2, [], [], False
+        self.took_tokens = False
 
     def wants_more(self) -> bool:
         return len(self.admitted) < self.allow
@@ -62,7 +63,8 @@ class _Source:
         self.emitted += len(out)
         return out
 
-    def in_flight(self) -> InFlight:
+    def in_flight(self, with_tokens: bool = False) -> InFlight:
+        self.took_tokens = self.took_tokens or with_tokens
         return InFlight(tuple((int(r.group_id[1:]), (0,)) for r in self.out), self.emitted, self.token)
 
     def finished(self, all_claimed: bool) -> bool:
@@ -110,6 +112,7 @@ def test_process_claims_while_the_source_admits_yields_keyed_rollouts_and_defers
     assert (residual.start, residual.in_flight.emitted) == (2, 2)
     assert residual.in_flight.token is not None  # the successor call must bring it
     source = fn._sources._by_shard[0]
+    assert source.took_tokens  # a deferring call takes the generating rollouts' tokens for its residual
     source.allow = 4
     rollouts, ends, residual = _call(fn, residual)
     assert [r.group_id for r in rollouts] == ["g2", "g3"]
