@@ -418,7 +418,8 @@ def test_pause_queues_new_requests_until_resume(make_server, mode):
             assert (await client.post(s.url + f"/pause?mode={mode}")).json() == {"status": "paused"}
             assert (await client.get(s.url + "/health")).status_code == 200
             assert (await client.get(s.url + "/is_paused")).json() == {"is_paused": True}
-            payload = {"prompt": PROMPT, "max_tokens": 2, "return_token_ids": True}
+            # ignore_eos: an unseeded request may sample EOS first, and this one must run its two tokens.
+            payload = {"prompt": PROMPT, "max_tokens": 2, "return_token_ids": True, "ignore_eos": True}
             queued = asyncio.create_task(client.post(s.url + "/v1/completions", json=payload))
             during = await wait_for_metrics(s.url, lambda m: m["vllm:num_requests_waiting"] == 1)
             assert not queued.done()
