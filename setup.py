@@ -36,6 +36,7 @@ setup(
         "tokenizers>=0.20",
         "safetensors>=0.4",
         "torch>=2.3",
+        "peft>=0.13",  # LoRA adapters: the trainer trains and publishes them, the embedded server serves them
         "matplotlib>=3.8",
         # Beam 2.70 allows protobuf<7 (6.33.x resolves here); verifiers needs >= 6.31. No pin of our own:
         # apache-beam's and verifiers' ranges decide.

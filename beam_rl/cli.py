@@ -205,6 +205,7 @@ def check_model(config: RunConfig, source: str) -> None:
     from beam_rl.rundir.checkpoint_shapes import CheckpointError, tensor_shapes
 
     if config.model.name == "tiny":
+        check_lora_targets(config, source)
         return
     path = Path(config.model.name).expanduser()
 
@@ -216,6 +217,13 @@ def check_model(config: RunConfig, source: str) -> None:
             int(json.loads((path / "config.json").read_bytes())["vocab_size"])
         except (OSError, ValueError, KeyError, TypeError) as err:
             return f"{path / 'config.json'}: not a model config with a vocab_size ({type(err).__name__}: {err})"
+        try:
+            from transformers import AutoConfig
+
+            AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except Exception as err:  # an unknown model_type, a config its class refuses
+            return (f"{path / 'config.json'}: transformers cannot load this model "
+                    f"({type(err).__name__}: {str(err).splitlines()[0]})")
         try:
             components.tokenizer_for(config.model.name)
         except Exception as err:  # transformers raises many kinds for a directory it cannot use
@@ -230,6 +238,26 @@ def check_model(config: RunConfig, source: str) -> None:
     found = problem()
     if found:
         raise ConfigError(source, [("model.name", found)])
+    check_lora_targets(config, source)
+
+
+def check_lora_targets(config: RunConfig, source: str) -> None:
+    """Every module trainer.lora.target_modules names is a weight matrix of the model; ConfigError naming it."""
+    from beam_rl import components
+    from beam_rl.rundir.checkpoint_shapes import CheckpointError, matrix_module_names
+
+    lora = config.trainer.lora
+    if lora is None:
+        return
+    try:
+        modules = matrix_module_names(components.model_dir(config))
+    except CheckpointError:
+        return  # no weights here: nothing trains a LoRA adapter in this process, and check_model said so
+    missing = [name for name in lora.target_modules if name not in modules]
+    if missing:
+        raise ConfigError(source, [("trainer.lora.target_modules",
+                                    f"{missing} name no weight matrix of {config.model.name} "
+                                    f"(it has {sorted(modules)})")])
 
 
 def check_run_records(run_dir: RunDir) -> None:
@@ -256,7 +284,7 @@ def check_published_weights(run_dir: RunDir, config: RunConfig) -> None:
         return
     step, path = latest
     try:
-        validate_checkpoint(path, components.model_dir(config))
+        validate_checkpoint(path, components.model_dir(config), lora=config.trainer.lora is not None)
     except CheckpointError as err:
         raise RunDirError(f"the newest published weights, step {step}, cannot be loaded: {err}. Remove {path} "
                           "and the run resumes from the weights published before them") from None

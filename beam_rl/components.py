@@ -21,7 +21,13 @@ from beam_rl.dispatch import Dispatcher, DispatcherThread, Restore
 from beam_rl.dispatch.concurrency import ConcurrencyController, concurrency_controller
 from beam_rl.envs import env_class, make_env
 from beam_rl.envs.base import Environment
-from beam_rl.inference.client import InferenceAuthError, InferenceClient, InferenceError, InferenceHTTPError
+from beam_rl.inference.client import (
+    LORA_SERVER_HINT,
+    InferenceAuthError,
+    InferenceClient,
+    InferenceError,
+    InferenceHTTPError,
+)
 from beam_rl.inference.types import SamplingParams
 from beam_rl.packing.batches import BatchBuilder
 from beam_rl.packing.packer import BatchCutter
@@ -132,7 +138,8 @@ def sampling_params(config: RunConfig, envs: dict[str, Environment]) -> dict[str
 
 def checkpoint_validator(config: RunConfig) -> Callable[[Path], None]:
     """Checks a published checkpoint against the policy model's tensor names and shapes."""
-    return functools.partial(validate_checkpoint, reference_model_dir=model_dir(config))
+    return functools.partial(validate_checkpoint, reference_model_dir=model_dir(config),
+                             lora=config.trainer.lora is not None)
 
 
 # A source whose dispatch transform stopped calling it (the job was cancelled, or the runner restored the
@@ -158,7 +165,8 @@ def inference_client(config: RunConfig, url: str, key: str | None, version: int 
     inf = config.inference
     return InferenceClient(url, model=config.model.name, timeout_s=inf.request_timeout_s,
                            max_retries=inf.max_retries, backoff_s=inf.retry_backoff_s, stream=inf.stream,
-                           api_key=key, ca_bundle=inf.ca_bundle, version=version, route=inf.route)
+                           api_key=key, ca_bundle=inf.ca_bundle, version=version, route=inf.route,
+                           lora=config.trainer.lora is not None)
 
 
 def check_servers(config: RunConfig, server_urls: list[str]) -> None:
@@ -170,6 +178,7 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
       were never up (the dispatcher keeps the short patience too until one answers a request).
     - Some answering: the others are named in a warning and left to the dispatcher's re-probes.
     - With dispatch.concurrency.mode = "kv": a server whose /metrics has no KV-cache usage is refused.
+    - With trainer.lora: a server without vLLM's runtime LoRA routes is refused.
     No completion is requested on the completions route: a server's own counters see only the run.
     Each dispatch shard drives servers of its own: at least `dispatch.shards` servers, or a ConfigError."""
     problem = shards_problem(config.dispatch.shards, len(server_urls))  # the config counted inference.urls
@@ -201,6 +210,12 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
                 return f"{url} answers the generate route with HTTP {err.status}", True
             except InferenceError as err:
                 return f"{url} cannot be reached ({err})", True
+        if config.trainer.lora is not None:
+            try:
+                if not await client.serves_lora():
+                    return f"{url} serves no LoRA adapters (trainer.lora): {LORA_SERVER_HINT}", False
+            except InferenceError as err:
+                return f"{url} cannot say whether it serves LoRA adapters ({err})", True
         if config.dispatch.concurrency.mode == "kv":
             try:
                 load = await client.load()

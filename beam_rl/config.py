@@ -366,6 +366,16 @@ class RunnerSection(_Section):
     flink_local_heap_mb: int | None = Field(None, ge=256)
 
 
+class LoraSection(_Section):
+    """A LoRA adapter trained in place of the whole model (peft): each step publishes the adapter alone, and
+    the servers load it as a LoRA adapter of its own version (docs/lora.md)."""
+
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / rank
+    # Module names of the model (the last part of a Linear's path: "q_proj"), each of which must exist.
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+
+
 class TrainerSection(_Section):
     kind: Literal["reference", "none"] = "reference"  # none: an external trainer reads the run directory
     lr: float = Field(1e-3, gt=0)  # AdamW, constant
@@ -378,6 +388,7 @@ class TrainerSection(_Section):
     # Data-parallel ranks (gloo), each reading its own rank file (beam_rl/trainer/data_parallel.py); more
     # than 1 must equal batch.trainer_ranks. 1: one process stands in for every rank.
     nproc: int = Field(1, ge=1)
+    lora: LoraSection | None = None  # train a LoRA adapter instead of every weight
 
 
 class EvalSection(_Section):

@@ -31,7 +31,9 @@ def inference_servers(config: RunConfig) -> Iterator[list[str]]:
         for _ in range(inf.embedded_servers):
             procs.append(spawn_subprocess_server(
                 model_dir, mode=inf.embedded_mode, max_num_seqs=inf.embedded_max_num_seqs,
-                extra_args=("--served-model-name", config.model.name), die_with_parent=True))
+                extra_args=("--served-model-name", config.model.name,
+                            *(("--enable-lora",) if config.trainer.lora is not None else ())),
+                die_with_parent=True))
         urls = [wait_until_ready(proc) for proc in procs]
         _LOG.info("started %d embedded inference servers: %s", len(urls), ", ".join(urls))
         yield urls

@@ -64,7 +64,7 @@ def test_example_config_is_valid_and_spells_out_every_section():
                 "runner.state_backend", "runner.state_backend_storage_path",
                 "runner.environment", "runner.worker_pool", "runner.worker_command", "runner.flink_local_heap_mb",
                 "inference.api_key_env", "inference.ca_bundle", "inference.dns_name", "inference.dns_resolver",
-                "dispatch.concurrency.start"}
+                "dispatch.concurrency.start", "trainer.lora"}
     assert _keys(dumped) - optional <= _keys({k: v for k, v in written.items() if k != "envs"})
     assert env_keys - {"limit", "args", "kind", "curriculum", "ratio"} <= set(written["envs"][0])
 

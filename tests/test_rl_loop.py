@@ -8,9 +8,10 @@ import io
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from rich.console import Console
 
-from beam_rl.config import load_config
+from beam_rl.config import LoraSection, ZeroAdvantageFilter, load_config
 from beam_rl.observe.report import step_rows
 from beam_rl.rundir import RunDir
 from runners.job import run_job
@@ -60,6 +61,70 @@ def test_the_tiny_run_learns_on_two_data_parallel_ranks(tmp_path):
     trained = [m["trainer"] for m in run_dir.read_metrics() if "trainer" in m]
     assert [m["step"] for m in trained] == list(range(1, config.run.max_steps + 1))
     assert {m["ranks"] for m in trained} == {2} and {m["processes"] for m in trained} == {2}
+
+
+def test_the_tiny_run_learns_with_a_lora_adapter_that_the_servers_sample_with_exactly(tmp_path):
+    """The main job's config training a LoRA adapter, on policy (max_async_level 0): each step publishes the
+    adapter alone, the embedded servers (--enable-lora) load it without a pause, and each step's rollouts were
+    sampled with exactly the adapter the trainer then trains (importance ratio 1, no mismatch), so the tokens
+    are the policy's own."""
+    lora = LoraSection(rank=8, alpha=16,
+                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    config, run_dir = _run(tmp_path, trainer={"lr": 2e-2, "lora": lora},
+                           off_policy={"max_async_level": 0, "max_off_policy_steps": 0})
+    trained = [m["trainer"] for m in run_dir.read_metrics() if "trainer" in m]
+    assert [m["step"] for m in trained] == list(range(1, config.run.max_steps + 1))
+    for m in trained:
+        assert m["staleness_max"] == 0 and m["mismatch_kl"] < 1e-4 and abs(m["ratio_mean"] - 1) < 1e-3, m
+    published = [run_dir.weights_path(step) for step in run_dir.stable_weight_steps()]
+    assert len(published) == config.run.max_steps
+    assert all((p / "adapter_model.safetensors").is_file() and not (p / "model.safetensors").exists()
+               for p in published)
+    updates = [m["weight_update"] for m in run_dir.read_metrics() if "weight_update" in m]
+    assert updates and all(s["mode"] == "keep" and s["paused_s"] == 0.0 for u in updates for s in u["servers"])
+    # How much it learns is not asserted: an adapter over the tiny model's layers (its embedding, which a digit
+    # answer needs most, is not adapted) moves the reward far less in 20 steps than training every weight
+    # does (docs/lora.md has the figures).
+    rewards = [row.reward_mean for row in step_rows(run_dir)]
+    print(f"reward, first 5 steps {np.mean(rewards[:5]):.3f}, last 10 {np.mean(rewards[-10:]):.3f}")
+
+
+def _llama_model_dir(directory):
+    """A Llama-shaped causal LM with random weights and the tiny tokenizer, built offline: another architecture
+    than the tiny Qwen2 (no attention biases, untied embeddings, its own config class)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from beam_rl.tokenizer import build_tiny_tokenizer, save_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer) + (-len(tokenizer)) % 64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=1024, tie_word_embeddings=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(str(directory))
+    save_tokenizer(tokenizer, directory)
+    return directory
+
+
+def test_a_llama_shaped_model_directory_goes_through_the_run(tmp_path):
+    """model.name = a local Hugging Face directory of another architecture: the embedded servers serve it, the
+    trainer trains it, and each step's published weights are that model, changed."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = _llama_model_dir(tmp_path / "llama")
+    config, run_dir = _run(tmp_path / "run", run={"max_steps": 3}, model={"name": str(model_dir)},
+                           eval={"every_steps": 0},
+                           filters={"zero_advantage": ZeroAdvantageFilter(mode="monitor")})
+    assert run_dir.committed_steps() == [1, 2, 3] and run_dir.stable_weight_steps() == [1, 2, 3]
+    published = AutoModelForCausalLM.from_pretrained(str(run_dir.weights_path(3)), local_files_only=True)
+    initial = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
+    assert type(published).__name__ == "LlamaForCausalLM"
+    assert any(not torch.equal(a, b) for a, b in zip(published.state_dict().values(), initial.state_dict().values()))
+    for step in run_dir.committed_steps():
+        versions = _trained_policy_versions(run_dir, step)
+        assert len(versions) and versions.max() <= step - 1 and versions.min() >= step - 1 - 2  # inside the bound
 
 
 def test_rollouts_see_the_policy_version_advance(tiny_run):

@@ -90,12 +90,21 @@ def _small_config(tmp_path: Path, edit: tuple[str, str] | None = None, **inferen
      '{missing} is not a directory: give "tiny" or a local Hugging Face model directory (nothing is downloaded)'),
     (("[model]\n", '[model]\nname = "{empty}"\n'), "model.name",
      "{empty}/config.json: not a model config with a vocab_size (FileNotFoundError: "),
-], ids=["unknown algorithm", "algorithm argument of the wrong type", "no model directory", "not a model directory"])
+    (("[model]\n", '[model]\nname = "{unknown}"\n'), "model.name",
+     "{unknown}/config.json: transformers cannot load this model (ValueError: "),
+    (("[model]\n", '[trainer.lora]\ntarget_modules = ["q_proj", "nope_proj"]\n\n[model]\n'),
+     "trainer.lora.target_modules", "['nope_proj'] name no weight matrix of tiny (it has ['down_proj', "),
+], ids=["unknown algorithm", "algorithm argument of the wrong type", "no model directory", "not a model directory",
+        "a model transformers does not know", "LoRA modules the model lacks"])
 def test_a_config_error_is_one_line_before_anything_starts(tmp_path, edit, key, message):
     (tmp_path / "empty").mkdir()
-    names = {"missing": tmp_path / "nope", "empty": tmp_path / "empty"}
-    config = _small_config(tmp_path, (edit[0], edit[1].replace("{missing}", str(names["missing"]))
-                                      .replace("{empty}", str(names["empty"]))))
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "config.json").write_text('{"model_type": "no-such-model", "vocab_size": 64}')
+    names = {"missing": tmp_path / "nope", "empty": tmp_path / "empty", "unknown": tmp_path / "unknown"}
+    replacement = edit[1]
+    for name, path in names.items():
+        replacement = replacement.replace(f"{{{name}}}", str(path))
+    config = _small_config(tmp_path, (edit[0], replacement))
     [line] = said(beam_rl("run", str(config)), 2)[-1:]
     assert line.startswith(f"invalid config {config}: {key}: {message.format(**names)}"), line
     assert not (tmp_path / "run").exists()  # found before the run directory, a server or Beam

@@ -110,6 +110,20 @@ def _is_loopback(url: str) -> bool:
         return False
 
 
+LORA_SERVER_HINT = ("start vLLM with --enable-lora, --max-lora-rank at least trainer.lora.rank and "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (the embedded server: --enable-lora)")
+
+
+def _lora_routes_answered(exc: InferenceHTTPError) -> bool:
+    """Whether an error came from vLLM's LoRA routes (an OpenAI-style error body) rather than from a server
+    that has no such route (FastAPI's {"detail": "Not Found"}, or no JSON at all)."""
+    try:
+        body = orjson.loads(exc.body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(body, dict) and isinstance(body.get("error"), dict)
+
+
 class InferenceClient:
     """One vLLM server. Implements `CompletionClient`; safe to share among hundreds of rollouts.
 
@@ -133,6 +147,7 @@ class InferenceClient:
         version: int = 0,
         extra_body: dict[str, Any] | None = None,
         route: Route = "completions",
+        lora: bool = False,
     ) -> None:
         if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
             raise ValueError("need max_retries >= 0, timeout_s > 0 and backoff_s >= 0")
@@ -148,6 +163,9 @@ class InferenceClient:
         self.stream = stream
         self.route = route
         self.version = version
+        # LoRA: each version is an adapter of its own on the server, which requests name (docs/lora.md).
+        self.lora = lora
+        self.adapter: str | None = None  # the adapter requests name now; None: the base model, `model`
         self._initial_version = version  # what a server reporting vLLM's first label, "default", holds
         self.extra_body = dict(extra_body or {})  # more sampling fields of every request (vLLM's extras)
         self.tokens_received = 0  # completion tokens that came back from this server, all requests
@@ -268,7 +286,9 @@ class InferenceClient:
         updates = self._updates
         # Spans are read only under labels set while the server was paused: during a reload-mode update
         # the label moves while the engine samples, so it cannot say which weights sampled a token.
-        spans = self.route == "generate" and updates.labels_supported and not updates.reloading
+        # Under LoRA a request samples with the adapter it names from start to end: its version is exact, and the
+        # server's labels (one for all adapters) would say less.
+        spans = self.route == "generate" and updates.labels_supported and not updates.reloading and not self.lora
         request = LiveRequest([choices[i] for i in targets], targets,
                               UNKNOWN_VERSION if updates.reloading else self.version, self.version,
                               self.stream, progress, self._version_of_label if spans else None)
@@ -309,11 +329,11 @@ class InferenceClient:
         # version (a request sent during a reload-mode update shares the old one's).
         salt = f"policy-v{self.version}"
         params.update(self.extra_body)
+        model = self.adapter or self.model
         if self.route == "generate":
-            payload = {"model": self.model, "token_ids": prompt_ids, "sampling_params": params, "cache_salt": salt}
+            payload = {"model": model, "token_ids": prompt_ids, "sampling_params": params, "cache_salt": salt}
         else:
-            payload = {"model": self.model, "prompt": prompt_ids, **params, "return_token_ids": True,
-                       "cache_salt": salt}
+            payload = {"model": model, "prompt": prompt_ids, **params, "return_token_ids": True, "cache_salt": salt}
         if self.stream:
             payload["stream"] = True
         return payload
@@ -403,6 +423,40 @@ class InferenceClient:
             retry=False,
             timeout_s=timeout_s,
         )
+
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float | None = None) -> None:
+        """vLLM's `/v1/load_lora_adapter`; a name the server holds already (a retried load) counts as loaded.
+        InferenceError naming the server when it serves no LoRA routes."""
+        try:
+            await self._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                                retry=False, timeout_s=timeout_s)
+        except InferenceHTTPError as exc:
+            if exc.status == 400 and "already been loaded" in exc.body:
+                return
+            if not _lora_routes_answered(exc):
+                raise InferenceError(f"{self.base_url} serves no LoRA adapters (HTTP {exc.status} from "
+                                     f"/v1/load_lora_adapter): {LORA_SERVER_HINT}", self.base_url) from None
+            raise
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """vLLM's `/v1/unload_lora_adapter`; one the server no longer holds (it restarted) is gone already."""
+        try:
+            await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name}, retry=False)
+        except InferenceHTTPError as exc:
+            if exc.status != 404 or not _lora_routes_answered(exc):
+                raise
+
+    async def serves_lora(self) -> bool:
+        """Whether the server serves vLLM's runtime LoRA routes: asked to unload an adapter it does not hold, such
+        a server says so in vLLM's error body, where one without them has no such route. InferenceError when
+        it cannot be asked."""
+        try:
+            await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": "beam-rl-probe"}, retry=False)
+        except InferenceHTTPError as exc:
+            if exc.status >= 500 or isinstance(exc, InferenceAuthError):
+                raise
+            return _lora_routes_answered(exc)
+        return True
 
     async def weight_version(self) -> str:
         """The weight version the server reports (vLLM's `GET /weight_info`; "default" until one is set)."""

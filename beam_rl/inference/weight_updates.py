@@ -1,6 +1,8 @@
 """A server's weight updates in their three modes (docs/weight-updates.md): "reload" loads while requests
 run; "keep" pauses them frozen, loads, resumes; "continue" aborts them (each keeps its tokens), loads, and
-the client continues them under the new weights.
+the client continues them under the new weights. Under LoRA (docs/lora.md) each version is an adapter of its
+own: a request keeps the adapter it named to its end, so "reload" and "keep" load the new one without a pause
+and stamp exact versions; "continue" still aborts and continues under the new one.
 
 `WeightUpdates` is the part of `InferenceClient` that runs them: it drives the client's server routes and
 restamps the requests the client has in flight (`inflight.LiveRequest`), and holds what the client's
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -40,12 +43,16 @@ class UpdatedClient(Protocol):
     route: str  # "generate": the server labels each token's weights (its spans), no drain is needed
     stream: bool
     version: int
+    lora: bool
+    adapter: str | None  # the LoRA adapter requests name now
     _live: set[LiveRequest]
     _on_this_machine: bool  # a server on this machine has sent everything by the pause's answer
 
     async def pause(self, mode: str = "keep") -> None: ...
     async def resume(self) -> None: ...
     async def reload_weights(self, path: str, timeout_s: float | None = None) -> None: ...
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float | None = None) -> None: ...
+    async def unload_lora_adapter(self, name: str) -> None: ...
     async def _request(self, method: str, path: str, *, retry: bool = True, timeout_s: float | None = None,
                        **kwargs: Any) -> Any: ...
     async def _close_session(self) -> None: ...
@@ -71,6 +78,8 @@ class WeightUpdates:
         #: False once the server turned out to lack vLLM's RL routes: its labels (and spans) name none of
         #: our versions.
         self.labels_supported = True
+        #: LoRA: the adapter this client loaded for each version and has not unloaded yet.
+        self.adapters: dict[int, str] = {}
 
     async def run(self, path: str | Path, version: int, mode: UpdateMode, drain_quiet_s: float,
                   timeout_s: float | None) -> UpdateTiming:
@@ -82,12 +91,16 @@ class WeightUpdates:
         async with self._lock:
             self.labelled = None
             try:
-                if mode == "reload":
+                if self._client.lora and mode != "continue":
+                    timing = await self._adapter_beside_running(path, version, mode, timeout_s)
+                elif mode == "reload":
                     timing = await self._reload_while_running(path, version, timeout_s)
                 else:
                     timing = await self._paused_update(path, version, mode, drain_quiet_s, timeout_s)
                 if self.labelled != version:
                     await self.label(version)  # after the resume: the engine need not wait for it
+                if self._client.lora:
+                    await self._unload_unused_adapters()
                 return timing
             finally:
                 if not self.labels_supported:
@@ -115,11 +128,36 @@ class WeightUpdates:
             request.version = UNKNOWN_VERSION
             request.label_version = None  # the label moves after the load, not with it: its spans would be wrong
         try:
-            reload_s = await self._timed_reload(path, timeout_s)
+            reload_s = await self._timed_reload(path, version, timeout_s)
         finally:
             self.reloading -= 1
         client.version = version
         return UpdateTiming(client.base_url, "reload", version, 0.0, reload_s)
+
+    # -- LoRA: an adapter per version ---------------------------------------------------------------------
+
+    async def _adapter_beside_running(self, path: str | Path, version: int, mode: str,
+                                      timeout_s: float | None) -> UpdateTiming:
+        """The new version's adapter loads while requests run; they keep the adapter they named, so their
+        versions stay exact, and requests sent from now on name the new one."""
+        load_s = await self._timed_reload(path, version, timeout_s)
+        self._client.version = version
+        return UpdateTiming(self._client.base_url, mode, version, 0.0, load_s)
+
+    async def _load_adapter(self, path: str | Path, version: int, timeout_s: float | None) -> None:
+        # Named by version and checkpoint path: runs sharing a server never take each other's adapter.
+        name = f"beam-rl-v{version}-{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+        await self._client.load_lora_adapter(name, str(path), timeout_s)
+        self.adapters[version] = name
+        self._client.adapter = name
+
+    async def _unload_unused_adapters(self) -> None:
+        """Unload every older adapter no request in flight names (one still named goes at a later update)."""
+        named = {request.floor for request in self._client._live}
+        for version, name in list(self.adapters.items()):
+            if version != self._client.version and version not in named:
+                await self._client.unload_lora_adapter(name)
+                del self.adapters[version]
 
     # -- keep and continue: pause, load, resume ---------------------------------------------------------
 
@@ -130,7 +168,7 @@ class WeightUpdates:
         try:
             # On the generate route the server labels every token with the label current when it was sampled:
             # set while nothing samples, it moves exactly with the load, so no stream need drain.
-            labelled = client.route == "generate" and self.labels_supported
+            labelled = client.route == "generate" and self.labels_supported and not client.lora
             for request in client._live:
                 request.updates_lived += 1
                 if mode == "continue":
@@ -211,7 +249,7 @@ class WeightUpdates:
             if labelled:
                 reload_s = await self._load_and_label(path, version, timeout_s)
             else:
-                reload_s = await self._timed_reload(path, timeout_s)
+                reload_s = await self._timed_reload(path, version, timeout_s)
             if caught_up is not None:
                 await asyncio.wrap_future(caught_up())
             # The server samples nothing until it resumes: every token sampled from here on is the new version's.
@@ -276,15 +314,18 @@ class WeightUpdates:
 
     # -- the load and its label -----------------------------------------------------------------------
 
-    async def _timed_reload(self, path: str | Path, timeout_s: float | None) -> float:
+    async def _timed_reload(self, path: str | Path, version: int, timeout_s: float | None) -> float:
         started = time.monotonic()
-        await self._client.reload_weights(str(path), timeout_s)
+        if self._client.lora:
+            await self._load_adapter(path, version, timeout_s)
+        else:
+            await self._client.reload_weights(str(path), timeout_s)
         return time.monotonic() - started
 
     async def _load_and_label(self, path: str | Path, version: int, timeout_s: float | None) -> float:
         """Load and label at once, while paused: nothing samples, so either may land first. A load that
         fails gives the old weights their label back before the resume."""
-        loaded, labelled = await asyncio.gather(self._timed_reload(path, timeout_s), self.label(version),
+        loaded, labelled = await asyncio.gather(self._timed_reload(path, version, timeout_s), self.label(version),
                                                 return_exceptions=True)
         if isinstance(loaded, BaseException):
             if not isinstance(labelled, BaseException):

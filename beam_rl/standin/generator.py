@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import pathlib
 import secrets
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ class GenerationParams:
     ignore_eos: bool = False
     top_logprobs: int = 0  # how many alternatives per position to report (0 = none)
     cache_salt: str | None = None  # prefix-cache salt: a prompt under another salt never hits
+    adapter: str | None = None  # the LoRA adapter the request names (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,41 @@ class ModelGenerator:
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self.weights = Weights()  # changed by load_weights and label, on the same thread as the steps
         self.generation_tokens = 0
+        self.adapters: set[str] = set()  # LoRA adapters injected into self.model's layers (peft)
+
+    def load_adapter(self, name: str, path: str | pathlib.Path) -> None:
+        """Add a LoRA adapter (peft layout) that requests may name; the base model and other adapters stay."""
+        from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        directory = pathlib.Path(path)
+        config = LoraConfig.from_pretrained(str(directory))
+        with warnings.catch_warnings():  # peft warns that a model holds several adapters: this one serves many
+            warnings.simplefilter("ignore", UserWarning)
+            inject_adapter_in_model(config, self.model, adapter_name=name)
+        state = load_file(str(directory / "adapter_model.safetensors"))
+        set_peft_model_state_dict(self.model, state, adapter_name=name)
+        self.adapters.add(name)
+
+    def unload_adapter(self, name: str) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module in self.model.modules():
+            if isinstance(module, BaseTunerLayer) and name in module.lora_A:
+                module.delete_adapter(name)
+        self.adapters.discard(name)
+
+    def _activate(self, adapter: str | None) -> None:
+        """The LoRA layers' active adapter for the next forward pass: `adapter`, or none (the base model)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if not self.adapters:
+            return
+        for module in self.model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.enable_adapters(adapter is not None)
+                if adapter is not None:
+                    module.set_adapter(adapter)
 
     def start(self, params: GenerationParams) -> _ModelState:
         rng = torch.Generator()
@@ -132,6 +169,7 @@ class ModelGenerator:
     @torch.inference_mode()
     def step(self, state: _ModelState) -> None:
         params = state.params
+        self._activate(params.adapter)
         if state.cache is None:
             # One prefill for the prompt, its KV cache then fanned out to the n choices.
             prompt = torch.tensor([params.prompt_ids], dtype=torch.long)
@@ -203,6 +241,8 @@ class ModelGenerator:
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy checked tensors into the live model (in place: KV caches of running requests stay
         valid) and bump the weights version."""
+        if self.adapters:
+            raise WeightsError(f"whole weights cannot load while LoRA adapters {sorted(self.adapters)} are loaded")
         params = self.model.state_dict()
         for name, tensor in tensors.items():
             params[name].copy_(tensor.to(params[name].dtype))

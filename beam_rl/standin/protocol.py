@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from beam_rl.standin.generator import GenerationParams
@@ -134,3 +135,8 @@ class RequestError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
+
+
+def error_response(status: int, message: str, kind: str) -> web.Response:
+    """An OpenAI-style error answer, as vLLM gives."""
+    return web.json_response(RequestError(status, message, kind).body(), status=status)

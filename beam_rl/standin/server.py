@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -39,6 +40,7 @@ from beam_rl.standin.faults import (
 )
 from beam_rl.standin.generator import ChoiceResult, GenerationParams, WeightsError
 from beam_rl.standin.launch import start_subprocess_server
+from beam_rl.standin.lora import LoraAdapters
 from beam_rl.standin.metrics import ServerMetrics
 from beam_rl.standin.protocol import (
     ChatCompletionRequest,
@@ -46,6 +48,7 @@ from beam_rl.standin.protocol import (
     GenerateRequest,
     RequestError,
     SamplingRequest,
+    error_response,
 )
 from beam_rl.standin.responses import (
     CompletionStream,
@@ -71,10 +74,6 @@ __all__ = ["EmbeddedServer", "FaultConfig", "start_subprocess_server", "main"]
 Mode = Literal["model", "instant", "simulated"]
 R = TypeVar("R", bound=SamplingRequest)
 DIED_EXIT_CODE = 70  # a subprocess server killed by the die_after_tokens fault exits with this
-
-
-def _error_response(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response(RequestError(status, message, kind).body(), status=status)
 
 
 @dataclass(eq=False)
@@ -117,6 +116,7 @@ class EmbeddedServer:
         ssl_certfile: str | os.PathLike | None = None,
         ssl_keyfile: str | os.PathLike | None = None,
         exit_on_death: bool = False,
+        enable_lora: bool = False,
     ) -> None:
         if mode not in ("model", "instant", "simulated"):
             raise ValueError(f"mode must be 'model', 'instant' or 'simulated', not {mode!r}")
@@ -131,6 +131,8 @@ class EmbeddedServer:
         self.faults = FaultInjector(faults or FaultConfig())
         self.gate = PauseGate()
         self.backend: Backend = self._make_backend(mode, max_num_seqs, kv_cache_tokens, torch_threads, simulated)
+        # vLLM's runtime LoRA routes, served only when enabled (as vLLM with --enable-lora).
+        self.lora = LoraAdapters(self.backend, self.model_dir if mode == "model" else None) if enable_lora else None
         # None = answer whatever `model` a request names; a name given here is enforced like vLLM.
         self._strict_model_name = served_model_name is not None
         self.served_model_name = served_model_name or (self.model_dir.name if self.model_dir else f"tiny-{mode}")
@@ -185,6 +187,7 @@ class EmbeddedServer:
                 web.get("/faults", self._get_faults),
                 web.post("/faults", self._set_faults),
                 web.get("/simulated/trace", self._trace),
+                *(self.lora.routes() if self.lora is not None else []),
             ]
         )
         return app
@@ -271,7 +274,8 @@ class EmbeddedServer:
             if body.echo:
                 raise RequestError(400, "echo is not supported by the embedded server")
             prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
-            params = body.generation_params(prompt, body.max_tokens, body.logprobs or 0, *self._limits)
+            params = self._with_adapter(body, body.generation_params(prompt, body.max_tokens, body.logprobs or 0,
+                                                                     *self._limits))
         except RequestError as exc:
             return web.json_response(exc.body(), status=exc.status)
         if body.stream:
@@ -288,7 +292,8 @@ class EmbeddedServer:
                 raise RequestError(400, "stream is not supported by the embedded server's chat completions")
             prompt = self._render_chat(body)
             max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.backend.max_model_len - len(prompt))
-            params = body.generation_params(prompt, max_tokens, body.top_logprobs if body.logprobs else 0, *self._limits)
+            params = self._with_adapter(body, body.generation_params(
+                prompt, max_tokens, body.top_logprobs if body.logprobs else 0, *self._limits))
         except RequestError as exc:
             return web.json_response(exc.body(), status=exc.status)
         return await self._answer(request, params, self._whole(params, body, chat_body), progress=False)
@@ -297,7 +302,7 @@ class EmbeddedServer:
         self.requests_total += 1
         try:
             body = self._parse(GenerateRequest, await request.read(), "generate request")
-            params = body.generation_params(*self._limits)
+            params = self._with_adapter(body, body.generation_params(*self._limits))
         except RequestError as exc:
             return web.json_response(exc.body(), status=exc.status)
         if body.stream:
@@ -320,7 +325,7 @@ class EmbeddedServer:
             request.transport.abort()  # no status line at all: the client sees a dropped connection
             raise asyncio.CancelledError
         if fault == "error":
-            return _error_response(500, "injected fault: internal server error", "InternalServerError")
+            return error_response(500, "injected fault: internal server error", "InternalServerError")
         if fault == "hang":
             await asyncio.Event().wait()  # cancelled when the client disconnects or the server stops
         # Every step is watched when streaming, or when the server may have to die mid-request.
@@ -382,9 +387,15 @@ class EmbeddedServer:
             body = model.model_validate_json(raw)
         except ValidationError as exc:
             raise RequestError(400, f"invalid {what}: {exc}") from None
-        if self._strict_model_name and body.model not in (None, self.served_model_name):
+        adapters = self.lora.loaded if self.lora is not None else {}
+        if self._strict_model_name and body.model not in (None, self.served_model_name, *adapters):
             raise RequestError(404, f"The model `{body.model}` does not exist.", "NotFoundError")
         return body
+
+    def _with_adapter(self, body: Any, params: GenerationParams) -> GenerationParams:
+        """The params of a request naming a LoRA adapter sample with it (RequestError: one unloaded)."""
+        adapter = self.lora.adapter_of(body.model) if self.lora is not None else None
+        return params if adapter is None else dataclasses.replace(params, adapter=adapter)
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         try:
@@ -436,7 +447,7 @@ class EmbeddedServer:
             if not isinstance(prompt, str):
                 raise TypeError("prompt must be a string")
         except (ValueError, KeyError, TypeError) as exc:
-            return _error_response(400, f"bad tokenize request: {exc}", "BadRequestError")
+            return error_response(400, f"bad tokenize request: {exc}", "BadRequestError")
         tokens = self.tokenizer.encode(prompt, add_special_tokens=special)
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.backend.max_model_len})
 
@@ -450,7 +461,8 @@ class EmbeddedServer:
             "max_model_len": self.backend.max_model_len,
             "weights_version": self.backend.weights.loads,
         }
-        return web.json_response({"object": "list", "data": [card]})
+        adapters = self.lora.cards(self.served_model_name) if self.lora is not None else []
+        return web.json_response({"object": "list", "data": [card, *adapters]})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)  # vLLM 0.32 stays healthy while paused
@@ -461,22 +473,22 @@ class EmbeddedServer:
             method = body["method"]
             weights_path = (body.get("kwargs") or {})["weights_path"]
         except (ValueError, KeyError, TypeError):
-            return _error_response(400, 'expected {"method": "reload_weights", "kwargs": {"weights_path": DIR}}', "BadRequestError")
+            return error_response(400, 'expected {"method": "reload_weights", "kwargs": {"weights_path": DIR}}', "BadRequestError")
         if method != "reload_weights":
-            return _error_response(400, f"unsupported collective_rpc method {method!r}", "BadRequestError")
+            return error_response(400, f"unsupported collective_rpc method {method!r}", "BadRequestError")
         try:
             await self.backend.load_weights(weights_path)
         except WeightsError as exc:
-            return _error_response(400, str(exc), "BadRequestError")
+            return error_response(400, str(exc), "BadRequestError")
         return web.json_response({"results": [{"weights_version": self.backend.weights.loads}]})
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:
         try:
             new_version = (await request.json())["new_version"]
         except (ValueError, KeyError, TypeError):
-            return _error_response(400, 'expected {"new_version": "..."}', "BadRequestError")
+            return error_response(400, 'expected {"new_version": "..."}', "BadRequestError")
         if not isinstance(new_version, str):
-            return _error_response(400, "new_version must be a string", "BadRequestError")
+            return error_response(400, "new_version must be a string", "BadRequestError")
         await self.backend.label_weights(new_version)
         return web.json_response({"success": True, "new_version": new_version})
 
@@ -486,7 +498,7 @@ class EmbeddedServer:
     async def _pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
         if mode not in ("abort", "wait", "keep"):
-            return _error_response(400, f"pause mode must be abort, wait or keep, not {mode!r}", "BadRequestError")
+            return error_response(400, f"pause mode must be abort, wait or keep, not {mode!r}", "BadRequestError")
         if mode == "keep":
             self.gate.set(PauseState.PAUSED_ALL)
             await self.backend.quiesce()  # returns with no step in flight
@@ -519,7 +531,7 @@ class EmbeddedServer:
             changes = await request.json()
             config = self.faults.update(changes)
         except (ValueError, TypeError, ValidationError) as exc:
-            return _error_response(400, f"invalid faults: {exc}", "BadRequestError")
+            return error_response(400, f"invalid faults: {exc}", "BadRequestError")
         if "die_after_tokens" in changes:
             self._death_at = self._death_threshold()
         return web.json_response(config.model_dump())
@@ -529,10 +541,10 @@ class EmbeddedServer:
         try:
             since = float(request.query.get("since", "0"))
         except ValueError:
-            return _error_response(400, "since must be a unix time in seconds", "BadRequestError")
+            return error_response(400, "since must be a unix time in seconds", "BadRequestError")
         trace = self.backend.trace_since(since)
         if trace is None:
-            return _error_response(404, "this backend keeps no trace of engine steps", "NotFoundError")
+            return error_response(404, "this backend keeps no trace of engine steps", "NotFoundError")
         return web.json_response(trace)
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -565,6 +577,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="require `Authorization: Bearer KEY` on /v1/* (default: $VLLM_API_KEY, if set)")
     parser.add_argument("--ssl-keyfile", default=None, help="serve https with this PEM private key")
     parser.add_argument("--ssl-certfile", default=None, help="serve https with this PEM certificate")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve vLLM's runtime LoRA routes (/v1/load_lora_adapter, /v1/unload_lora_adapter)")
     add_fault_args(parser)
     add_simulated_args(parser)
     return parser.parse_args(argv)
@@ -585,6 +599,7 @@ async def _serve(args: argparse.Namespace) -> None:
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         exit_on_death=True,
+        enable_lora=args.enable_lora,
     )
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -194,6 +194,13 @@ class ModelBackend(_SteppedBackend):
     async def label_weights(self, label: str) -> None:
         await self._on_model_thread(self.generator.label, label)
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Between two steps, as a reload: requests naming other adapters (or none) are untouched."""
+        await self._on_model_thread(self.generator.load_adapter, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._on_model_thread(self.generator.unload_adapter, name)
+
     def _check_weights(self, weights_path: str) -> dict[str, torch.Tensor]:
         try:
             return self.generator.check_weights(weights_path)

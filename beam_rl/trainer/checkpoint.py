@@ -32,12 +32,15 @@ def publish_weights(
     directory the model was loaded from) over what save_pretrained writes, so the published directory
     loads in vLLM exactly like the original one (same config spellings, same serving dtype).
     Weights are saved in the training dtype (float32 here); vLLM casts on load.
+    A peft model publishes its adapter alone (adapter_config.json, adapter_model.safetensors), which servers
+    load as a LoRA adapter over the model they serve.
     """
     source = Path(source_dir if source_dir is not None else model.name_or_path)
+    adapter = hasattr(model, "peft_config")
     with run_dir.publish_weights_dir(step) as directory:
         with quiet_progress_bars():
             model.save_pretrained(str(directory))
-        if source.is_dir():
+        if source.is_dir() and not adapter:
             for path in sorted(source.iterdir()):
                 if _is_model_side_file(path):
                     shutil.copyfile(path, directory / path.name)

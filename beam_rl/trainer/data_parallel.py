@@ -67,7 +67,7 @@ class DataParallelTrainer(ReferenceTrainer):
         return tensor.tolist()
 
     def _sum_gradients(self) -> None:
-        params = list(self.model.parameters())
+        params = self.parameters
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from beam_rl.config import TrainerSection
+from beam_rl.config import LoraSection, TrainerSection
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.checkpoint_shapes import validate_checkpoint
 from beam_rl.tinymodel import load_tiny_model
@@ -72,13 +72,19 @@ class ReferenceTrainer:
         self.stop_event = stop_event if stop_event is not None else threading.Event()
         self.progress = progress
         latest = self.run.latest_stable_weights()
-        if latest is not None:
-            validate_checkpoint(latest[1], self.model_dir)  # a run dir of another model must not be resumed
+        if latest is not None:  # a run dir of another model (or of another kind of checkpoint) must not be resumed
+            validate_checkpoint(latest[1], self.model_dir, lora=config.lora is not None)
         self.start_step = 1 if latest is None else latest[0] + 1
         self.step = self.start_step  # the next step to train
-        self.model = _load_policy(self.model_dir if latest is None else latest[1]).train()
+        if config.lora is None:
+            self.model = _load_policy(self.model_dir if latest is None else latest[1]).train()
+        else:
+            self.model = with_lora(_load_policy(self.model_dir), config.lora, seed,
+                                   adapter_dir=None if latest is None else latest[1]).train()
         check_packed_attention(self.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        # LoRA freezes the base: only what trains is optimised, clipped and (data-parallel) summed.
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.lr, weight_decay=config.weight_decay)
         self.resumed_optimizer = latest is not None and load_optimizer_state(self.run, latest[0], self.optimizer)
         if latest is not None and not self.resumed_optimizer:
             logger.warning("%s: no optimizer state for step %d; AdamW restarts from zero moments", self.run, latest[0])
@@ -211,7 +217,7 @@ class ReferenceTrainer:
             stats = stats + mb_stats
         self._sum_gradients()
         total, stats = self._reduce_stats(total, stats)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, cfg.max_grad_norm))
         if not (np.isfinite(grad_norm) and np.isfinite(total)):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
@@ -263,6 +269,21 @@ def run_trainer(
 def _load_policy(path: str | os.PathLike[str]) -> torch.nn.Module:
     with quiet_progress_bars():
         return load_tiny_model(path)  # any local Hugging Face causal LM, float32 on CPU
+
+
+def with_lora(model: torch.nn.Module, lora: LoraSection, seed: int,
+              adapter_dir: str | os.PathLike[str] | None = None) -> torch.nn.Module:
+    """`model` frozen under a trainable LoRA adapter (peft): the published one at `adapter_dir`, or a new one
+    (B = 0, so it starts as the base model; A drawn from `seed`)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
 
 
 def _trainable_mask(mb: MicroBatchArrays) -> np.ndarray:
