@@ -31,6 +31,8 @@ class LoraAdapters:
         self.loaded: dict[str, str] = {}  # name -> path
         self._unloaded: set[str] = set()
         self.loads = 0
+        if isinstance(backend, ModelBackend):
+            import peft  # noqa: F401 (now, not on the model thread at the first load: ~0.3 s without a step)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/load_lora_adapter", self._load), web.post("/v1/unload_lora_adapter", self._unload)]
