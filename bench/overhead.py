@@ -49,6 +49,7 @@ class _CommitWatcher(threading.Thread):
         self.run_dir, self.per_step, self.exclude = run_dir, per_step, exclude
         self.pending = sorted(marks)
         self.rss: dict[int, int] = {}
+        self.rss_by_name: dict[int, dict[str, float]] = {}
         self.cpu_at: list[tuple[int, float]] = []  # (rollouts committed, CPU s) at each commit seen
         self.stop = threading.Event()
         self._pids: list[int] | None = None
@@ -63,7 +64,9 @@ class _CommitWatcher(threading.Thread):
                     self._pids = procs.tree_pids(os.getpid(), self.exclude)
                 self.cpu_at.append((committed, procs.cpu_s(self._pids)))
                 while self.pending and committed >= self.pending[0]:
-                    self.rss[self.pending.pop(0)] = procs.rss_bytes(procs.tree_pids(os.getpid(), self.exclude))
+                    pids = procs.tree_pids(os.getpid(), self.exclude)
+                    mark = self.pending.pop(0)
+                    self.rss[mark], self.rss_by_name[mark] = procs.rss_bytes(pids), procs.rss_mb_by_name(pids)
             if self.stop.is_set():  # looked once more after the run ended: the last mark lands then
                 return
             self.stop.wait(0.05)
@@ -133,6 +136,7 @@ def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
                                  "p99": round(float(np.percentile(latency, 99)), 4),
                                  "max": round(float(latency.max()), 4)},
             "rss_mb": {str(k): round(v / 2**20, 1) for k, v in sorted(watcher.rss.items())},
+            "rss_mb_by_process": {str(k): v for k, v in sorted(watcher.rss_by_name.items())},
             "rss_growth_after_warmup": round((last - warm) / warm, 4) if warm and last else None,
         }
 
@@ -196,3 +200,36 @@ def measure(size: dict[str, Any], runners: list[str]) -> dict[str, Any]:
         run["cpu_ratio_vs_loop"] = round(cpu_ms / lower["cpu_ms_per_rollout"], 2)
         out["runners"][runner] = run
     return out
+
+
+def main() -> None:
+    """Figures 3-5 alone (the pipeline against the plain loop, commit latency, memory), e.g. a longer run that
+    shows whether memory keeps growing: `python -m bench.overhead --size full --runners flink-local
+    --pipeline-rollouts 40000 --warm-rollouts 20000 --out bench/memory-40k.json`."""
+    import argparse
+    import json
+
+    from bench.run import SIZES
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--runners", default="direct,flink-local")
+    parser.add_argument("--pipeline-rollouts", type=int, help="default: the size's")
+    parser.add_argument("--warm-rollouts", type=int, help="the first RSS mark (default: the size's)")
+    parser.add_argument("--out", default="bench/overhead.json")
+    args = parser.parse_args()
+    size = dict(SIZES[args.size])
+    if args.pipeline_rollouts:
+        size["pipeline_rollouts"] = args.pipeline_rollouts
+    if args.warm_rollouts:
+        size["rss_warm_rollouts"] = args.warm_rollouts
+    result = {"command": "python -m bench.overhead " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                               for k, v in vars(args).items() if v is not None),
+              **measure(size, args.runners.split(","))}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -49,6 +49,16 @@ def cpu_s(pids: list[int]) -> float:
     return total
 
 
+def rss_mb_by_name(pids: list[int]) -> dict[str, float]:
+    """Resident MB of `pids` summed per process name ("python", "java"): which part of a tree grows."""
+    by_name: dict[str, float] = {}
+    for pid in pids:
+        label = name(pid)
+        if label is not None:
+            by_name[label] = round(by_name.get(label, 0.0) + rss_bytes([pid]) / 2**20, 1)
+    return by_name
+
+
 def rss_bytes(pids: list[int]) -> int:
     total = 0
     for pid in pids:
