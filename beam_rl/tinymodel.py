@@ -125,6 +125,29 @@ def tiny_model_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None) ->
     return final
 
 
+def write_llama_model(directory: str | os.PathLike, hidden_size: int = 64, num_hidden_layers: int = 2,
+                      seed: int = 0) -> pathlib.Path:
+    """A Llama-shaped causal LM with random weights and the tiny tokenizer at `directory`: another architecture
+    than the tiny Qwen2 (no attention biases, untied embeddings), for runs and benchmarks that must not depend on
+    one model class. Heads of 32 (the smallest vLLM's kernels take), half as many key/value heads."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = pathlib.Path(directory)
+    tokenizer = build_tiny_tokenizer()
+    heads = max(1, hidden_size // 32)
+    config = LlamaConfig(vocab_size=_round_up(len(tokenizer), 64), hidden_size=hidden_size,
+                         intermediate_size=2 * hidden_size, num_hidden_layers=num_hidden_layers,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                         max_position_embeddings=1024, tie_word_embeddings=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(str(directory))
+    save_tokenizer(tokenizer, directory)
+    return directory
+
+
 def load_tiny_model(path: str | os.PathLike) -> PreTrainedModel:
     import torch
     from transformers import AutoModelForCausalLM

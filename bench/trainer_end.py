@@ -29,28 +29,13 @@ from beam_rl.inference.types import SamplingParams
 from beam_rl.packing.packer import pack_for_ranks
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer
-from beam_rl.tokenizer import build_tiny_tokenizer, save_tokenizer
+from beam_rl.tinymodel import write_llama_model
 from beam_rl.trainer import data_parallel
 from beam_rl.trainer.reference import run_trainer
 from beam_rl.types import Sample, TrainBatch
 
 LORA = LoraSection(rank=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 RANKS = 2
-
-
-def llama_model_dir(directory: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer) + (-len(tokenizer)) % 64, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, tie_word_embeddings=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(str(directory))
-    save_tokenizer(tokenizer, directory)
-    return directory
 
 
 def write_steps(run: RunDir, steps: int, samples: int, length: int, vocab: int) -> None:
@@ -152,7 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir = llama_model_dir(work / "model")
+        model_dir = write_llama_model(work / "model", hidden_size=256, num_hidden_layers=4)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(
             str(model_dir)).parameters())

@@ -14,6 +14,7 @@ from rich.console import Console
 from beam_rl.config import LoraSection, ZeroAdvantageFilter, load_config
 from beam_rl.observe.report import step_rows
 from beam_rl.rundir import RunDir
+from beam_rl.tinymodel import write_llama_model
 from runners.job import run_job
 
 TINY = "configs/tiny.toml"
@@ -89,31 +90,12 @@ def test_the_tiny_run_learns_with_a_lora_adapter_that_the_servers_sample_with_ex
     print(f"reward, first 5 steps {np.mean(rewards[:5]):.3f}, last 10 {np.mean(rewards[-10:]):.3f}")
 
 
-def _llama_model_dir(directory):
-    """A Llama-shaped causal LM with random weights and the tiny tokenizer, built offline: another architecture
-    than the tiny Qwen2 (no attention biases, untied embeddings, its own config class)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from beam_rl.tokenizer import build_tiny_tokenizer, save_tokenizer
-
-    tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer) + (-len(tokenizer)) % 64, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=1024, tie_word_embeddings=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(str(directory))
-    save_tokenizer(tokenizer, directory)
-    return directory
-
-
 def test_a_llama_shaped_model_directory_goes_through_the_run(tmp_path):
     """model.name = a local Hugging Face directory of another architecture: the embedded servers serve it, the
     trainer trains it, and each step's published weights are that model, changed."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = _llama_model_dir(tmp_path / "llama")
+    model_dir = write_llama_model(tmp_path / "llama")
     config, run_dir = _run(tmp_path / "run", run={"max_steps": 3}, model={"name": str(model_dir)},
                            eval={"every_steps": 0},
                            filters={"zero_advantage": ZeroAdvantageFilter(mode="monitor")})
