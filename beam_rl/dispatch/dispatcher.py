@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
+import itertools
 import logging
 import time
 from collections import Counter
@@ -108,6 +110,12 @@ class Dispatcher:
         # atomic, so the source hands groups over without a lock or a second queue.
         self._waiting: collections.deque[GroupRequest] = collections.deque()
         self._groups: dict[str, OpenGroup] = {}  # insertion order = admission order
+        # Every open group with attempts still to start, on a heap by admission order (a group may stay on it
+        # after its last attempt started, until it reaches the top): the rule open groups first takes the oldest
+        # without walking the open groups, thousands with a large fleet, most of them with nothing to start.
+        self._startable: list[tuple[int, int, OpenGroup]] = []
+        self._admitted = itertools.count()
+        self._pushed = itertools.count()  # ties between two entries of one group (a requeue)
         self._inflight: dict[asyncio.Task, Launch] = {}
         self._wakeup = asyncio.Event()
 
@@ -157,7 +165,7 @@ class Dispatcher:
     def _try_schedule(self) -> int:
         # Rule: open groups first. Continuing a group reuses its pinned server's cached prompt,
         # and strict admission order keeps a big group-mode group from being starved by small ones.
-        group = next((g for g in self._groups.values() if g.rollouts_to_schedule > 0), None)
+        group = self._oldest_startable()
         if group is None:
             if self.pool.select() is None:
                 return 0  # no healthy server: leave fresh work in the source
@@ -165,6 +173,18 @@ class Dispatcher:
             if group is None:
                 return 0
         return self._schedule_group_rollout(group)
+
+    def _oldest_startable(self) -> OpenGroup | None:
+        """The earliest admitted open group with an attempt still to start."""
+        while self._startable:
+            group = self._startable[0][2]
+            if group.rollouts_to_schedule > 0:
+                return group
+            heapq.heappop(self._startable)
+        return None
+
+    def _mark_startable(self, group: OpenGroup, order: int) -> None:
+        heapq.heappush(self._startable, (order, next(self._pushed), group))
 
     def _admit_fresh_group(self) -> OpenGroup | None:
         while self._waiting:
@@ -203,8 +223,9 @@ class Dispatcher:
             )
         group = OpenGroup(request, env, mode, self.sampling[request.env_name], prompt_ids,
                           collections.deque(request.attempts_to_run), t_admitted=self._clock(),
-                          resume={point.attempts: point for point in request.resume})
+                          resume={point.attempts: point for point in request.resume}, order=next(self._admitted))
         self._groups[request.group_id] = group
+        self._mark_startable(group, group.order)
         return group
 
     def _reject(self, request: GroupRequest, error: str) -> None:
@@ -445,6 +466,7 @@ class Dispatcher:
             if stale:
                 group.regenerations[attempt] += 1
         group.attempts.extendleft(reversed(launch.attempts))
+        self._mark_startable(group, group.order)
         if stale:
             self.counters.regenerated += launch.permits
         else:

@@ -65,6 +65,7 @@ class OpenGroup:
     discarded: dict[int, Counter[str]] = field(default_factory=dict)
     # Restored from a runner checkpoint: per attempts of a launch, the tokens it had (dispatch/resume.py).
     resume: dict[tuple[int, ...], ResumePoint] = field(default_factory=dict)
+    order: int = 0  # admission order in its dispatcher (open groups first)
 
     @property
     def group_id(self) -> str:
