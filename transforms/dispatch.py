@@ -9,7 +9,6 @@ shard's restriction (beam_rl.source.DispatchRange) carries what a restore must r
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 import uuid
@@ -23,6 +22,7 @@ from apache_beam.utils import shared
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from beam_rl import components
+from beam_rl.dispatch.heap import settle_heap
 from beam_rl.source import DispatchRange, EndOfInput, RolloutSource, Shard, SourceSpec
 from beam_rl.types import Rollout
 from transforms import coders  # noqa: F401  (registers the coder of Rollout)
@@ -123,7 +123,7 @@ class _WorkerSources:
             if source is None:
                 source = self._by_shard[shard] = RolloutSource(spec, Shard(shard, spec.shards), restriction,
                                                                 components.source_parts(spec.config))
-                _freeze_long_lived_heap()
+                settle_heap()
             return source
 
     def close(self) -> None:
@@ -164,14 +164,6 @@ def _key_for(group_id: str, subtask: int, parallelism: int, coder) -> str:
         if operator_index(coder.encode_nested(key), parallelism) == subtask:
             return key
     raise AssertionError("no key found")  # each salt hits a subtask with probability 1/parallelism
-
-
-def _freeze_long_lived_heap() -> None:
-    """Take what the worker holds for good (modules, tokenizer, environments, the runner's harness:
-    ~480k objects) out of the cyclic collector's full passes. Each pass over them held the GIL for
-    ~0.24 s, every ~4 s of a busy run (bench/README.md). Garbage is collected first so none is kept."""
-    gc.collect()
-    gc.freeze()
 
 
 class _DispatchFn(beam.DoFn):
