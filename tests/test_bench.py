@@ -82,3 +82,22 @@ def test_fleet_benchmark_times_a_join_against_the_load_alone():
     (trial,) = result["trials"]
     assert trial["load_alone_s"] > 0 and 0 < trial["join_s"] <= trial["join_to_first_request_s"]
     assert result["over_load_s_max"] == trial["over_load_s"]
+
+
+def test_scale_benchmark_measures_one_shard_against_a_simulated_fleet():
+    # bench/scale.py at its smoke size: a fleet of 4 simulated servers in a process of its own, one shard
+    # streaming and one not (figures present and sane, nothing timed).
+    from bench import scale
+
+    result = scale.main(["--size", "small", "--parts", "sizes"])
+    streaming, plain = result["sizes"]
+    for row in (streaming, plain):
+        assert row["servers"] == 4 and row["rollouts"] > 0 and row["tokens_returned"] > 0 and row["rollouts_failed"] == 0
+        assert 0.0 < row["slots_occupied_min"] <= row["slots_occupied_mean"] <= 1.0
+        assert row["process_cpu_s"] > 0 and row["process_cpu_ms_per_rollout"] > 0
+        assert row["fleet_cpu_share"] > 0  # the fleet ran, in processes other than this one
+    assert streaming["stream"] and streaming["route"] == "completions"
+    # One event per engine step per request: a streamed rollout is at least one event.
+    assert streaming["events"] >= streaming["rollouts"]
+    assert streaming["process_cpu_us_per_event"] > 0
+    assert not plain["stream"] and plain["route"] == "generate" and plain["events"] == 0
