@@ -341,6 +341,28 @@ def test_load_parses_vllm_metrics_summing_over_engines():
     run_with_stub(test)
 
 
+def test_the_load_read_from_the_lines_it_needs_is_the_load_of_the_whole_exposition():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from beam_rl.inference.parsing import load_lines
+    from bench.load_parse import vllm_like_metrics
+
+    text = vllm_like_metrics()
+    assert parse_server_load(text) == ServerLoad(running=9.0, waiting=6.0, kv_cache_usage=0.5, prefix_cache_hits=120.0,
+                                                 prefix_cache_queries=300.0, preemptions=3.0)
+    kept = load_lines(text)
+    assert len(kept.splitlines()) == 12 and "peak" not in kept and "_created" not in kept
+    # The same sums as a parse of every line, which is what the dispatcher read before.
+    everything = {s.name: 0.0 for f in text_string_to_metric_families(text) for s in f.samples}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            everything[sample.name] += sample.value
+    assert parse_server_load(text).running == everything["vllm:num_requests_running"]
+    assert parse_server_load(text).prefix_cache_queries == everything["vllm:prefix_cache_queries_total"]
+    with pytest.raises(ValueError):
+        parse_server_load('vllm:num_requests_running{engine="0"} not-a-number\n')
+
+
 def test_missing_metrics_read_as_zero_counts_and_none_fractions():
     load = parse_server_load("# TYPE other gauge\nother 1.0\n")
     assert load == ServerLoad(
