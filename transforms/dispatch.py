@@ -209,8 +209,9 @@ class _DispatchFn(beam.DoFn):
             for group_id, part in parts.items():
                 yield beam.window.TimestampedValue((self._keys.key(part[0], source), part), now)
             # The tokens of the rollouts generating are taken as the call ends: its residual is what a
-            # checkpoint holds.
-            restriction.in_flight = source.in_flight(with_tokens=time.monotonic() >= deadline)
+            # checkpoint holds. One reading of the clock decides both, so a call never defers without them.
+            ending = time.monotonic() >= deadline
+            restriction.in_flight = source.in_flight(with_tokens=ending)
             watermark.set_watermark(now)
             if source.finished(all_claimed=next_offset >= restriction.end_marker):
                 if tracker.try_claim(restriction.end_marker):
@@ -218,7 +219,7 @@ class _DispatchFn(beam.DoFn):
                 source.close()
                 return
             # Defer.
-            if time.monotonic() >= deadline:
+            if ending:
                 tracker.defer_remainder(Duration.of(0))
                 return
 
