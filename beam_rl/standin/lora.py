@@ -30,7 +30,6 @@ class LoraAdapters:
         self._model_dir = model_dir
         self.loaded: dict[str, str] = {}  # name -> path
         self._unloaded: set[str] = set()
-        self.loads = 0
         if isinstance(backend, ModelBackend):
             import peft  # noqa: F401 (now, not on the model thread at the first load: ~0.3 s without a step)
 
@@ -68,7 +67,6 @@ class LoraAdapters:
             await self._backend.load_adapter(name, path)
         self.loaded[name] = path
         self._unloaded.discard(name)
-        self.loads += 1
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def _unload(self, request: web.Request) -> web.Response:

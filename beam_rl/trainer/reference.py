@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -277,11 +278,13 @@ def with_lora(model: torch.nn.Module, lora: LoraSection, seed: int,
     (B = 0, so it starts as the base model; A drawn from `seed`)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    if adapter_dir is not None:
-        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft asks transformers a question it deprecated (is_gradient_checkpointing): the user can do nothing.
+        warnings.simplefilter("ignore", FutureWarning)
+        if adapter_dir is not None:
+            return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
         torch.manual_seed(seed)
         return get_peft_model(model, config)
 
