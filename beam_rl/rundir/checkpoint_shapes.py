@@ -75,8 +75,8 @@ def validate_checkpoint(path: str | os.PathLike, reference_model_dir: str | os.P
         if actual[name] != expected[name]
     ]
     if problems:
-        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
-        raise CheckpointError(f"checkpoint {path} does not match reference model {reference_model_dir}: {shown}")
+        raise CheckpointError(f"checkpoint {path} does not match reference model {reference_model_dir}: "
+                              f"{_listed(problems)}")
     return actual
 
 
@@ -100,9 +100,14 @@ def _validate_adapter(path: Path, actual: dict[str, tuple[int, ...]], base: dict
     others = sorted(n for n in actual if not n.endswith((_LORA_A, _LORA_B)))
     problems += [f"unexpected tensor {name}" for name in others]
     if problems:
-        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
-        raise CheckpointError(f"adapter {path} does not fit reference model {reference_model_dir}: {shown}")
+        raise CheckpointError(f"adapter {path} does not fit reference model {reference_model_dir}: {_listed(problems)}")
     return actual
+
+
+def _listed(problems: list[str], shown: int = 6) -> str:
+    """The first `shown` problems, and how many more."""
+    more = len(problems) - shown
+    return "; ".join(problems[:shown]) + (f"; and {more} more" if more > 0 else "")
 
 
 def matrix_module_names(model_dir: str | os.PathLike) -> set[str]:
