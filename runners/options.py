@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from runners import bootstrap
+from runners.harness import quiet_hangups
 
 RUNNERS = ("direct", "flink-local", "flink")
 # Beam's portable runner waits on the job's state stream with a deadline of --job_server_timeout
@@ -61,6 +62,7 @@ def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> Pipeli
 
 def _environment_args(settings: RunnerSettings) -> list[str]:
     if settings.environment == "loopback":
+        quiet_hangups()  # the SDK harness runs in this process
         return ["--environment_type=LOOPBACK"]
     if settings.environment == "external":
         return ["--environment_type=EXTERNAL", f"--environment_config={settings.worker_pool}"]

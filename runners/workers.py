@@ -86,6 +86,9 @@ def boot_main(argv: list[str]) -> None:
         os.environ["SEMI_PERSISTENT_DIRECTORY"] = args.semi_persist_dir
     from apache_beam.runners.worker import sdk_worker_main
 
+    from runners.harness import quiet_hangups
+
+    quiet_hangups()
     sdk_worker_main.main(sys.argv)
 
 
