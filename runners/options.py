@@ -1,7 +1,8 @@
 """Pipeline options for a runner name, streaming on, with no path to a silent batch fallback.
 
-`direct` names Beam's `PrismRunner` class itself rather than `DirectRunner`: the latter quietly
-switches to its batch-style runners when it meets a feature it thinks Prism lacks (docs/design.md, "Runners").
+`direct` names Beam's `PrismRunner` (as `runners.prism.PrismPerJob`) rather than `DirectRunner`: the latter
+quietly switches to its batch-style runners when it meets a feature it thinks Prism lacks (docs/design.md,
+"Runners").
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from runners import bootstrap
 from runners.harness import quiet_hangups
+from runners.prism import PrismPerJob
 
 RUNNERS = ("direct", "flink-local", "flink")
 # Beam's portable runner waits on the job's state stream with a deadline of --job_server_timeout
@@ -50,11 +52,9 @@ def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> Pipeli
     if settings.job_name:
         args.append(f"--job_name={settings.job_name}")
     if settings.name == "direct":
-        args += ["--runner=PrismRunner", f"--prism_location={settings.prism_location or bootstrap.ensure_prism()}",
-                 # Beam 2.70 shares one Prism among all the jobs of a process, started with the first job's
-                 # --prism_location: a later job naming another binary (tests/test_prism_patches.py builds
-                 # Prism without one patch) would silently run on the first. Each job gets its own, as in 2.62.
-                 "--experiments=disable_prism_server_singleton"]
+        # A Prism of its own for each job, stopped once the job has ended (runners/prism.py).
+        args += [f"--runner={PrismPerJob.__module__}.{PrismPerJob.__name__}",
+                 f"--prism_location={settings.prism_location or bootstrap.ensure_prism()}"]
     else:
         args += _flink_args(settings)
     return PipelineOptions(args)

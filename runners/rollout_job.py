@@ -24,6 +24,7 @@ from runners.flink_rest import TERMINAL, FlinkRest
 from runners.job_server import JobServer, start_job_server
 from runners.options import RunnerSettings, pipeline_options
 from runners.pipeline import build_rollout_pipeline, source_spec
+from runners.prism import release_prism
 
 _LOG = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class _JobHandle(Protocol):
 
     def counters(self) -> dict[str, float]: ...
 
+    def release(self) -> None: ...
+
 
 @dataclass
 class _BeamJob:
@@ -71,9 +74,15 @@ class _BeamJob:
 
     result: beam.runners.runner.PipelineResult
     embedded_flink: _FlinkJob | None = None  # the same job inside flink-local's embedded Flink
+    ended_as: str | None = None  # once seen: a job that ended stays so, and its Prism may be gone
 
     def state(self) -> str:
-        return str(self.result.state)
+        if self.ended_as is None:
+            state = str(self.result.state)
+            if state not in _ENDED:
+                return state
+            self.ended_as = state
+        return self.ended_as
 
     def cancel(self) -> None:
         if self.embedded_flink is not None:
@@ -97,6 +106,9 @@ class _BeamJob:
             value = result.committed if result.committed is not None else result.attempted
             totals[name] = totals.get(name, 0) + (value or 0)
         return totals
+
+    def release(self) -> None:
+        release_prism(self.result)
 
 
 @dataclass
@@ -129,6 +141,9 @@ class _FlinkJob:
 
     def counters(self) -> dict[str, float]:
         return {}  # Beam's counters reach Flink's REST API only as opaque accumulators
+
+    def release(self) -> None:
+        pass  # the cluster runs the job; nothing of it lives in this process
 
 
 _ENDED = {str(PipelineState.DONE), str(PipelineState.CANCELLED), str(PipelineState.FAILED), *TERMINAL}
@@ -193,6 +208,7 @@ class RolloutJob:
             time.sleep(POLL_S)
 
     def _release(self) -> None:
+        self._handle.release()
         if self.fleet is not None:
             self.fleet.stop()
         if self.job_server is not None:

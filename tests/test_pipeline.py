@@ -7,6 +7,7 @@ import gc
 import os
 import shutil
 
+import psutil
 import pyarrow as pa
 import pytest
 
@@ -243,9 +244,17 @@ def test_admission_inside_the_bound_generates_nothing_too_stale_to_train(tmp_pat
     assert len(updates) >= 2 and fates["trained"] > 0 and fates["stale"] == 0, fates
 
 
-def test_the_jobs_own_counters_come_from_the_runner(servers, tmp_path):
+def _prisms() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.name() == "prism"}
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # workers end quietly
+def test_the_jobs_own_counters_come_from_the_runner_and_its_prism_stops_with_it(servers, tmp_path):
+    before = _prisms()
     job = start_rollouts(_config(tmp_path, max_steps=2), servers, str(tmp_path), with_trainer=False)
+    assert _prisms() - before  # the job's own
     job.wait()
+    assert not _prisms() - before  # not left running until this process exits
     counters = job.counters()  # what the job's follower serves to Prometheus (beam_rl/observe)
     assert counters["beam_rl/steps_committed"] == len(RunDir(tmp_path).committed_steps()) == 2, counters
     assert not any(name.startswith("beam/") for name in counters)  # Beam's system metrics left out
