@@ -14,6 +14,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from runners import bootstrap
 from runners.harness import quiet_hangups
+from runners.job_server import embedded_flink_jvm_options
 from runners.prism import PrismPerJob
 
 RUNNERS = ("direct", "flink-local", "flink")
@@ -87,7 +88,8 @@ def _flink_args(settings: RunnerSettings) -> list[str]:
     else:
         args.append(f"--flink_job_server_jar={bootstrap.ensure_flink_job_server()}")
         if settings.name == "flink-local" and settings.jvm_heap_mb:
-            args.append(f"--job_server_jvm_properties=-Xmx{settings.jvm_heap_mb}m")
+            jvm_options = embedded_flink_jvm_options(settings.jvm_heap_mb)
+            args += [f"--job_server_jvm_properties={option}" for option in jvm_options]
     if settings.parallelism:
         args.append(f"--parallelism={settings.parallelism}")
     if settings.checkpointing_interval_ms:
