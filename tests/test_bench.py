@@ -101,3 +101,14 @@ def test_scale_benchmark_measures_one_shard_against_a_simulated_fleet():
     assert streaming["events"] >= streaming["rollouts"]
     assert streaming["process_cpu_us_per_event"] > 0
     assert not plain["stream"] and plain["route"] == "generate" and plain["events"] == 0
+
+
+def test_packer_benchmark_commits_every_step_in_process_and_on_prism():
+    # bench/packer.py at 3 steps: the packer's and the writer's code alone, then the same two stages on
+    # Prism (figures present, nothing timed).
+    from bench import packer
+
+    result = packer.main(["--steps", "3", "--runners", "direct"])
+    for where in ("in_process", "direct"):
+        row = result["results"][where]
+        assert row["steps"] == 3 and row["seconds"] > 0 and row["steps_per_s"] > 0 and row["rollouts_per_s"] > 0
