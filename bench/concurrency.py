@@ -1,13 +1,17 @@
-"""The in-flight cap, side by side: fixed caps against `dispatch.concurrency.mode = "goodput"` and `"kv"` on
-simulated engines whose KV cache is bounded (they preempt when it fills, as vLLM V1 does), while the policy
-moves on a clock. `python -m bench.concurrency [--size small|full] --out bench/concurrency.json`.
+"""The in-flight cap, side by side (issue 28 item 1): fixed caps against `dispatch.concurrency.mode = "goodput"`
+and `"kv"`, on simulated engines whose KV cache is bounded (they preempt when it fills, as vLLM V1 does), while
+the policy moves on a clock, for three workloads. `python -m bench.concurrency [--size small|full] --out
+bench/concurrency.json`.
 
-Each configuration drives the real dispatcher (beam_rl.components.dispatcher_thread, the one a shard runs)
-against the same subprocess servers for the same wall time. Every `step_s` the servers load new weights
-("keep": under running requests) and work past `max_off_policy_steps` is regenerated, as in a run. Reported:
-trained tokens per second (completion tokens of rollouts that finished inside the bound), generated tokens
-per second (the servers' own counter), the share thrown away, the servers' preemptions, and where the
-controller settled. The servers are separate processes: their cost is not in the dispatcher's process.
+Each workload starts its own fleet of simulated servers (beam_rl/standin/fleet.py: one process of its own, so
+the servers' CPU is not the dispatcher's) and runs every configuration against it for the same wall time:
+the real dispatcher (components.dispatcher_thread, the one a shard runs) with `max_inflight` = the fixed cap,
+or the fleet's slots (the default, `fixed` at the ceiling, and the ceiling of `goodput` and `kv`). Every
+`step_s` the servers load new weights ("keep": under running requests) and work past
+`max_off_policy_steps` is regenerated, as in a run. Reported per configuration: trained tokens per second
+(completion tokens of rollouts that finished inside the bound), generated tokens per second (the servers' own
+counter), the share thrown away, the servers' preemptions and the cap held; per workload, `goodput` and `kv`
+over the best fixed cap. The first `warmup_s` of every configuration are not counted (the pool fills).
 """
 
 from __future__ import annotations
@@ -26,18 +30,34 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl import components
 from beam_rl.config import config_from_dict
-from beam_rl.processes import stop_processes
-from beam_rl.standin.launch import start_subprocess_server
+from beam_rl.standin.fleet import start_fleet
 
-SIZES: dict[str, dict[str, Any]] = {
-    # 2 servers x 64 slots, each with room for 2,048 tokens of KV: some 20 sequences of this length mix.
-    # One simulated second is 0.1 s; a policy step every 3 simulated seconds, about two median rollouts.
-    "full": {"servers": 2, "max_num_seqs": 64, "kv_cache_tokens": 2048, "time_scale": 0.1, "seconds": 40.0,
-             "step_s": 0.3, "ceiling": 256, "fixed": (8, 16, 32, 64, 256), "max_tokens": 256, "length_median": 64},
-    "small": {"servers": 2, "max_num_seqs": 32, "kv_cache_tokens": 1024, "time_scale": 0.1, "seconds": 12.0,
-              "step_s": 0.3, "ceiling": 128, "fixed": (8, 128), "max_tokens": 256, "length_median": 64},
-}
 BOUND = 1  # off_policy.max_off_policy_steps
+
+# Per workload: the engine's length distribution (log-normal: median, shape), max_tokens, each server's KV cache
+# in tokens, the policy step in simulated seconds and how many real seconds a simulated one takes (chosen so
+# that a policy step is 2 to 3 s and the dispatcher's rollouts per second fit one core). A reverse_text prompt
+# is about 40 tokens.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    # Short answers: 256 of them fit a server's cache, slots are what runs out.
+    "short": {"length_median": 16, "length_sigma": 0.5, "max_tokens": 64, "kv_cache_tokens": 24_576,
+              "step_s": 1.0, "time_scale": 3.0},
+    # A long tail: most answers short, some 20x the median; the tail is what goes stale or preempts.
+    "long_tail": {"length_median": 48, "length_sigma": 1.2, "max_tokens": 1024, "kv_cache_tokens": 12_288,
+                  "step_s": 4.0, "time_scale": 0.6},
+    # Long answers: the cache holds far fewer of them than a server has slots.
+    "kv_bound": {"length_median": 192, "length_sigma": 0.5, "max_tokens": 768, "kv_cache_tokens": 16_384,
+                 "step_s": 8.0, "time_scale": 0.3},
+}
+# `seconds` counted per fixed cap, `adaptive_seconds` per controller (they slow-start and probe inside it),
+# after `warmup_s` not counted. `small` (tests/test_concurrency.py): one server, the KV-bound workload, a
+# faster clock.
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {"servers": 4, "max_num_seqs": 256, "warmup_s": 5.0, "seconds": 15.0, "adaptive_seconds": 90.0,
+             "fixed": (64, 128, 256, 384, 512, 768), "workloads": tuple(WORKLOADS)},
+    "small": {"servers": 1, "max_num_seqs": 256, "warmup_s": 4.0, "seconds": 10.0, "adaptive_seconds": 40.0,
+              "fixed": (64, 128), "workloads": ("kv_bound",), "time_scale": 0.15},
+}
 
 
 def _server_counters(urls: list[str]) -> dict[str, float]:
@@ -52,99 +72,136 @@ def _server_counters(urls: list[str]) -> dict[str, float]:
     return totals
 
 
-def run_one(name: str, concurrency: dict[str, Any], urls: list[str], size: dict[str, Any], weights: Path) -> dict:
+def run_one(name: str, mode: str, ceiling: int, urls: list[str], load: dict, seconds: float, warmup_s: float,
+            weights: Path) -> dict:
+    """One configuration against running servers: `warmup_s` not counted, then `seconds` counted."""
     config = config_from_dict({
         "envs": [{"name": "reverse_text", "group_size": 4}],
-        "inference": {"urls": urls, "max_inflight": size["ceiling"], "max_tokens": size["max_tokens"],
-                      "temperature": 1.0, "request_timeout_s": 600.0},
-        "dispatch": {"concurrency": concurrency},
+        "model": {"max_context": 2048}, "batch": {"seq_len": 2048},
+        "inference": {"urls": urls, "max_inflight": ceiling, "max_tokens": load["max_tokens"],
+                      "temperature": 1.0, "request_timeout_s": 3600.0},
+        "dispatch": {"concurrency": {"mode": mode}},
         "off_policy": {"max_off_policy_steps": BOUND},
     })
     envs = components.build_envs(config)
     schedule = components.build_schedule(config, envs)
     version = [0]
     thread = components.dispatcher_thread(config, urls, envs, lambda: version[0])
-    before = _server_counters(urls)
+    step_s = load["step_s"] * load["time_scale"]
     trained = rollouts = 0
     caps: list[int] = []
     position = 0
-    started = time.monotonic()
-    next_step = started + size["step_s"]
+    started, wall_started = time.monotonic(), time.time()  # the dispatcher's clock is time.time
+    counted_from, before = started + warmup_s, None
+    half: tuple[float, int] | None = None
+    next_step = started + step_s
     try:
-        while time.monotonic() - started < size["seconds"]:
-            if thread.pending_groups() < 64:
+        while (now := time.monotonic()) - started < warmup_s + seconds:
+            if before is None and now >= counted_from:
+                before, counted_from = _server_counters(urls), time.monotonic()
+            if half is None and now >= counted_from + seconds / 2:
+                half = (now, trained)  # a controller's second half: where it settled, its start behind it
+            if thread.pending_groups() < ceiling // 4 + 16:
                 # Round after round of the rows, each group its own: ids that never repeat.
                 rows = len(schedule)
                 groups = [(p // rows, schedule.group(p % rows)) for p in range(position, position + 64)]
                 thread.add_groups([replace(g, group_id=f"{g.group_id}/r{r}") for r, g in groups])
                 position += 64
             for rollout in thread.poll(0.05):
+                if before is None:
+                    continue
                 rollouts += 1
                 oldest = rollout.token_version_min
                 if rollout.ok and oldest is not None and version[0] - oldest <= BOUND:
                     trained += rollout.completion_tokens
-            if time.monotonic() >= next_step:
+            if now >= next_step:
                 version[0] += 1
                 thread.update_weights(weights, version[0], "keep")
                 thread.handle_stale(version[0] - BOUND)
-                next_step += size["step_s"]
-            caps.append(thread.counters()["inflight_cap"])
-        elapsed = time.monotonic() - started
+                next_step += step_s
+            if before is not None:
+                caps.append(thread.counters()["inflight_cap"])
+        end = time.monotonic()
+        elapsed = end - counted_from
         after = _server_counters(urls)
+        # The controller's measurements (time since the start, cap, trained tokens/s), to see how it decided.
+        decisions = [(round(t - wall_started, 1), cap, round(rate))
+                     for t, cap, rate in getattr(thread.dispatcher.concurrency, "history", ())]
     finally:
         thread.close()
+    assert before is not None and half is not None
     generated = after["generated"] - before["generated"]
     settled = caps[len(caps) // 2:]
     result = {
         "trained_tokens_per_s": round(trained / elapsed, 1),
+        "trained_tokens_per_s_second_half": round((trained - half[1]) / (end - half[0]), 1),
         "generated_tokens_per_s": round(generated / elapsed, 1),
         "thrown_away_share": round(1 - trained / generated, 3) if generated else None,
         "preemptions": int(after["preemptions"] - before["preemptions"]),
         "rollouts": rollouts,
+        "cap_mean": round(sum(caps) / len(caps), 1) if caps else None,
         "cap_second_half_mean": round(sum(settled) / len(settled), 1) if settled else None,
         "policy_steps": version[0],
     }
-    print(f"{name:>10}: {result}", flush=True)
+    if decisions:
+        result["decisions"] = decisions
+    print(f"  {name:>10}: {result}", flush=True)
     return result
+
+
+def run_workload(name: str, size: dict, only: list[str] | None, weights: Path) -> dict:
+    load = WORKLOADS[name] | ({"time_scale": size["time_scale"]} if "time_scale" in size else {})
+    slots = size["servers"] * size["max_num_seqs"]
+    sim = ["--max-num-seqs", str(size["max_num_seqs"]), "--served-model-name", "tiny",
+           "--sim-time-scale", str(load["time_scale"]), "--sim-kv-cache-tokens", str(load["kv_cache_tokens"]),
+           "--sim-length-median", str(load["length_median"]), "--sim-length-sigma", str(load["length_sigma"])]
+    # (name, mode, ceiling): the sweep, the default (fixed at the ceiling), then the two controllers.
+    configs = [(f"fixed-{cap}", "fixed", cap) for cap in size["fixed"] if cap < slots]
+    configs += [(f"fixed-{slots}", "fixed", slots), ("goodput", "goodput", slots), ("kv", "kv", slots)]
+    print(f"{name}: {load}", flush=True)
+    results = {}
+    with start_fleet(size["servers"], sim) as (urls, _pids):
+        for config_name, mode, ceiling in configs:
+            if only is None or config_name in only:
+                seconds = size["seconds"] if mode == "fixed" else size["adaptive_seconds"]
+                results[config_name] = run_one(config_name, mode, ceiling, urls, load, seconds, size["warmup_s"],
+                                               weights)
+    fixed = {n: r["trained_tokens_per_s"] for n, r in results.items() if n.startswith("fixed-")}
+    out: dict[str, Any] = {"workload": load, "ceiling": slots, "results": results}
+    if fixed:
+        best = max(fixed, key=fixed.__getitem__)
+        out["best_fixed"] = best
+        for mode in ("goodput", "kv"):
+            if mode in results:
+                out[f"{mode}_over_best_fixed"] = round(results[mode]["trained_tokens_per_s"] / fixed[best], 3)
+                # Its second half (slow start behind it) against the best fixed cap's whole counted span.
+                out[f"{mode}_second_half_over_best_fixed"] = round(
+                    results[mode]["trained_tokens_per_s_second_half"] / fixed[best], 3)
+        print(f"{name}: best {best}, " + ", ".join(f"{k} {v}" for k, v in out.items() if k.endswith("_fixed")
+                                                   and k != "best_fixed"), flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--workloads", nargs="*", choices=sorted(WORKLOADS), help="default: the size's")
+    parser.add_argument("--only", nargs="*", help="run these configurations only (fixed-32, goodput, kv, ...)")
+    parser.add_argument("--seconds", type=float, help="measured seconds per configuration (default: the size's)")
+    parser.add_argument("--warmup", type=float, help="seconds not counted first (default: the size's)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    size = SIZES[args.size]
-    sim = ["--sim-time-scale", str(size["time_scale"]), "--sim-kv-cache-tokens", str(size["kv_cache_tokens"]),
-           "--sim-length-median", str(size["length_median"]), "--served-model-name", "tiny"]
-    procs, urls = [], []
+    size = SIZES[args.size] | ({"seconds": args.seconds, "adaptive_seconds": args.seconds} if args.seconds else {})
+    size |= {"warmup_s": args.warmup} if args.warmup is not None else {}
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "weights"
         weights.mkdir()
         (weights / "model.safetensors").write_bytes(b"")  # the simulated engine checks the files exist
-        try:
-            for _ in range(size["servers"]):
-                proc, url = start_subprocess_server(mode="simulated", max_num_seqs=size["max_num_seqs"],
-                                                    extra_args=sim, die_with_parent=True)
-                procs.append(proc)
-                urls.append(url)
-            configs = {f"fixed-{cap}": {"mode": "fixed"} for cap in size["fixed"]}
-            configs.update({"goodput": {"mode": "goodput"}, "kv": {"mode": "kv"}})
-            results = {}
-            for name, concurrency in configs.items():
-                if name.startswith("fixed-"):
-                    cap = int(name.split("-")[1])
-                    results[name] = run_one(name, concurrency, urls, {**size, "ceiling": cap}, weights)
-                else:
-                    results[name] = run_one(name, concurrency, urls, size, weights)
-        finally:
-            stop_processes(procs)
-    best_fixed = max((r["trained_tokens_per_s"], n) for n, r in results.items() if n.startswith("fixed-"))
-    out = {"size": args.size, "params": {k: v for k, v in size.items()}, "max_off_policy_steps": BOUND,
-           "results": results, "best_fixed": best_fixed[1],
-           "goodput_over_best_fixed": round(results["goodput"]["trained_tokens_per_s"] / best_fixed[0], 3),
-           "goodput_over_ceiling": round(results["goodput"]["trained_tokens_per_s"]
-                                         / results[f"fixed-{max(size['fixed'])}"]["trained_tokens_per_s"], 3)}
-    print(json.dumps({k: out[k] for k in ("best_fixed", "goodput_over_best_fixed", "goodput_over_ceiling")}))
+        workloads = {w: run_workload(w, size, args.only, weights) for w in args.workloads or size["workloads"]}
+    out = {"size": args.size, "params": size, "max_off_policy_steps": BOUND, "workloads": workloads,
+           "wall_s": round(time.monotonic() - started)}
+    print(json.dumps({w: {k: v for k, v in r.items() if k.endswith("fixed")} for w, r in workloads.items()}))
     if args.out:
         args.out.write_text(json.dumps(out, indent=2) + "\n")
     return out

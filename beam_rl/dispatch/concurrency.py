@@ -6,9 +6,10 @@
   saturate; past that it only makes each rollout slower, so more of its tokens come from policies the
   bound throws away (regenerated or cancelled: they never finish) and the trained rate falls. The
   controller starts small and doubles while the rate improves (slow start), then probes one step up and
-  one step down at a time, keeping a probe only when it measured better, so it follows a change of
-  lengths or step times; a measurement far below the last accepted one (a collapse: the step time rose,
-  or servers went away) halves the cap at once.
+  one step down at a time, keeping a probe only when it measured better; probes get closer and rarer
+  while they lose, so it settles near the peak, and open up again when the rate moves, so it follows a
+  change of lengths or step times; a measurement far below the last accepted one (a collapse: the step
+  time rose, or servers went away) halves the cap at once. Measurements span whole policy steps.
 - `kv`: each server's KV-cache usage (vLLM's `vllm:kv_cache_usage_perc`) kept under a soft cap, additive
   increase and multiplicative decrease, on the loads the server pool polls.
 
@@ -30,8 +31,9 @@ class ConcurrencyController(Protocol):
     cap: int
     counts_trained_tokens: bool  # whether `finished` needs its argument (the dispatcher skips it if not)
 
-    def finished(self, trained_tokens: int, now: float) -> None:
-        """A rollout finished: `trained_tokens` of its completion tokens can train (0 when none can)."""
+    def finished(self, trained_tokens: int, now: float, version: int | None = None) -> None:
+        """A rollout finished (or was thrown away to be regenerated): `trained_tokens` of its completion tokens
+        can train (0 when none can); `version` is the policy then (None: not known)."""
 
     def loads(self, kv_usages: Sequence[float], preempted: bool, now: float) -> None:
         """The KV-cache usage of each healthy server that reports it, as just polled, and whether any
@@ -47,7 +49,7 @@ class FixedConcurrency:
     def __init__(self, cap: int) -> None:
         self.cap = cap
 
-    def finished(self, trained_tokens: int, now: float) -> None:
+    def finished(self, trained_tokens: int, now: float, version: int | None = None) -> None:
         pass
 
     def loads(self, kv_usages: Sequence[float], preempted: bool, now: float) -> None:
@@ -61,9 +63,17 @@ class FixedConcurrency:
 class _Measurement:
     cap: int
     warmup_left: int  # rollouts to let finish before measuring: those started under the previous cap
+    version: int | None = None  # the policy when the measured span began
+    steps: int = 0  # the controller's count of policy steps then
     started_at: float | None = None
     finished: int = 0
     tokens: int = 0
+    squares: float = 0.0  # of each rollout's trained tokens: how much the sum varies
+
+    def precise_to(self, precision: float) -> bool:
+        """Is the rate's relative standard error under `precision`? Finishes as a Poisson stream, each with
+        its own tokens: the sum's variance is the sum of the squares. A long tail needs many rollouts."""
+        return self.tokens > 0 and self.squares ** 0.5 <= precision * self.tokens
 
     def rate(self, now: float) -> float:
         elapsed = now - self.started_at if self.started_at is not None else 0.0
@@ -73,35 +83,77 @@ class _Measurement:
 class GoodputController:
     """Hill-climbs the in-flight cap on trained tokens per second (see the module docstring).
 
-    A measurement under a cap starts once `cap` rollouts have finished since it was set (the pool turned
-    over once) and lasts until `max(min_rollouts, measure_turns * cap)` more have finished."""
+    A measurement under a cap begins at the first policy step after as many rollouts as the previous cap or
+    this one (the larger) have finished since it was set: the pool turned over. It ends at the first policy
+    step after `max(min_rollouts, measure_turns * cap)` more have finished and the rate is known to
+    `precision` (its relative standard error, twice it in slow start: a long tail of lengths needs more
+    rollouts), or once it spans `max_span_steps` policy steps or 16x the rollouts. Whole policy steps,
+    because that is when work goes stale: a span cut mid-step would count a step's stale rollouts or not
+    by chance. The first measurement waits for `fill_steps` policy steps: until then a pool that filled
+    from empty has no stale work. Without policy versions (or when the policy does not move within 4x the
+    rollouts), the counts alone decide.
+
+    Probing: a probe moves the accepted cap by `step` (a quarter of it at first). Each time a probe up and a
+    probe down have both lost, the step halves (down to `min_step`) and the accepted cap is re-measured one
+    more time before the next probe (up to `max_hold` times): near the peak it probes closer and less often.
+    A probe up is kept only if it wins twice in a row. A winning probe, or a re-measurement that moved by
+    more than `shift`, opens the search again."""
 
     counts_trained_tokens = True
 
     def __init__(self, ceiling: int, floor: int = 1, start: int | None = None, *, min_rollouts: int = 16,
-                 measure_turns: int = 2, tolerance: float = 0.05, collapse: float = 0.5) -> None:
+                 measure_turns: int = 1, precision: float = 0.05, tolerance: float = 0.05,
+                 down_tolerance: float = 0.02, collapse: float = 0.5, shift: float = 0.2,
+                 min_step: float = 1 / 16, max_hold: int = 4, fill_steps: int = 2,
+                 max_span_steps: int = 4) -> None:
         self.ceiling, self.floor = ceiling, floor
         self.cap = _first_cap(ceiling, floor, start)
-        self.min_rollouts, self.measure_turns = min_rollouts, measure_turns
-        self.tolerance, self.collapse = tolerance, collapse
+        self.min_rollouts, self.measure_turns, self.precision = min_rollouts, measure_turns, precision
+        # A probe up must win by `tolerance`, one down by `down_tolerance`: at equal rates fewer in flight
+        # risk less (less KV, less work going stale).
+        self.tolerance, self.down_tolerance = tolerance, down_tolerance
+        self.collapse, self.shift = collapse, shift
+        self.min_step, self.max_hold = min_step, max_hold
+        self.fill_steps, self.max_span_steps = fill_steps, max_span_steps
         self.phase: Literal["slow_start", "probing"] = "slow_start"
         self.accepted_cap, self.accepted_rate = self.cap, 0.0
+        self.step = 0.25
         self._probe_up = True
+        self._lost = 0  # probes lost in a row since the last win
+        self._hold = self._holds_left = 0  # re-measurements of the accepted cap between two probes
+        self._confirming = False  # a probe up won once and is being measured again
+        self._version: int | None = None  # the policy of the last finished rollout
+        self._steps = 0  # policy steps seen
         # (time, cap measured, trained tokens/s) of the latest decisions: a long run makes thousands.
         self.history: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=256)
-        self._measure = _Measurement(self.cap, warmup_left=0)
+        self._measure = _Measurement(self.cap, warmup_left=self.cap)
 
-    def finished(self, trained_tokens: int, now: float) -> None:
+    def finished(self, trained_tokens: int, now: float, version: int | None = None) -> None:
+        moved = version is None or version != self._version  # a new policy step (or none known)
+        if moved and version is not None and self._version is not None:
+            self._steps += 1
+        self._version = version
         m = self._measure
-        if m.warmup_left > 0:
-            m.warmup_left -= 1
-            return
         if m.started_at is None:
-            m.started_at = now  # this rollout closes the warm-up: the measured span begins with it
+            m.warmup_left -= 1
+            # A pool that filled from empty has no stale work before the policy moved twice (a bound of one
+            # step): measured sooner, the first cap would look better than any after it. A policy that never
+            # moved in 4x the rollouts: nothing goes stale, the counts alone decide.
+            filled = version is None or self._steps >= self.fill_steps or (
+                self._steps == 0 and m.warmup_left <= -4 * m.cap)
+            if m.warmup_left <= 0 and filled and (moved or m.warmup_left <= -4 * m.cap):
+                m.started_at, m.version, m.steps = now, version, self._steps  # the span begins
             return
         m.finished += 1
         m.tokens += trained_tokens
-        if m.finished >= max(self.min_rollouts, self.measure_turns * m.cap):
+        m.squares += trained_tokens**2
+        enough = max(self.min_rollouts, self.measure_turns * m.cap)
+        # Slow start compares caps twice apart: a coarser rate tells them apart, in a quarter of the rollouts.
+        precision = self.precision * (2 if self.phase == "slow_start" else 1)
+        long_enough = self._steps - m.steps >= self.max_span_steps or m.finished >= 16 * enough
+        if m.finished < enough or not (m.precise_to(precision) or long_enough):
+            return
+        if moved or m.version == version and m.finished >= 4 * enough:
             self._decide(m.rate(now), now)
 
     def loads(self, kv_usages: Sequence[float], preempted: bool, now: float) -> None:
@@ -117,6 +169,7 @@ class GoodputController:
             if rate > self.accepted_rate:
                 self.accepted_cap, self.accepted_rate = self.cap, rate
             self.phase = "probing"
+            self._reopen()
             self._set(self.accepted_cap)
             return
         if self.cap == self.accepted_cap:  # a re-measurement of the accepted cap: conditions may have changed
@@ -126,19 +179,46 @@ class GoodputController:
                 self.phase = "slow_start"
                 self._set(self.accepted_cap)
                 return
-            self.accepted_rate = rate
-            self._set(self._probe())
+            if abs(rate - self.accepted_rate) > self.shift * self.accepted_rate:
+                self._reopen()  # lengths or step times changed: the peak may have moved far
+                self.accepted_rate = rate
+            else:
+                self.accepted_rate = (self.accepted_rate + rate) / 2  # two measurements: less noise to beat
+            if self._holds_left > 0:
+                self._holds_left -= 1
+                self._set(self.accepted_cap)
+            else:
+                self._set(self._probe())
             return
-        if rate > self.accepted_rate * (1 + self.tolerance):
+        up = self.cap > self.accepted_cap
+        if rate > self.accepted_rate * (1 + (self.tolerance if up else self.down_tolerance)):
+            if up and not self._confirming:
+                # Measured again before it is kept: the KV cache fills, and work goes stale, a rollout's
+                # lifetime after the cap rose, so a first measurement flatters a higher cap.
+                self._confirming = True
+                self._set(self.cap)
+                return
+            self._confirming = False
             self.accepted_cap, self.accepted_rate = self.cap, rate  # the probe won: keep going that way
+            self._reopen(step=self.step * 2)
             self._set(self._probe())
             return
+        self._confirming = False
+        self._lost += 1
         self._probe_up = not self._probe_up
+        if self._lost >= 2:  # lost both ways: the peak is within a step of the accepted cap
+            self._lost = 0
+            self.step = max(self.min_step, self.step / 2)
+            self._hold = min(self.max_hold, self._hold + 1)
+        self._holds_left = self._hold
         self._set(self.accepted_cap)
 
+    def _reopen(self, step: float = 0.25) -> None:
+        self.step, self._lost, self._hold, self._holds_left = min(0.25, step), 0, 0, 0
+
     def _probe(self) -> int:
-        """One step (a quarter of the accepted cap) in the probing direction; the other one at a bound."""
-        step = max(1, self.accepted_cap // 4)
+        """One step in the probing direction; the other one at a bound."""
+        step = max(1, round(self.accepted_cap * self.step))
         for _ in range(2):
             target = min(self.ceiling, max(self.floor, self.accepted_cap + (step if self._probe_up else -step)))
             if target != self.accepted_cap:
@@ -147,12 +227,13 @@ class GoodputController:
         return self.accepted_cap
 
     def _set(self, cap: int) -> None:
-        self.cap = min(self.ceiling, max(self.floor, cap))
-        self._measure = _Measurement(self.cap, warmup_left=self.cap)
+        # The warm-up lets the rollouts in flight under the previous cap finish: as many as the larger cap.
+        previous, self.cap = self.cap, min(self.ceiling, max(self.floor, cap))
+        self._measure = _Measurement(self.cap, warmup_left=max(previous, self.cap))
 
     def describe(self) -> dict[str, object]:
         return {"mode": "goodput", "cap": self.cap, "phase": self.phase, "accepted_cap": self.accepted_cap,
-                "accepted_tokens_per_s": round(self.accepted_rate, 1)}
+                "accepted_tokens_per_s": round(self.accepted_rate, 1), "probe_step": self.step}
 
 
 class KvController:
@@ -172,7 +253,7 @@ class KvController:
         self.step = step if step is not None else max(1, ceiling // 32)
         self.last_usage: float | None = None
 
-    def finished(self, trained_tokens: int, now: float) -> None:
+    def finished(self, trained_tokens: int, now: float, version: int | None = None) -> None:
         pass
 
     def loads(self, kv_usages: Sequence[float], preempted: bool, now: float) -> None:

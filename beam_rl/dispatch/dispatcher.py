@@ -333,7 +333,7 @@ class Dispatcher:
             self._requeue(launch)
             if self.concurrency.counts_trained_tokens:
                 for _ in launch.attempts:
-                    self._observe_finished(0)  # its tokens are thrown away
+                    self._observe_finished(0, self._policy_version())  # its tokens are thrown away
             return
         # Rule: version stamps (end).
         version_end, t_finished = self._policy_version(), self._clock()
@@ -383,7 +383,7 @@ class Dispatcher:
             for fate, tokens in group.discarded.pop(rollout.attempt, Counter()).items():
                 rollout.discarded_tokens[fate] += tokens
             if self.concurrency.counts_trained_tokens:
-                self._observe_finished(self._trainable_tokens(rollout, version_end))
+                self._observe_finished(self._trainable_tokens(rollout, version_end), version_end)
             self._emit(rollout)
         self._close_if_finished(group)
 
@@ -397,8 +397,8 @@ class Dispatcher:
             return 0
         return rollout.completion_tokens
 
-    def _observe_finished(self, trained_tokens: int) -> None:
-        self.concurrency.finished(trained_tokens, self._clock())
+    def _observe_finished(self, trained_tokens: int, version: int) -> None:
+        self.concurrency.finished(trained_tokens, self._clock(), version)
         self._apply_cap()
 
     def observe_loads(self) -> None:
