@@ -28,10 +28,12 @@ class _HangingUp(beam_fn_api_pb2_grpc.BeamFnDataServicer):
 
 @pytest.fixture
 def unpatched():
-    """Beam's reader as shipped, put back after the test (quiet_hangups changes it for the process)."""
-    original = data_plane._GrpcDataChannel._read_inputs
+    """Beam's reader as shipped for the test, whether or not an earlier pipeline of this process installed
+    quiet_hangups (a process-wide change); whatever was there is put back after it."""
+    installed = data_plane._GrpcDataChannel._read_inputs
+    data_plane._GrpcDataChannel._read_inputs = getattr(installed, "__wrapped__", installed)
     yield
-    data_plane._GrpcDataChannel._read_inputs = original
+    data_plane._GrpcDataChannel._read_inputs = installed
 
 
 def _reader_thread_errors(code: grpc.StatusCode) -> tuple[list[BaseException], BaseException | None]:
