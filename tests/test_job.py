@@ -99,23 +99,32 @@ enabled = true
 """
 
 
-def _scrape_until_a_step_is_committed(port: int, seen: list[str], stop: threading.Event) -> None:
-    while not stop.is_set():
-        try:
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
-            if re.search(r"^beam_rl_steps_committed [1-9]", text, re.M):
-                seen.append(text)
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+def _scrape_then_resume(port: int, urls: list[str], seen: list[str], stop: threading.Event) -> None:
+    """Scrape the run observer while the servers hold every request, then let the job go on: the job cannot
+    end (and close the endpoint) before it was scraped, however slow or fast the machine."""
+    deadline = time.monotonic() + 120
+    try:
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
+                if "beam_rl_permits_capacity" in text:
+                    seen.append(text)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+    finally:
+        for url in urls:
+            httpx.post(f"{url}/resume", timeout=5).raise_for_status()
 
 
 def test_a_job_left_running_is_followed_not_submitted_again_and_the_run_is_observed(tmp_path, monkeypatch):
     servers = [EmbeddedServer(mode="instant") for _ in range(2)]
     urls = [s.start() for s in servers]
     port, scraped, stop = free_port(), [], threading.Event()
-    scraper = threading.Thread(target=_scrape_until_a_step_is_committed, args=(port, scraped, stop))
+    for url in urls:
+        httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=5).raise_for_status()
+    scraper = threading.Thread(target=_scrape_then_resume, args=(port, urls, scraped, stop))
     try:
         path = tmp_path / "run.toml"
         path.write_text(_CONFIG.format(run_dir=tmp_path / "run", urls=", ".join(f'"{u}"' for u in urls), port=port))
@@ -147,6 +156,7 @@ def test_a_job_left_running_is_followed_not_submitted_again_and_the_run_is_obser
     # with it; every committed step logged to TensorBoard.
     scraper.join(timeout=5)
     assert scraped and "beam_rl_permits_capacity 32.0" in scraped[0]
+    assert re.search(r"^beam_rl_permits_in_use [1-9]", scraped[0], re.M), scraped[0]  # scraped mid-run
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
