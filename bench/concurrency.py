@@ -53,7 +53,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 # after `warmup_s` not counted. `small` (tests/test_concurrency.py): one server, the KV-bound workload, a
 # faster clock.
 SIZES: dict[str, dict[str, Any]] = {
-    "full": {"servers": 4, "max_num_seqs": 256, "warmup_s": 5.0, "seconds": 15.0, "adaptive_seconds": 90.0,
+    "full": {"servers": 4, "max_num_seqs": 256, "warmup_s": 5.0, "seconds": 15.0, "adaptive_seconds": 180.0,
              "fixed": (64, 128, 256, 384, 512, 768), "workloads": tuple(WORKLOADS)},
     "small": {"servers": 1, "max_num_seqs": 256, "warmup_s": 4.0, "seconds": 10.0, "adaptive_seconds": 40.0,
               "fixed": (64, 128), "workloads": ("kv_bound",), "time_scale": 0.15},

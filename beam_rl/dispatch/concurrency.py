@@ -5,11 +5,12 @@
   inside the off-policy bound, per second. More in flight raises generated tokens/s until the engines
   saturate; past that it only makes each rollout slower, so more of its tokens come from policies the
   bound throws away (regenerated or cancelled: they never finish) and the trained rate falls. The
-  controller starts small and doubles while the rate improves (slow start), then probes one step up and
-  one step down at a time, keeping a probe only when it measured better; probes get closer and rarer
-  while they lose, so it settles near the peak, and open up again when the rate moves, so it follows a
-  change of lengths or step times; a measurement far below the last accepted one (a collapse: the step
-  time rose, or servers went away) halves the cap at once. Measurements span whole policy steps.
+  controller starts at half the ceiling and grows by half while the rate improves (slow start), then
+  probes one step up and one step down at a time, keeping a probe only when it measured better; probes
+  get closer and rarer while they lose, so it settles near the peak, and open up again when the rate
+  moves, so it follows a change of lengths or step times; a measurement far below the last accepted one
+  (a collapse: the step time rose, or servers went away) halves the cap at once. Measurements span whole
+  policy steps.
 - `kv`: each server's KV-cache usage (vLLM's `vllm:kv_cache_usage_perc`) kept under a soft cap, additive
   increase and multiplicative decrease, on the loads the server pool polls.
 
@@ -105,7 +106,7 @@ class GoodputController:
                  measure_turns: int = 1, precision: float = 0.05, tolerance: float = 0.05,
                  down_tolerance: float = 0.02, collapse: float = 0.5, shift: float = 0.2,
                  min_step: float = 1 / 16, max_hold: int = 4, fill_steps: int = 2,
-                 max_span_steps: int = 4) -> None:
+                 max_span_steps: int = 4, growth: float = 1.5) -> None:
         self.ceiling, self.floor = ceiling, floor
         self.cap = _first_cap(ceiling, floor, start)
         self.min_rollouts, self.measure_turns, self.precision = min_rollouts, measure_turns, precision
@@ -115,6 +116,10 @@ class GoodputController:
         self.collapse, self.shift = collapse, shift
         self.min_step, self.max_hold = min_step, max_hold
         self.fill_steps, self.max_span_steps = fill_steps, max_span_steps
+        # Slow start's factor: short of doubling, because the step past the peak is measured at its rate
+        # (a doubling past a full KV cache ran at half the best rate), and a start at half the ceiling
+        # reaches the ceiling in two steps anyway.
+        self.growth = growth
         self.phase: Literal["slow_start", "probing"] = "slow_start"
         self.accepted_cap, self.accepted_rate = self.cap, 0.0
         self.step = 0.25
@@ -148,7 +153,7 @@ class GoodputController:
         m.tokens += trained_tokens
         m.squares += trained_tokens**2
         enough = max(self.min_rollouts, self.measure_turns * m.cap)
-        # Slow start compares caps twice apart: a coarser rate tells them apart, in a quarter of the rollouts.
+        # Slow start compares caps half again apart: a coarser rate tells them apart, in a quarter of the rollouts.
         precision = self.precision * (2 if self.phase == "slow_start" else 1)
         long_enough = self._steps - m.steps >= self.max_span_steps or m.finished >= 16 * enough
         if m.finished < enough or not (m.precise_to(precision) or long_enough):
@@ -164,9 +169,9 @@ class GoodputController:
         if self.phase == "slow_start":
             if rate > self.accepted_rate * (1 + self.tolerance) and self.cap < self.ceiling:
                 self.accepted_cap, self.accepted_rate = self.cap, rate
-                self._set(self.cap * 2)
+                self._set(max(self.cap + 1, round(self.cap * self.growth)))
                 return
-            if rate > self.accepted_rate:
+            if rate > self.accepted_rate * (1 + self.down_tolerance):  # at equal rates, the smaller cap
                 self.accepted_cap, self.accepted_rate = self.cap, rate
             self.phase = "probing"
             self._reopen()
@@ -270,10 +275,12 @@ class KvController:
 
 
 def _first_cap(ceiling: int, floor: int, start: int | None) -> int:
-    """`start` (default: an eighth of the ceiling) within [floor, ceiling]."""
+    """`start` (default: half the ceiling) within [floor, ceiling]. The ceiling is the fleet's slots in a run
+    that sizes `max_inflight` to them (the fixed mode's best guess), and the best cap is rarely under half
+    of them: a start lower than that spends its first measurements doubling toward it."""
     if not 1 <= floor <= ceiling:
         raise ValueError(f"the in-flight floor ({floor}) must be between 1 and the ceiling ({ceiling})")
-    return min(ceiling, max(floor, start if start is not None else ceiling // 8))
+    return min(ceiling, max(floor, start if start is not None else ceiling // 2))
 
 
 def committed_concurrency(windows: Sequence[Any], servers: Collection[str]) -> int | None:

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 
 from beam_rl.dispatch.ledger import Launch
-from beam_rl.dispatch.resume import Call, prompt_digest
+from beam_rl.dispatch.resume import prompt_digest
 from beam_rl.dispatch.server_pool import Server, ServerPool
 from beam_rl.inference.client import InferenceConnectionError, InferenceError, InferenceRetired
 from beam_rl.inference.types import Completion, SamplingParams
@@ -80,7 +80,7 @@ class LaunchClient:
     def _done(launch: Launch, prompt: bytes, completions: list[Completion]) -> list[Completion]:
         launch.live_prompt = None
         launch.completions.extend(completions)
-        launch.calls.append(Call.of(prompt, completions, finished=True))
+        launch.calls.append((prompt, completions))
         return completions
 
     async def _next_server(self, failed: Server) -> Server:

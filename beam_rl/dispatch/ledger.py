@@ -97,9 +97,10 @@ class Launch:
     redispatches: int = 0
     progress: Progress = field(default_factory=Progress)  # its tokens as they arrive, over every server
     completions: list[Completion] = field(default_factory=list)  # what the environment got, in call order
-    # A checkpoint's view of it (dispatch/resume.py): its finished calls, the digest of the one in flight
-    # (whose tokens so far are `progress.live`), and, resumed after a restore, the record it answers from.
-    calls: list[Call] = field(default_factory=list)
+    # A checkpoint's view of it (dispatch/resume.py): its finished calls (prompt digest, completions), the
+    # digest of the one in flight (whose tokens so far are `progress.live`), and, resumed after a restore, the
+    # record it answers from. Compacted into Calls only when a checkpoint takes it: most launches end first.
+    calls: list[tuple[bytes, list[Completion]]] = field(default_factory=list)
     live_prompt: bytes | None = None
     replay: Replay | None = None
 
@@ -115,7 +116,7 @@ class Launch:
         """What a checkpoint taken now keeps of it; None when it holds no token yet."""
         if self.replay is not None and not self.calls and self.live_prompt is None:
             return self.replay.point  # resumed, and its environment has not called yet
-        calls = list(self.calls)
+        calls = [Call.of(prompt, completions, finished=True) for prompt, completions in self.calls]
         live = self.progress.live
         if self.live_prompt is not None and live is not None and any(c.token_ids for c in live):
             calls.append(Call.of(self.live_prompt, live, finished=False))
