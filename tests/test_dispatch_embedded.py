@@ -549,6 +549,38 @@ def test_a_server_listed_again_while_it_drains_takes_new_groups(start_server, en
 # -- a rollout a checkpoint took in flight continues from its tokens ---------------------------------------
 
 
+def test_a_checkpoint_keeps_a_launchs_finished_calls_and_the_one_in_flight_once_each():
+    """A finished call is compacted only when a checkpoint takes its launch (most launches end first), and
+    once: checkpoints taken again, and after another call, keep each call once, in call order."""
+    from array import array
+    from collections import deque
+    from types import SimpleNamespace
+
+    from beam_rl.dispatch.failover import LaunchClient
+    from beam_rl.dispatch.ledger import Launch, OpenGroup
+    from beam_rl.dispatch.resume import prompt_digest
+    from beam_rl.inference.types import Completion
+
+    group = OpenGroup(SimpleNamespace(group_id="g"), None, "rollout", None, [1, 2], deque())
+    launch = Launch(group, (0,), None, version_start=3, t_start=0.0)
+    assert launch.resume_point() is None  # no token yet
+    first = Completion([5, 6], [-0.1, -0.7], "stop", [3, 3])
+    LaunchClient._done(launch, prompt_digest([1, 2], 1), [first])
+    launch.live_prompt = prompt_digest([1, 2, 5, 6, 9], 1)
+    launch.progress.live = [Completion([8], [-0.3], None, [4])]
+    point = launch.resume_point()
+    assert launch.resume_point() == point
+    assert [(c.prompt, c.finished, c.tokens) for c in point.calls] == [
+        (prompt_digest([1, 2], 1), True, 2), (prompt_digest([1, 2, 5, 6, 9], 1), False, 1)]
+    kept = point.calls[0].choices[0].completion()
+    assert (kept.token_ids, kept.finish_reason, kept.policy_versions) == ([5, 6], "stop", [3, 3])
+    assert kept.logprobs == array("f", first.logprobs).tolist()  # float32, as the windows store them
+    assert point.oldest_version == 3
+    second = Completion([8, 10], [-0.3, -0.4], "stop", [4, 4])
+    LaunchClient._done(launch, launch.live_prompt, [second])
+    assert [(c.finished, c.tokens) for c in launch.resume_point().calls] == [(True, 2), (True, 2)]
+
+
 @pytest.mark.parametrize("mode", ["rollout", "group"])
 def test_a_rollout_resumed_from_a_checkpoint_continues_from_its_tokens_and_their_versions(
         start_server, env, weights_dir, mode):

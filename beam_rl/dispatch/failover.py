@@ -80,7 +80,7 @@ class LaunchClient:
     def _done(launch: Launch, prompt: bytes, completions: list[Completion]) -> list[Completion]:
         launch.live_prompt = None
         launch.completions.extend(completions)
-        launch.calls.append((prompt, completions))
+        launch.calls_to_compact.append((prompt, completions))
         return completions
 
     async def _next_server(self, failed: Server) -> Server:

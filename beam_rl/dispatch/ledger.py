@@ -97,10 +97,12 @@ class Launch:
     redispatches: int = 0
     progress: Progress = field(default_factory=Progress)  # its tokens as they arrive, over every server
     completions: list[Completion] = field(default_factory=list)  # what the environment got, in call order
-    # A checkpoint's view of it (dispatch/resume.py): its finished calls (prompt digest, completions), the
-    # digest of the one in flight (whose tokens so far are `progress.live`), and, resumed after a restore, the
-    # record it answers from. Compacted into Calls only when a checkpoint takes it: most launches end first.
-    calls: list[tuple[bytes, list[Completion]]] = field(default_factory=list)
+    # A checkpoint's view of it (dispatch/resume.py): its finished calls, the digest of the one in flight
+    # (whose tokens so far are `progress.live`), and, resumed after a restore, the record it answers from.
+    # A finished call waits in `calls_to_compact` (prompt digest, completions) until a checkpoint compacts it
+    # into `calls`: most launches end before any checkpoint takes them, and so never pay for it.
+    calls: list[Call] = field(default_factory=list)
+    calls_to_compact: list[tuple[bytes, list[Completion]]] = field(default_factory=list)
     live_prompt: bytes | None = None
     replay: Replay | None = None
 
@@ -114,9 +116,11 @@ class Launch:
 
     def resume_point(self) -> ResumePoint | None:
         """What a checkpoint taken now keeps of it; None when it holds no token yet."""
-        if self.replay is not None and not self.calls and self.live_prompt is None:
+        if self.replay is not None and not self.calls and not self.calls_to_compact and self.live_prompt is None:
             return self.replay.point  # resumed, and its environment has not called yet
-        calls = [Call.of(prompt, completions, finished=True) for prompt, completions in self.calls]
+        self.calls += [Call.of(prompt, done, finished=True) for prompt, done in self.calls_to_compact]
+        self.calls_to_compact.clear()
+        calls = list(self.calls)
         live = self.progress.live
         if self.live_prompt is not None and live is not None and any(c.token_ids for c in live):
             calls.append(Call.of(self.live_prompt, live, finished=False))
