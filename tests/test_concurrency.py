@@ -36,7 +36,7 @@ class Fleet:
 @pytest.mark.parametrize("start", [None, 8], ids=["default-above-the-knee", "below-the-knee"])
 def test_goodput_finds_the_knee_and_stays_near_it(start):
     """From the default start (half the ceiling, past this fleet's knee: probes come down to it) and from a
-    start below the knee (slow start doubles up to it)."""
+    start below the knee (slow start grows up to it)."""
     fleet = Fleet(knee=48)
     controller = GoodputController(ceiling=256, start=start)
     assert controller.cap == (128 if start is None else start)  # by default, half the ceiling
@@ -190,8 +190,8 @@ def test_the_dispatcher_holds_the_cap_its_controller_sets(tok, start_embedded):
 
 def test_goodput_mode_from_the_config_slow_starts_the_shards_dispatcher(start_embedded):
     """dispatch.concurrency.mode = "goodput" through components.dispatcher_thread (what a shard runs): the
-    cap starts at dispatch.concurrency.start and doubles while the trained rate rises, against a simulated
-    engine with slots to spare (how far it doubles depends on when this machine's CPU, not the engine,
+    cap starts at dispatch.concurrency.start and grows while the trained rate rises, against a simulated
+    engine with slots to spare (how far it grows depends on when this machine's CPU, not the engine,
     stops the rate from rising)."""
     from beam_rl import components
     from beam_rl.standin.simulated import SimulatedParams

@@ -277,7 +277,7 @@ class KvController:
 def _first_cap(ceiling: int, floor: int, start: int | None) -> int:
     """`start` (default: half the ceiling) within [floor, ceiling]. The ceiling is the fleet's slots in a run
     that sizes `max_inflight` to them (the fixed mode's best guess), and the best cap is rarely under half
-    of them: a start lower than that spends its first measurements doubling toward it."""
+    of them: a start lower than that spends its first measurements growing toward it."""
     if not 1 <= floor <= ceiling:
         raise ValueError(f"the in-flight floor ({floor}) must be between 1 and the ceiling ({ceiling})")
     return min(ceiling, max(floor, start if start is not None else ceiling // 2))
