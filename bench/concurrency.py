@@ -11,7 +11,8 @@ or the fleet's slots (the default, `fixed` at the ceiling, and the ceiling of `g
 `max_off_policy_steps` is regenerated, as in a run. Reported per configuration: trained tokens per second
 (completion tokens of rollouts that finished inside the bound), generated tokens per second (the servers' own
 counter), the share thrown away, the servers' preemptions and the cap held; per workload, `goodput` and `kv`
-over the best fixed cap. The first `warmup_s` of every configuration are not counted (the pool fills).
+over the best fixed cap of the sweep, measured again for as long as a controller (`best-fixed-again`; over its
+sweep measurement too, `_sweep`). The first `warmup_s` of every configuration are not counted (the pool fills).
 """
 
 from __future__ import annotations
@@ -161,24 +162,36 @@ def run_workload(name: str, size: dict, only: list[str] | None, weights: Path) -
     print(f"{name}: {load}", flush=True)
     results = {}
     with start_fleet(size["servers"], sim) as (urls, _pids):
-        for config_name, mode, ceiling in configs:
+        def run(config_name: str, mode: str, ceiling: int, seconds: float) -> None:
             if only is None or config_name in only:
-                seconds = size["seconds"] if mode == "fixed" else size["adaptive_seconds"]
                 results[config_name] = run_one(config_name, mode, ceiling, urls, load, seconds, size["warmup_s"],
                                                weights)
-    fixed = {n: r["trained_tokens_per_s"] for n, r in results.items() if n.startswith("fixed-")}
+        for config_name, mode, ceiling in configs:
+            if mode == "fixed":
+                run(config_name, mode, ceiling, size["seconds"])
+        fixed = {n: r["trained_tokens_per_s"] for n, r in results.items() if n.startswith("fixed-")}
+        best = max(fixed, key=fixed.__getitem__) if fixed else None
+        if best is not None and "goodput" in [c[0] for c in configs]:
+            # The sweep's best, measured again as long as a controller: the largest of several short
+            # measurements is likely one that came out high, and one near a full KV cache varies by a fifth.
+            run("best-fixed-again", "fixed", int(best.removeprefix("fixed-")), size["adaptive_seconds"])
+        for config_name, mode, ceiling in configs:
+            if mode != "fixed":
+                run(config_name, mode, ceiling, size["adaptive_seconds"])
     out: dict[str, Any] = {"workload": load, "ceiling": slots, "results": results}
-    if fixed:
-        best = max(fixed, key=fixed.__getitem__)
+    if best is not None:
         out["best_fixed"] = best
+        against = {"": results.get("best-fixed-again", results[best]), "_sweep": results[best]}
         for mode in ("goodput", "kv"):
+            for suffix, fixed_run in against.items():
+                if mode in results:
+                    out[f"{mode}_over_best_fixed{suffix}"] = round(
+                        results[mode]["trained_tokens_per_s"] / fixed_run["trained_tokens_per_s"], 3)
             if mode in results:
-                out[f"{mode}_over_best_fixed"] = round(results[mode]["trained_tokens_per_s"] / fixed[best], 3)
                 # Its second half (slow start behind it) against the best fixed cap's whole counted span.
                 out[f"{mode}_second_half_over_best_fixed"] = round(
-                    results[mode]["trained_tokens_per_s_second_half"] / fixed[best], 3)
-        print(f"{name}: best {best}, " + ", ".join(f"{k} {v}" for k, v in out.items() if k.endswith("_fixed")
-                                                   and k != "best_fixed"), flush=True)
+                    results[mode]["trained_tokens_per_s_second_half"] / against[""]["trained_tokens_per_s"], 3)
+        print(f"{name}: best {best}, " + ", ".join(f"{k} {v}" for k, v in out.items() if "_over_" in k), flush=True)
     return out
 
 

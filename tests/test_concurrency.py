@@ -43,12 +43,33 @@ def test_goodput_finds_the_knee_and_stays_near_it(start):
     caps = fleet.run(controller, 20_000)
     settled = caps[len(caps) // 2:]
     assert controller.phase == "probing"
-    # Probes go a quarter of the accepted cap either way and come back when they measure worse.
-    assert 36 <= min(settled) and max(settled) <= 80, (min(settled), max(settled))
+    # Probes go an eighth of the accepted cap either way and come back when they measure worse.
+    assert 40 <= min(settled) and max(settled) <= 60, (min(settled), max(settled))
     mean_rate = sum(fleet.rate(c) for c in settled) / len(settled)
-    assert mean_rate >= 0.8 * fleet.peak, mean_rate
+    assert mean_rate >= 0.95 * fleet.peak, mean_rate
     # Against a fixed cap at the ceiling, the default of fixed mode: the fleet past its knee.
     assert mean_rate > 2 * fleet.rate(256)
+
+
+def test_a_probe_is_kept_only_when_it_wins_twice_in_a_row():
+    """Near a full KV cache one measurement varies by up to a fifth: a probe whose first measurement comes out
+    high by chance, and its second does not, leaves the accepted cap where it was."""
+    fleet = Fleet(knee=64)
+    controller = GoodputController(ceiling=256, start=64)
+    first_measured: set[int] = set()
+    lucky = fleet.rate
+    fleet.rate = lambda cap: lucky(cap) * (1.3 if cap not in first_measured and cap != 64 else 1)
+    accepted = []
+    for _ in range(20_000):
+        decided = len(controller.history)
+        fleet.run(controller, 1)
+        if len(controller.history) > decided:
+            first_measured.add(controller.history[-1][1])
+        if controller.phase == "probing":
+            accepted.append(controller.accepted_cap)
+    lucky_wins = [(cap, rate) for _, cap, rate in controller.history if cap != 64 and rate > 1.1 * fleet.peak]
+    assert len(lucky_wins) >= 4, list(controller.history)  # probes up and down won once
+    assert set(accepted) == {64}, sorted(set(accepted))
 
 
 def test_goodput_follows_the_knee_when_it_moves():
@@ -237,8 +258,8 @@ def test_a_restarted_controller_starts_where_the_committed_windows_show_the_cap_
 def test_goodput_against_the_simulated_engine_holds_a_cap_near_the_best_fixed_cap(tmp_path):
     """bench/concurrency.py --size small: one simulated server of 256 slots whose KV cache holds ~90 of the
     workload's sequences (beyond, it preempts and work goes stale), a policy step every 1.2 s. Told nothing,
-    goodput slow-starts from 32; in its second half (slow start behind it) it trains near the best of a
-    sweep of fixed caps and holds a cap within a factor of 2 of the best one, well below the ceiling. Ratios
+    goodput starts at half the ceiling (128); in its second half (slow start behind it) it trains near the
+    best of a sweep of fixed caps and holds a cap within a factor of 2 of the best one, well below the ceiling. Ratios
     within one run: 0.84 and 0.87 of the best fixed cap in two runs here, so 0.75 leaves room for a shared
     machine."""
     from bench.concurrency import SIZES, run_workload

@@ -94,19 +94,21 @@ class GoodputController:
     from empty has no stale work. Without policy versions (or when the policy does not move within 4x the
     rollouts), the counts alone decide.
 
-    Probing: a probe moves the accepted cap by `step` (a quarter of it at first). Each time a probe up and a
-    probe down have both lost, the step halves (down to `min_step`) and the accepted cap is re-measured one
-    more time before the next probe (up to `max_hold` times): near the peak it probes closer and less often.
-    A probe up is kept only if it wins twice in a row. A winning probe, or a re-measurement that moved by
+    Probing: a probe moves the accepted cap by `step` (an eighth of it at first: past the peak, a probe is paid
+    for at its rate). Each time a probe up and a probe down have both lost, the step halves (down to
+    `min_step`) and the accepted cap is re-measured one more time before the next probe (up to `max_hold`
+    times): near the peak it probes closer and less often. A probe is kept only if it wins twice in a row,
+    and the accepted rate is then the mean of the two: one measurement near a full KV cache varies by up to
+    a fifth, more than the margins a probe must win by. A winning probe, or a re-measurement that moved by
     more than `shift`, opens the search again."""
 
     counts_trained_tokens = True
 
     def __init__(self, ceiling: int, floor: int = 1, start: int | None = None, *, min_rollouts: int = 16,
-                 measure_turns: int = 1, precision: float = 0.05, tolerance: float = 0.05,
+                 measure_turns: int = 1, precision: float = 0.05, tolerance: float = 0.03,
                  down_tolerance: float = 0.02, collapse: float = 0.5, shift: float = 0.2,
                  min_step: float = 1 / 16, max_hold: int = 4, fill_steps: int = 2,
-                 max_span_steps: int = 4, growth: float = 1.5) -> None:
+                 max_span_steps: int = 4, growth: float = 1.5, probe_step: float = 1 / 8) -> None:
         self.ceiling, self.floor = ceiling, floor
         self.cap = _first_cap(ceiling, floor, start)
         self.min_rollouts, self.measure_turns, self.precision = min_rollouts, measure_turns, precision
@@ -119,14 +121,14 @@ class GoodputController:
         # Slow start's factor: short of doubling, because the step past the peak is measured at its rate
         # (a doubling past a full KV cache ran at half the best rate), and a start at half the ceiling
         # reaches the ceiling in two steps anyway.
-        self.growth = growth
+        self.growth, self.probe_step = growth, probe_step
         self.phase: Literal["slow_start", "probing"] = "slow_start"
         self.accepted_cap, self.accepted_rate = self.cap, 0.0
-        self.step = 0.25
+        self.step = probe_step
         self._probe_up = True
         self._lost = 0  # probes lost in a row since the last win
         self._hold = self._holds_left = 0  # re-measurements of the accepted cap between two probes
-        self._confirming = False  # a probe up won once and is being measured again
+        self._first_win: float | None = None  # a probe's first winning rate, while it is measured again
         self._version: int | None = None  # the policy of the last finished rollout
         self._steps = 0  # policy steps seen
         # (time, cap measured, trained tokens/s) of the latest decisions: a long run makes thousands.
@@ -197,18 +199,18 @@ class GoodputController:
             return
         up = self.cap > self.accepted_cap
         if rate > self.accepted_rate * (1 + (self.tolerance if up else self.down_tolerance)):
-            if up and not self._confirming:
-                # Measured again before it is kept: the KV cache fills, and work goes stale, a rollout's
-                # lifetime after the cap rose, so a first measurement flatters a higher cap.
-                self._confirming = True
+            if self._first_win is None:
+                # Measured again before it is kept. Up, a first measurement flatters: the KV cache fills, and
+                # work goes stale, a rollout's lifetime after the cap rose.
+                self._first_win = rate
                 self._set(self.cap)
                 return
-            self._confirming = False
-            self.accepted_cap, self.accepted_rate = self.cap, rate  # the probe won: keep going that way
-            self._reopen(step=self.step * 2)
+            self.accepted_cap, self.accepted_rate = self.cap, (self._first_win + rate) / 2  # the probe won
+            self._first_win = None
+            self._reopen(step=self.step * 2)  # keep going that way
             self._set(self._probe())
             return
-        self._confirming = False
+        self._first_win = None
         self._lost += 1
         self._probe_up = not self._probe_up
         if self._lost >= 2:  # lost both ways: the peak is within a step of the accepted cap
@@ -218,8 +220,9 @@ class GoodputController:
         self._holds_left = self._hold
         self._set(self.accepted_cap)
 
-    def _reopen(self, step: float = 0.25) -> None:
-        self.step, self._lost, self._hold, self._holds_left = min(0.25, step), 0, 0, 0
+    def _reopen(self, step: float | None = None) -> None:
+        self.step = min(self.probe_step, step or self.probe_step)
+        self._lost, self._hold, self._holds_left = 0, 0, 0
 
     def _probe(self) -> int:
         """One step in the probing direction; the other one at a bound."""
