@@ -274,3 +274,21 @@ def test_goodput_against_the_simulated_engine_holds_a_cap_near_the_best_fixed_ca
     goodput = results["goodput"]
     assert goodput["trained_tokens_per_s_second_half"] >= 0.75 * fixed[best], (fixed, goodput)
     assert best / 2 <= goodput["cap_second_half_mean"] <= min(2 * best, 0.8 * 256), (fixed, goodput)
+
+
+def test_goodput_on_a_model_of_the_benchmarks_measured_curves_stays_near_the_best_cap():
+    """bench/concurrency_model.py: the benchmark's measured sweeps (bench/concurrency.json), each policy step's
+    rate drawn with the spread of one real measurement. Over 180 s including its start, the controller trains
+    0.96 to 0.975 of the best cap there (seeded: the same every run); a controller that let one lucky
+    measurement move it would wander off the peak."""
+    import json
+    from pathlib import Path
+
+    from bench.concurrency import WORKLOADS
+    from bench.concurrency_model import summary, sweep
+
+    measured = json.loads((Path(__file__).parents[1] / "bench" / "concurrency.json").read_text())["workloads"]
+    for name, result in measured.items():
+        curve = sweep(result["results"])
+        mean, p10 = summary(lambda: GoodputController(result["ceiling"]), curve, WORKLOADS[name], 20, 0.15)
+        assert mean >= 0.95 and p10 >= 0.9, (name, mean, p10)
