@@ -171,7 +171,7 @@ def run_workload(name: str, size: dict, only: list[str] | None, weights: Path) -
                 run(config_name, mode, ceiling, size["seconds"])
         fixed = {n: r["trained_tokens_per_s"] for n, r in results.items() if n.startswith("fixed-")}
         best = max(fixed, key=fixed.__getitem__) if fixed else None
-        if best is not None and "goodput" in [c[0] for c in configs]:
+        if best is not None:
             # The sweep's best, measured again as long as a controller: the largest of several short
             # measurements is likely one that came out high, and one near a full KV cache varies by a fifth.
             run("best-fixed-again", "fixed", int(best.removeprefix("fixed-")), size["adaptive_seconds"])
