@@ -150,6 +150,12 @@ def run_one(name: str, mode: str, ceiling: int, urls: list[str], load: dict, sec
     return result
 
 
+def sweep(results: dict[str, dict]) -> dict[int, float]:
+    """Trained tokens/s of each fixed cap of the sweep ("fixed-<cap>"), by cap."""
+    return {int(name.removeprefix("fixed-")): r["trained_tokens_per_s"] for name, r in results.items()
+            if name.startswith("fixed-")}
+
+
 def run_workload(name: str, size: dict, only: list[str] | None, weights: Path) -> dict:
     load = WORKLOADS[name] | ({"time_scale": size["time_scale"]} if "time_scale" in size else {})
     slots = size["servers"] * size["max_num_seqs"]
@@ -169,12 +175,14 @@ def run_workload(name: str, size: dict, only: list[str] | None, weights: Path) -
         for config_name, mode, ceiling in configs:
             if mode == "fixed":
                 run(config_name, mode, ceiling, size["seconds"])
-        fixed = {n: r["trained_tokens_per_s"] for n, r in results.items() if n.startswith("fixed-")}
-        best = max(fixed, key=fixed.__getitem__) if fixed else None
-        if best is not None:
+        fixed = sweep(results)
+        best = None
+        if fixed:
+            best_cap = max(fixed, key=fixed.__getitem__)
+            best = f"fixed-{best_cap}"
             # The sweep's best, measured again as long as a controller: the largest of several short
             # measurements is likely one that came out high, and one near a full KV cache varies by a fifth.
-            run("best-fixed-again", "fixed", int(best.removeprefix("fixed-")), size["adaptive_seconds"])
+            run("best-fixed-again", "fixed", best_cap, size["adaptive_seconds"])
         for config_name, mode, ceiling in configs:
             if mode != "fixed":
                 run(config_name, mode, ceiling, size["adaptive_seconds"])

@@ -21,25 +21,18 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from beam_rl.dispatch.concurrency import ConcurrencyController, FixedConcurrency, GoodputController
-from bench.concurrency import WORKLOADS
+from bench.concurrency import WORKLOADS, sweep
 
 LAG_S = 4.0  # about a rollout's lifetime near the best cap, in the benchmark's real seconds
 
 
-def sweep(results: dict) -> dict[int, float]:
-    return {int(name.split("-")[1]): r["trained_tokens_per_s"] for name, r in results.items()
-            if name.startswith("fixed-") and name.split("-")[1].isdigit()}
-
-
 def rate_at(curve: dict[int, float], cap: float) -> float:
+    """Linear between the sweep's caps, from 0 at no cap in flight; the largest cap's rate beyond it."""
     caps = sorted(curve)
-    if cap <= caps[0]:
-        return curve[caps[0]] * cap / caps[0]
-    for low, high in zip(caps, caps[1:]):
-        if cap <= high:
-            return curve[low] + (curve[high] - curve[low]) * (cap - low) / (high - low)
-    return curve[caps[-1]]
+    return float(np.interp(cap, [0, *caps], [0.0, *(curve[c] for c in caps)]))
 
 
 def trained_share(controller: ConcurrencyController, curve: dict[int, float], workload: dict, seed: int,

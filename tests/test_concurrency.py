@@ -262,14 +262,14 @@ def test_goodput_against_the_simulated_engine_holds_a_cap_near_the_best_fixed_ca
     best of a sweep of fixed caps and holds a cap within a factor of 2 of the best one, well below the
     ceiling. Ratios within one run: 0.976 and 0.964 of the best fixed cap (128) in two runs here, holding 124, so 0.75
     leaves room for a shared machine."""
-    from bench.concurrency import SIZES, run_workload
+    from bench.concurrency import SIZES, run_workload, sweep
 
     weights = tmp_path / "weights"
     weights.mkdir()
     (weights / "model.safetensors").write_bytes(b"")
     out = run_workload("kv_bound", SIZES["small"], ["fixed-64", "fixed-128", "fixed-256", "goodput"], weights)
     results = out["results"]
-    fixed = {int(n.split("-")[1]): r["trained_tokens_per_s"] for n, r in results.items() if n.startswith("fixed-")}
+    fixed = sweep(results)
     best = max(fixed, key=fixed.__getitem__)
     goodput = results["goodput"]
     assert goodput["trained_tokens_per_s_second_half"] >= 0.75 * fixed[best], (fixed, goodput)
@@ -284,8 +284,8 @@ def test_goodput_on_a_model_of_the_benchmarks_measured_curves_stays_near_the_bes
     import json
     from pathlib import Path
 
-    from bench.concurrency import WORKLOADS
-    from bench.concurrency_model import summary, sweep
+    from bench.concurrency import WORKLOADS, sweep
+    from bench.concurrency_model import summary
 
     measured = json.loads((Path(__file__).parents[1] / "bench" / "concurrency.json").read_text())["workloads"]
     for name, result in measured.items():
