@@ -67,6 +67,9 @@ def _audited_rank(rank: int, world_size: int, port: int, args: tuple, log_dir: s
 
     RunDir.map_committed_file = logged
     data_parallel._spawned_rank(rank, world_size, port, args)
+    # What still runs once the rank is done: the interpreter exits with it.
+    threads = [Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    (Path(log_dir) / f"threads_{rank}.txt").write_text("\n".join(threads))
 
 
 def _launch(run_dir: RunDir, nproc: int, log_dir: Path, dies: int | None = None) -> None:
@@ -104,6 +107,16 @@ def test_two_gloo_ranks_train_a_step_to_the_reference_trainers_weights_each_read
     for key in ("trainable_tokens", "tokens", "samples", "micro_batches", "ranks", "reward_mean"):
         assert ours[key] == pytest.approx(theirs[key]), key
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_a_rank_has_released_its_process_group_when_it_returns(committed_step, tmp_path):
+    """Gloo's threads left running into interpreter exit abort a rank now and then (SIGABRT, 'terminate called
+    without an active exception'); a group something still holds keeps them running after
+    destroy_process_group."""
+    _launch(_copy(committed_step, tmp_path / "run"), RANKS, tmp_path / "logs")
+    for rank in range(RANKS):
+        threads = (tmp_path / "logs" / f"threads_{rank}.txt").read_text().split()
+        assert not [t for t in threads if "gloo" in t or "tcpstore" in t], (rank, threads)
 
 
 def test_ranks_that_do_not_match_the_steps_rank_files_stop_with_the_key_named(committed_step, tmp_path):

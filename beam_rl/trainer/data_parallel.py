@@ -30,6 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# torch.distributed.nn's functions take `group=group.WORLD` as a default argument, bound when the module is
+# first imported. Imported after init_process_group (transformers imports it while loading a model), they
+# would hold the default group for good: destroy_process_group could not release it, and its gloo threads
+# would still run while the interpreter exits, which aborts a rank now and then ('terminate called without
+# an active exception'). Imported here, before any group exists, they bind None.
+import torch.distributed.nn  # noqa: F401  isort: skip
+
 from beam_rl.config import RunConfig, TrainerSection
 from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
