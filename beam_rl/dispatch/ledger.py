@@ -115,11 +115,11 @@ class Launch:
         return len(self.attempts)
 
     def resume_point(self) -> ResumePoint | None:
-        """What a checkpoint taken now keeps of it; None when it holds no token yet."""
+        """What a checkpoint taken now keeps of it; None when it holds no token yet. Its finished calls are
+        compacted first, once: the next checkpoint reuses them."""
         if self.replay is not None and not self.calls and not self.calls_to_compact and self.live_prompt is None:
             return self.replay.point  # resumed, and its environment has not called yet
-        self.calls += [Call.of(prompt, done, finished=True) for prompt, done in self.calls_to_compact]
-        self.calls_to_compact.clear()
+        self._compact_finished_calls()
         calls = list(self.calls)
         live = self.progress.live
         if self.live_prompt is not None and live is not None and any(c.token_ids for c in live):
@@ -127,6 +127,10 @@ class Launch:
         if not any(call.tokens for call in calls):
             return None
         return ResumePoint(self.group.group_id, self.attempts, self.version_start, self.t_start, tuple(calls))
+
+    def _compact_finished_calls(self) -> None:
+        self.calls += [Call.of(prompt, done, finished=True) for prompt, done in self.calls_to_compact]
+        self.calls_to_compact.clear()
 
     @property
     def name(self) -> str:
