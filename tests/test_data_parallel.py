@@ -79,15 +79,23 @@ def _launch(run_dir: RunDir, nproc: int, log_dir: Path, dies: int | None = None)
                        start_method="spawn")
 
 
+@pytest.fixture(scope="module")
+def trained_on_two_ranks(committed_step, tmp_path_factory) -> tuple[RunDir, Path]:
+    """The committed step trained by two ranks as `beam-rl train --nproc 2` does: the run and the ranks' logs."""
+    where = tmp_path_factory.mktemp("parallel")
+    parallel = _copy(committed_step, where / "run")
+    _launch(parallel, RANKS, where / "logs")
+    return parallel, where / "logs"
+
+
 def test_two_gloo_ranks_train_a_step_to_the_reference_trainers_weights_each_reading_only_its_file(
-        committed_step, tmp_path):
+        committed_step, trained_on_two_ranks, tmp_path):
     reference = _copy(committed_step, tmp_path / "reference")
     ReferenceTrainer(reference, tiny_model_dir(), TrainerSection()).train(1)
-    parallel = _copy(committed_step, tmp_path / "parallel")
-    _launch(parallel, RANKS, tmp_path / "logs")
+    parallel, logs = trained_on_two_ranks
 
     for rank in range(RANKS):
-        read = set((tmp_path / "logs" / f"rank_{rank}.log").read_text().split())
+        read = set((logs / f"rank_{rank}.log").read_text().split())
         assert read == {f"rank_{rank}.arrow"}, (rank, read)  # its own file, never the other's
     initial = load_file(str(tiny_model_dir() / "model.safetensors"))
     expected = load_file(str(reference.weights_path(1) / "model.safetensors"))
@@ -109,13 +117,13 @@ def test_two_gloo_ranks_train_a_step_to_the_reference_trainers_weights_each_read
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
 
 
-def test_a_rank_has_released_its_process_group_when_it_returns(committed_step, tmp_path):
+def test_a_rank_has_released_its_process_group_when_it_returns(trained_on_two_ranks):
     """Gloo's threads left running into interpreter exit abort a rank now and then (SIGABRT, 'terminate called
     without an active exception'); a group something still holds keeps them running after
     destroy_process_group."""
-    _launch(_copy(committed_step, tmp_path / "run"), RANKS, tmp_path / "logs")
+    _, logs = trained_on_two_ranks
     for rank in range(RANKS):
-        threads = (tmp_path / "logs" / f"threads_{rank}.txt").read_text().split()
+        threads = (logs / f"threads_{rank}.txt").read_text().split()
         assert not [t for t in threads if "gloo" in t or "tcpstore" in t], (rank, threads)
 
 
