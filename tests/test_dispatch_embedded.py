@@ -581,6 +581,20 @@ def test_a_checkpoint_keeps_a_launchs_finished_calls_and_the_one_in_flight_once_
     assert [(c.finished, c.tokens) for c in launch.resume_point().calls] == [(True, 2), (True, 2)]
 
 
+@pytest.mark.parametrize("versions, runs", [
+    ([], ()), ([7] * 5, ((7, 5),)), ([3, 3, 4, 4, 4, 3, 5], ((3, 2), (4, 3), (3, 1), (5, 1))), ([2, 1], ((2, 1), (1, 1)))])
+def test_a_kept_choice_gives_back_each_tokens_policy_version(versions, runs):
+    """Versions are kept as runs: one run when one version sampled every token, and any order of updates
+    and resumes (a version after a later one: a server restored to older weights) comes back as it was."""
+    from beam_rl.dispatch.resume import Tokens
+    from beam_rl.inference.types import Completion
+
+    ids = list(range(len(versions)))
+    kept = Tokens.of(Completion(ids, [-0.5] * len(ids), None, versions))
+    assert kept.versions == runs
+    assert kept.completion().policy_versions == versions and kept.completion().token_ids == ids
+
+
 @pytest.mark.parametrize("mode", ["rollout", "group"])
 def test_a_rollout_resumed_from_a_checkpoint_continues_from_its_tokens_and_their_versions(
         start_server, env, weights_dir, mode):

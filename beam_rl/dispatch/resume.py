@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import logging
 from array import array
 from dataclasses import dataclass
@@ -28,6 +29,14 @@ def prompt_digest(prompt_ids: list[int], n: int) -> bytes:
     return hashlib.blake2b(array("i", prompt_ids).tobytes() + n.to_bytes(4, "little"), digest_size=16).digest()
 
 
+def _version_runs(versions: list[int]) -> tuple[tuple[int, int], ...]:
+    """(version, run length) pairs. A checkpoint takes every launch in flight, most of whose tokens one
+    version sampled: that case is counted in C, not walked token by token."""
+    if versions and versions.count(versions[0]) == len(versions):
+        return ((versions[0], len(versions)),)
+    return tuple((version, sum(1 for _ in run)) for version, run in itertools.groupby(versions))
+
+
 @dataclass(frozen=True)
 class Tokens:
     """One choice's tokens, compact: ids as int32, logprobs as float32 (the windows store them so: a
@@ -40,20 +49,16 @@ class Tokens:
 
     @classmethod
     def of(cls, completion: Completion) -> Tokens:
-        runs: list[tuple[int, int]] = []
-        for version in completion.policy_versions:
-            if runs and runs[-1][0] == version:
-                runs[-1] = (version, runs[-1][1] + 1)
-            else:
-                runs.append((version, 1))
         return cls(array("i", completion.token_ids).tobytes(), array("f", completion.logprobs).tobytes(),
-                   tuple(runs), completion.finish_reason)
+                   _version_runs(completion.policy_versions), completion.finish_reason)
 
     def __len__(self) -> int:
         return len(self.ids) // 4
 
     def completion(self) -> Completion:
-        versions = [version for version, count in self.versions for _ in range(count)]
+        versions: list[int] = []
+        for version, count in self.versions:
+            versions += [version] * count
         return Completion(array("i", self.ids).tolist(), array("f", self.logprobs).tolist(), self.finish_reason,
                           versions)
 
