@@ -351,11 +351,11 @@ class RunnerSection(_Section):
     name: Literal["direct", "flink-local", "flink"] = "direct"
     flink_master: str | None = None  # host:port of a Flink cluster's REST endpoint
     # Where the Python stages run: "loopback" in this process, "external" in Beam worker pools beside the
-    # cluster's TaskManagers, "process" as workers each TaskManager starts. None: loopback for direct and
-    # flink-local, external for flink (docs/flink-cluster.md).
+    # cluster's TaskManagers, "process" as workers the runner starts (each TaskManager's; on direct, one beside
+    # Prism). None: loopback for direct and flink-local, external for flink (docs/flink-cluster.md).
     environment: Literal["loopback", "external", "process"] | None = None
     worker_pool: str = "localhost:50000"  # external: the worker pool's address as each TaskManager sees it
-    # process: the command each TaskManager starts a worker with (None: this machine's `runners.workers boot`)
+    # process: the command the runner starts a worker with (None: this machine's `runners.workers boot`)
     worker_command: str | None = None
     parallelism: int = Field(1, ge=1)
     checkpointing_interval_ms: int | None = Field(None, gt=0)

@@ -33,7 +33,8 @@ class RunnerSettings:
     state_backend: str | None = None  # "hashmap" | "rocksdb" (Flink)
     state_backend_storage_path: str | None = None  # where checkpoints go, e.g. file:///shared/ckpt
     # Where the Python workers run: "loopback" (in this process), "external" (worker pools at
-    # `worker_pool`, one beside each TaskManager) or "process" (each TaskManager starts `worker_command`).
+    # `worker_pool`, one beside each TaskManager) or "process" (the runner starts `worker_command`: each
+    # TaskManager, or Prism).
     environment: str = "loopback"
     worker_pool: str = "localhost:50000"
     worker_command: str | None = None  # process: default, this machine's runners.workers boot program

@@ -6,9 +6,9 @@
   (a chatty worker would block on it), and runs Beam's SDK harness (`sdk_worker_main`), which takes its
   state cache size and logging from those options. Beam's own Go boot binary also installs staged
   packages into a fresh virtualenv per worker; beam-rl workers use the environment they start in.
-- `process` environments name it as the command each TaskManager starts a worker with; `external` ones
-  point at a worker pool (`pool_main`: Beam's worker_pool_main, told to start workers with this boot
-  program), one beside each TaskManager.
+- `process` environments name it as the command a runner starts a worker with (each TaskManager, or
+  Prism); `external` ones point at a worker pool (`pool_main`: Beam's worker_pool_main, told to start
+  workers with this boot program), one beside each TaskManager.
 
     python -m runners.workers pool --port 50000      # a worker pool, until SIGTERM
 """

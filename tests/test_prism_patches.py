@@ -5,6 +5,7 @@ defect shows). The two that only save CPU are covered by tests/test_options.py."
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -32,9 +33,10 @@ def _prism(without: str | None) -> str:
     return str(bootstrap.ensure_prism(patches=patches))
 
 
-def _run(build, without: str | None, timeout_s: float = 120):
-    """Runs the pipeline `build` makes on Prism without the patch `without`; returns its end state."""
-    pipeline = beam.Pipeline(options=pipeline_options(RunnerSettings(prism_location=_prism(without))))
+def _run(build, without: str | None, timeout_s: float = 120, **settings):
+    """Runs the pipeline `build` makes on Prism without the patch `without` (and with the runner `settings`
+    given); returns its end state."""
+    pipeline = beam.Pipeline(options=pipeline_options(RunnerSettings(prism_location=_prism(without), **settings)))
     build(pipeline)
     result = pipeline.run()
     state = result.wait_until_finish(duration=int(timeout_s * 1000))
@@ -311,3 +313,37 @@ def test_a_source_bundle_that_fails_fails_the_job(tmp_path, without):
 
     with pytest.raises(Exception, match="AllServersDownError"):
         _run(build, without)
+
+
+# -- 0006: a worker in a process environment is refused, and a dead one leaves the job waiting ---------------
+
+
+def _write_pids(p, out: Path) -> None:
+    """Each element's worker pid into `out` (self-contained: the worker does not import this module)."""
+    _ = (p | beam.Create([1, 2, 3])
+         | beam.Map(lambda _, path=str(out): open(path, "a").write(f"{__import__('os').getpid()}\n")))
+
+
+@pytest.mark.parametrize("without", [None, "0006"])
+def test_a_process_environment_runs_the_stages_in_a_worker_prism_starts(tmp_path, without):
+    """Stock Prism 2.70 starts a process worker with `--id='<id>'` through exec, so the quotes are part of the
+    id; the worker pool refuses the worker at provisioning, and the job waits for it for good."""
+    out = tmp_path / "pids.txt"
+    if without is None:
+        assert _run(lambda p: _write_pids(p, out), without, timeout_s=120, environment="process") == "DONE"
+        pids = {int(line) for line in out.read_text().split()}
+        assert len(pids) == 1 and os.getpid() not in pids  # one worker, and not this process
+    else:
+        assert _run(lambda p: _write_pids(p, out), without, timeout_s=20, environment="process") == "RUNNING"
+        assert not out.exists()
+
+
+def test_a_process_worker_that_exits_while_the_job_runs_fails_the_job(tmp_path):
+    """Stock Prism only logs a worker process's exit, and its check for a worker that never connects passes
+    once that worker is stopped: the job would wait forever. Patched, the job fails and says why."""
+    boot = tmp_path / "boot.sh"
+    boot.write_text("#!/bin/sh\nexit 3\n")
+    boot.chmod(0o755)
+    with pytest.raises(Exception, match="exited while the job was running"):
+        _run(lambda p: _write_pids(p, tmp_path / "pids.txt"), None, timeout_s=60, environment="process",
+             worker_command=str(boot))
