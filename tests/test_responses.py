@@ -69,3 +69,25 @@ def test_stream_chunks_carry_the_same_text(tokenizer):
     assert [c["token_ids"] for c in chunks] == [[t] for t in ids]
     assert "".join(c["text"] for c in chunks) == visible_text(tokenizer, ids, True) == "x€y"
     assert stream.end() == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_whole_choice_in_one_chunk_carries_the_text_stepped_token_by_token(tokenizer, skip_special_tokens):
+    """The instant backend sends each choice whole, in its last chunk: its text is the per-token stream's,
+    whether the choice ends on a whole character or mid-character (its text is then a prefix's)."""
+    rng = random.Random(1)
+    ends_mid_character = 0
+    for _ in range(1000):
+        ids = [rng.randrange(0, 512) for _ in range(rng.randrange(2, 64))]  # specials and lone bytes included
+        params = GenerationParams(prompt_ids=(5,), max_tokens=len(ids))
+        request = CompletionRequest(prompt=[5], max_tokens=len(ids), stream=True,
+                                    skip_special_tokens=skip_special_tokens)
+        stream = CompletionStream(TokenTexts(tokenizer), "m", params, request)
+        choice = ChoiceResult(token_ids=list(ids), logprobs=[-1.0] * len(ids), finish_reason="length")
+        (event,) = sse_data(stream.chunks([choice]).decode().splitlines())
+        per_token = DecodeStream(skip_special_tokens=skip_special_tokens)
+        expected = "".join(per_token.step(tokenizer.backend_tokenizer, t) or "" for t in ids)
+        assert event["choices"][0]["text"] == expected, ids
+        ends_mid_character += visible_text(tokenizer, ids, skip_special_tokens) != tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens)
+    assert ends_mid_character > 100  # both kinds of ending
