@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -347,3 +349,40 @@ def test_a_process_worker_that_exits_while_the_job_runs_fails_the_job(tmp_path):
     with pytest.raises(Exception, match="exited while the job was running"):
         _run(lambda p: _write_pids(p, tmp_path / "pids.txt"), None, timeout_s=60, environment="process",
              worker_command=str(boot))
+
+
+# -- 0007: a worker pool that starts no worker ends Prism, and the client learns nothing -------------------
+
+
+@pytest.fixture
+def worker_pool(tmp_path):
+    """A worker pool (`python -m runners.workers pool`) on a free loopback port; yields its address."""
+    port = _dead_url().rsplit(":", 1)[1]
+    pool = subprocess.Popen([sys.executable, "-m", "runners.workers", "pool", "--port", port],
+                            env=dict(os.environ, BEAM_RL_WORKER_LOG_DIR=str(tmp_path / "workers")),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert pool.stdout.readline().startswith("READY"), "the worker pool did not start"
+        yield f"localhost:{port}"
+    finally:
+        pool.terminate()
+        pool.wait(30)
+
+
+def test_an_external_environment_runs_the_stages_in_a_worker_of_the_pool(tmp_path, worker_pool):
+    out = tmp_path / "pids.txt"
+    assert _run(lambda p: _write_pids(p, out), None, environment="external", worker_pool=worker_pool) == "DONE"
+    pids = {int(line) for line in out.read_text().split()}
+    assert len(pids) == 1 and os.getpid() not in pids
+
+
+@pytest.mark.parametrize("without", [None, "0007"])
+def test_a_worker_pool_that_starts_no_worker_fails_the_job_naming_the_pool(tmp_path, without):
+    """Stock Prism 2.70 panics when the pool cannot start a worker (nothing listens there, or the pool says
+    no): Prism exits with every job on it, and the client is told only that its connection broke."""
+    pool = _dead_url().removeprefix("http://")
+    with pytest.raises(Exception) as raised:
+        _run(lambda p: _write_pids(p, tmp_path / "pids.txt"), without, timeout_s=60, environment="external",
+             worker_pool=pool)
+    named = f"the sdk worker pool at {pool} did not start a worker" in str(raised.value)
+    assert named if without is None else not named, raised.value
