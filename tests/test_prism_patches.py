@@ -321,9 +321,9 @@ def test_a_source_bundle_that_fails_fails_the_job(tmp_path, without):
 
 
 def _write_pids(p, out: Path) -> None:
-    """Each element's worker pid into `out` (self-contained: the worker does not import this module)."""
+    """Each element's worker pid into `out` (the lambda goes by value: the worker does not import this module)."""
     _ = (p | beam.Create([1, 2, 3])
-         | beam.Map(lambda _, path=str(out): open(path, "a").write(f"{__import__('os').getpid()}\n")))
+         | beam.Map(lambda _, path=str(out): open(path, "a").write(f"{os.getpid()}\n")))
 
 
 @pytest.mark.parametrize("without", [None, "0006"])

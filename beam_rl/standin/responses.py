@@ -59,14 +59,18 @@ def _envelope(object_type: str, model_name: str) -> dict[str, Any]:
 
 
 def visible_text(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool) -> str:
-    """A choice's text as vLLM's detokenizer (tokenizers' DecodeStream) leaves it: trailing tokens
-    that only make an incomplete UTF-8 character (their text ends in U+FFFD) are never emitted."""
-    end = len(token_ids)
-    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-    while end and text.endswith("\ufffd"):
-        end -= 1
-        text = tokenizer.decode(token_ids[:end], skip_special_tokens=skip_special_tokens)
-    return text
+    """A choice's text as vLLM's detokenizer (tokenizers' DecodeStream, stepped a token at a time) leaves
+    it: trailing tokens that only make an incomplete UTF-8 character are never emitted. One step of many
+    tokens answers only when its last token ends a character, and then with the per-token text, so the
+    longest prefix that does is taken (an unfinished character is at most 3 bytes, so 3 tokens); the
+    per-token loop, several times slower, is the fallback."""
+    backend = tokenizer.backend_tokenizer
+    for end in range(len(token_ids), max(len(token_ids) - 4, 0), -1):
+        text = DecodeStream(skip_special_tokens=skip_special_tokens).step(backend, token_ids[:end])
+        if text is not None:
+            return text
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    return "".join(stream.step(backend, t) or "" for t in token_ids)
 
 
 def _stop_reason(choice: ChoiceResult, params: GenerationParams) -> int | None:
@@ -207,17 +211,10 @@ class CompletionStream(_ChoiceStream):
 
     def _step_text(self, index: int, token_ids: list[int], whole: bool) -> str:
         """The text a choice's detokenizer emits for these tokens, stepped one token at a time as vLLM's is. A
-        whole choice in one chunk (the instant backend's) is stepped in one call instead (the per-token loop
-        was half the instant server's CPU): a call answers only when its last token ends a character, and then
-        with the per-token text. A choice streamed in parts goes token by token."""
+        whole choice in one chunk (the instant backend's) is a whole answer's text (the per-token loop was half
+        the instant server's CPU); a choice streamed in parts goes token by token."""
         if whole:
-            # Ending mid-character, the per-token stream emits the longest prefix that ends a character; the
-            # tokens of an unfinished UTF-8 character are at most its 3 bytes.
-            for end in range(len(token_ids), max(len(token_ids) - 4, 0), -1):
-                text = DecodeStream(skip_special_tokens=self.request.skip_special_tokens).step(
-                    self._backend, token_ids[:end])
-                if text is not None:
-                    return text
+            return visible_text(self.texts.tokenizer, token_ids, self.request.skip_special_tokens)
         stream = self._text[index]
         return "".join(stream.step(self._backend, t) or "" for t in token_ids)
 
