@@ -93,6 +93,10 @@ class SeenRequest:
 class EmbeddedServer:
     """A vLLM-compatible server on a loopback port, for tests and local runs.
 
+    `faults`: a server given a FaultConfig (even an empty one) injects its faults and serves `GET/POST
+    /faults` to change them; without one that route does not exist (404). `api_key`: required on every
+    route that may change the server's state (`security.needs_key`), not only on /v1 as in vLLM.
+
     Logprobs are those of the distribution sampled from: log-softmax of the temperature-scaled
     logits (unscaled for greedy), as recent vLLM returns by default. Pauses follow vLLM 0.32: every
     mode queues new requests until `/resume`; "keep" freezes running ones between two steps,
@@ -129,6 +133,8 @@ class EmbeddedServer:
         self.tokenizer = load_tokenizer(str(self.model_dir) if self.model_dir else "tiny")
         self.texts = TokenTexts(self.tokenizer)
         self.faults = FaultInjector(faults or FaultConfig())
+        # Faults are a test's tool: the route that changes them is served only to a server started with some.
+        self.faults_enabled = faults is not None
         self.gate = PauseGate()
         self.backend: Backend = self._make_backend(mode, max_num_seqs, kv_cache_tokens, torch_threads, simulated)
         # vLLM's runtime LoRA routes, served only when enabled (as vLLM with --enable-lora).
@@ -184,9 +190,8 @@ class EmbeddedServer:
                 web.post("/resume", self._resume),
                 web.get("/is_paused", self._is_paused),
                 web.post("/reset_prefix_cache", self._reset_prefix_cache),
-                web.get("/faults", self._get_faults),
-                web.post("/faults", self._set_faults),
                 web.get("/simulated/trace", self._trace),
+                *(self._fault_routes() if self.faults_enabled else []),
                 *(self.lora.routes() if self.lora is not None else []),
             ]
         )
@@ -523,6 +528,9 @@ class EmbeddedServer:
         self.backend.prefix_cache.reset()
         return web.json_response({"status": "ok"})
 
+    def _fault_routes(self) -> list[web.RouteDef]:
+        return [web.get("/faults", self._get_faults), web.post("/faults", self._set_faults)]
+
     async def _get_faults(self, request: web.Request) -> web.Response:
         return web.json_response(self.faults.config.model_dump())
 
@@ -574,7 +582,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--torch-threads", type=int, default=1, help="intra-op threads; 1 suits a tiny model and many servers per host"
     )
     parser.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                        help="require `Authorization: Bearer KEY` on /v1/* (default: $VLLM_API_KEY, if set)")
+                        help="require `Authorization: Bearer KEY` on /v1/* and on every route that changes the "
+                        "server's state (default: $VLLM_API_KEY, if set; the variable keeps the key out of `ps`)")
     parser.add_argument("--ssl-keyfile", default=None, help="serve https with this PEM private key")
     parser.add_argument("--ssl-certfile", default=None, help="serve https with this PEM certificate")
     parser.add_argument("--enable-lora", action="store_true",
