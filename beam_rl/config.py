@@ -388,6 +388,10 @@ class TrainerSection(_Section):
     # Data-parallel ranks (gloo), each reading its own rank file (beam_rl/trainer/data_parallel.py); more
     # than 1 must equal batch.trainer_ranks. 1: one process stands in for every rank.
     nproc: int = Field(1, ge=1)
+    # Where the trainer computes: "cpu", or a CUDA device ("cuda", "cuda:1"; data-parallel ranks then use NCCL,
+    # each on the device of its LOCAL_RANK). bfloat16 halves memory and is the usual choice on a GPU.
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$")
+    dtype: Literal["float32", "bfloat16"] = "float32"
     lora: LoraSection | None = None  # train a LoRA adapter instead of every weight
 
 

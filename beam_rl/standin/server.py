@@ -121,6 +121,8 @@ class EmbeddedServer:
         ssl_keyfile: str | os.PathLike | None = None,
         exit_on_death: bool = False,
         enable_lora: bool = False,
+        device: str = "cpu",
+        dtype: str = "float32",
     ) -> None:
         if mode not in ("model", "instant", "simulated"):
             raise ValueError(f"mode must be 'model', 'instant' or 'simulated', not {mode!r}")
@@ -136,7 +138,8 @@ class EmbeddedServer:
         # Faults are a test's tool: the route that changes them is served only to a server started with some.
         self.faults_enabled = faults is not None
         self.gate = PauseGate()
-        self.backend: Backend = self._make_backend(mode, max_num_seqs, kv_cache_tokens, torch_threads, simulated)
+        self.backend: Backend = self._make_backend(mode, max_num_seqs, kv_cache_tokens, torch_threads, simulated,
+                                                   device, dtype)
         # vLLM's runtime LoRA routes, served only when enabled (as vLLM with --enable-lora).
         self.lora = LoraAdapters(self.backend, self.model_dir if mode == "model" else None) if enable_lora else None
         # None = answer whatever `model` a request names; a name given here is enforced like vLLM.
@@ -159,11 +162,12 @@ class EmbeddedServer:
         self.url: str | None = None
 
     def _make_backend(self, mode: Mode, max_num_seqs: int, kv_cache_tokens: int, torch_threads: int | None,
-                      simulated: SimulatedParams | None) -> Backend:
+                      simulated: SimulatedParams | None, device: str, dtype: str) -> Backend:
         special = set(self.tokenizer.all_special_ids)
         if mode == "model":
             assert self.model_dir is not None
-            return ModelBackend(self.model_dir, max_num_seqs, self.gate, self.faults, kv_cache_tokens, torch_threads)
+            return ModelBackend(self.model_dir, max_num_seqs, self.gate, self.faults, kv_cache_tokens, torch_threads,
+                                device, dtype)
         if mode == "instant":
             return InstantBackend(len(self.tokenizer), special, max_num_seqs, self.gate, self.faults, kv_cache_tokens)
         eos = frozenset(t for t in [self.tokenizer.eos_token_id] if t is not None)
