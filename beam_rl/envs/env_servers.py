@@ -9,6 +9,10 @@ with `EnvServerRestarted` (the protocol's client alone would wait for their repl
 server is started again; the caller runs those episodes again. A server at an address
 (`RemoteEnvServer`) cannot be restarted: while episodes are in flight it is health-checked, and when it
 stops answering they fail with `EnvServerDown` instead of hanging.
+
+Each episode's model calls go to its own endpoint on the inference proxy, with its session's secret in the
+episode's client config (`proxy_client`), never in the server's environment: a harness of one episode cannot
+call into another's rollout.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from beam_rl.envs.proxy import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,15 @@ try:
 except Exception as exc:
     print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
 """
+
+
+def proxy_client(endpoint: Endpoint) -> Any:
+    """verifiers' eval client config for one episode's endpoint on the inference proxy. Its Authorization
+    carries the key of `api_key_var` (unset: "EMPTY"), so the session's secret travels in the proxy's own
+    header, per episode."""
+    import verifiers.v1 as vf
+
+    return vf.EvalClientConfig(base_url=endpoint.base_url, api_key_var="BEAM_RL_PROXY_KEY", headers=endpoint.headers)
 
 
 def interpreter_env(python: str | None) -> dict[str, str]:
@@ -169,9 +184,9 @@ class _Server:
         self.client: Any = None
         self.episodes = _Episodes()
 
-    async def run(self, *, task_data: dict[str, Any], base_url: str, timeout_s: float) -> Any:
-        """One episode of `task_data`, its model calls sent to `base_url` (an OpenAI-compatible `/v1`);
-        returns verifiers' WireEpisode."""
+    async def run(self, *, task_data: dict[str, Any], endpoint: Endpoint, timeout_s: float) -> Any:
+        """One episode of `task_data`, its model calls sent to `endpoint` on the inference proxy; returns
+        verifiers' WireEpisode."""
         import verifiers.v1 as vf
 
         versions: list[Any] = []
@@ -180,9 +195,8 @@ class _Server:
             if "open" in delta:
                 versions.append(delta["open"].get("version"))
 
-        client = vf.EvalClientConfig(base_url=base_url, api_key_var="BEAM_RL_PROXY_KEY")
-        call = self.client.run(client=client, model="policy", sampling=vf.SamplingConfig(), task_data=task_data,
-                               on_delta=on_delta)
+        call = self.client.run(client=proxy_client(endpoint), model="policy", sampling=vf.SamplingConfig(),
+                               task_data=task_data, on_delta=on_delta)
         try:
             episode = await asyncio.wait_for(self.episodes.run(call), timeout_s)
         except asyncio.TimeoutError:

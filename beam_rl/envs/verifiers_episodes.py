@@ -23,10 +23,10 @@ from beam_rl.envs.base import (
     Trajectory,
     chat_prompt_ids,
 )
-from beam_rl.envs.env_servers import EnvServerError, EnvServerRestarted, describe_env, env_server
+from beam_rl.envs.env_servers import EnvServerError, EnvServerRestarted, describe_env, env_server, proxy_client
 from beam_rl.envs.loop_local import loop_local
 from beam_rl.envs.multi_turn import FollowUps
-from beam_rl.envs.proxy import LOOPBACK, Episode, check_address, shared_proxy
+from beam_rl.envs.proxy import LOOPBACK, Endpoint, Episode, check_address, shared_proxy
 
 
 class VerifiersEpisodeError(RuntimeError):
@@ -70,11 +70,11 @@ class _InlineEnv:
         await stack.enter_async_context(self.env.serving())
         return self
 
-    async def run(self, *, task_data: dict[str, Any], base_url: str, timeout_s: float) -> Any:
+    async def run(self, *, task_data: dict[str, Any], endpoint: Endpoint, timeout_s: float) -> Any:
         vf = verifiers_module()
         task = self.task_type(self.task_type.data_type().model_validate(task_data), self.env.config.taskset.task)
         context = vf.ModelContext(model="policy", sampling=vf.SamplingConfig(),
-                                  client=vf.EvalClientConfig(base_url=base_url, api_key_var="BEAM_RL_PROXY_KEY"))
+                                  client=proxy_client(endpoint))
         (slot,) = self.env.slots(task)
         try:
             return await asyncio.wait_for(self.env.run_slot(slot, context), timeout_s)
@@ -173,7 +173,7 @@ class VerifiersEpisodes(DatasetEnvironment):
             episode = Episode(self, client, sampling, self.follow_ups)
             try:
                 with proxy.serve(episode) as endpoint:
-                    wire = await runner.run(task_data=row, base_url=endpoint.base_url, timeout_s=self.timeout_s)
+                    wire = await runner.run(task_data=row, endpoint=endpoint, timeout_s=self.timeout_s)
                 break
             except EnvServerRestarted:
                 discarded += sum(len(t.completion_ids) for t in episode.turns)
