@@ -67,12 +67,49 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     console.print(table)
     for line in _decision_lines(run_dir, verified):
         console.print(line)
+    for line in _live_lines(run_dir):
+        console.print(line)
     for path in stray:
         console.print(f"[yellow]{escape(str(path))}: not listed in its step's commit record; "
                       "readers ignore it[/yellow]")
     for err in damaged:
         console.print(f"[red]{escape(str(err))}[/red]")
     return 2 if damaged else 0
+
+
+def _live_lines(run_dir: RunDir) -> list[str]:
+    """What the run's dispatch shards last said that no commit record holds: why the run stopped (failure.json),
+    and the newest causes of errored rollouts with counts and an example each (status-*.json)."""
+    from beam_rl.observe.report import error_lines
+
+    lines = []
+    if (failure := read_failure(run_dir.path)) is not None:
+        lines.append(f"[red]stopped: {escape(str(failure))}[/red]")
+    errors = error_lines(run_dir.read_status(), limit=10)
+    if errors:
+        lines.append("errored rollouts by cause, the newest first (status-*.json):")
+        lines += [f"  [red]{escape(line)}[/red]" for line in errors]
+    return lines
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """A run's state as its dispatch shards last wrote it, for a run going on or one that stopped: its
+    committed steps, what is in flight, how many rollouts ended how, and its errors by cause."""
+    run_dir = RunDir(args.run_dir)
+    if not run_dir.path.is_dir():
+        console.print(f"[red]no run directory at {run_dir.path}[/red]")
+        return 2
+    last = run_dir.last_committed_step()
+    status = run_dir.read_status()
+    console.print(f"run {escape(str(run_dir.path))}: " + (f"steps 1..{last} committed" if last else "no step committed"))
+    if status:
+        console.print(f"dispatch ({status.get('shards', 1)} shards), {time.time() - status.get('updated_at', 0):.0f}s "
+                      f"ago: policy v{status.get('policy_version', 0)}, {status.get('inflight', 0)} in flight; "
+                      f"rollouts ok {status.get('ok', 0)}, errored {status.get('errored', 0)}, "
+                      f"cancelled {status.get('cancelled', 0)}")
+    for line in _live_lines(run_dir):
+        console.print(line)
+    return 0
 
 
 def _decision_lines(run_dir: RunDir, steps: list[int]) -> list[str]:
@@ -205,6 +242,7 @@ def check_model(config: RunConfig, source: str) -> None:
     from beam_rl.rundir.checkpoint_shapes import CheckpointError, tensor_shapes
 
     if config.model.name == "tiny":
+        check_context(config, source)
         check_lora_targets(config, source)
         return
     path = Path(config.model.name).expanduser()
@@ -238,7 +276,25 @@ def check_model(config: RunConfig, source: str) -> None:
     found = problem()
     if found:
         raise ConfigError(source, [("model.name", found)])
+    check_context(config, source)
     check_lora_targets(config, source)
+
+
+def check_context(config: RunConfig, source: str) -> None:
+    """model.max_context and inference.max_tokens fit the model's own context (its config.json's
+    max_position_embeddings, where it says): a server would refuse every longer request. ConfigError naming
+    each key over it."""
+    from beam_rl import components
+
+    path = components.model_dir(config) / "config.json"
+    context = json.loads(path.read_bytes()).get("max_position_embeddings")
+    if not isinstance(context, int):
+        return
+    problems = [(key, f"{value} is above the model's context: max_position_embeddings = {context} in {path}")
+                for key, value in (("model.max_context", config.model.max_context),
+                                   ("inference.max_tokens", config.inference.max_tokens)) if value > context]
+    if problems:
+        raise ConfigError(source, problems)
 
 
 def check_lora_targets(config: RunConfig, source: str) -> None:
@@ -582,10 +638,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(it has a config.json), off for a `beam-rl rollouts` one")
     replay.set_defaults(func=_cmd_replay)
 
+    status = sub.add_parser("status", help="a run's state as it goes on (or as it stopped): committed steps, "
+                            "rollouts in flight and their outcomes, errors by cause with an example each")
+    status.add_argument("run_dir", help="a run directory")
+    status.set_defaults(func=_cmd_status)
+
     servers = sub.add_parser("servers", help="add a server to a running run's fleet, remove one (it drains), or "
                              "list them (inference.discovery = \"file\")")
-    servers.add_argument("action", choices=("add", "remove", "list"))
-    servers.add_argument("run_dir")
+    servers.add_argument("action", choices=("add", "remove", "list"), help="add or remove a server, or list the fleet")
+    servers.add_argument("run_dir", help="the run directory whose fleet it is")
     servers.add_argument("url", nargs="?", help="the server's base URL (add, remove)")
     servers.set_defaults(func=_cmd_servers)
     return parser
