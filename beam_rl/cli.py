@@ -393,8 +393,12 @@ def _cmd_rollouts(args: argparse.Namespace) -> int:
     from runners.beam_log import route_beam_output
     from runners.rollout_job import run_rollouts
 
-    config = _with_run_dir(load_config(args.config), args.run_dir)
-    run_dir = preflight(config, args.config)
+    path = _given_config(args)
+    if path is None:
+        console.print("[red]give a CONFIG: beam-rl rollouts CONFIG[/red]")
+        return 2
+    config = _with_run_dir(load_config(path), args.run_dir)
+    run_dir = preflight(config, path)
     route_beam_output(run_dir.path)
     started, since = time.monotonic(), time.time()
     with console.status("starting inference servers"), inference_servers(config) as urls:
@@ -426,9 +430,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         source = str(run_dir.config_path)
         # The directory given is the run, wherever config.json says it was made (a copied or moved run).
         config = _with_run_dir(config_from_dict(run_dir.read_config(), source=source), args.resume)
-    elif args.config:
-        source = args.config
-        config = _with_run_dir(load_config(args.config), args.run_dir)
+    elif _given_config(args):
+        source = _given_config(args)
+        config = _with_run_dir(load_config(source), args.run_dir)
     else:
         console.print("[red]give a CONFIG, or --resume RUN_DIR[/red]")
         return 2
@@ -585,24 +589,39 @@ def _fleet_table(run_dir: RunDir, listed: list, fleet) -> Table:
     return table
 
 
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    """`run` and `rollouts` take the same arguments: CONFIG, or `--config CONFIG` (the older spelling of
+    `rollouts`, kept as an alias), and `--run-dir`."""
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="a TOML run config (see configs/)")
+    parser.add_argument("--config", dest="config_option", metavar="CONFIG", help="the same as CONFIG (an alias)")
+    parser.add_argument("--run-dir", help="the run directory, instead of the config's run.dir")
+
+
+def _given_config(args: argparse.Namespace) -> str | None:
+    """CONFIG, given either way; both given must agree (ConfigError otherwise)."""
+    if args.config and args.config_option and args.config != args.config_option:
+        raise ConfigError(args.config, [("", f"a second config is given with --config: {args.config_option}")])
+    return args.config or args.config_option
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="beam-rl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
     rollouts = sub.add_parser("rollouts", help="run the rollout pipeline (no trainer) into a run directory")
-    rollouts.add_argument("--config", required=True, help="a TOML run config (see configs/)")
-    rollouts.add_argument("--run-dir", help="override run.dir")
+    _config_arguments(rollouts)
     rollouts.set_defaults(func=_cmd_rollouts)
 
     run = sub.add_parser("run", help="the whole RL loop: servers, rollout pipeline, reference trainer")
-    run.add_argument("config", nargs="?", help="a TOML run config (see configs/)")
-    run.add_argument("--run-dir", help="override run.dir")
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its run directory")
+    _config_arguments(run)
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its run directory "
+                     "(its config.json), instead of CONFIG")
     run.set_defaults(func=_cmd_run)
 
     train = sub.add_parser("train", help="the reference trainer, reading and publishing in a run directory")
-    train.add_argument("--run-dir", required=True)
+    train.add_argument("--run-dir", required=True, help="the run directory to read steps from and publish "
+                       "weights into")
     train.add_argument("--config", help="default: the run directory's config.json")
     train.add_argument("--nproc", type=int, default=None,
                        help="data-parallel ranks, each reading its own rank file (batch.trainer_ranks); 1: the "
@@ -610,14 +629,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     report = sub.add_parser("report", help="the step table and a PNG plot of reward, lag and throughput")
-    report.add_argument("run_dir")
+    report.add_argument("run_dir", help="a run directory")
     report.add_argument("--steps", metavar="A:B", help="the steps of the latency table and timeline.png, both "
                         "included (A:, :B, N); default: all")
     report.set_defaults(func=_cmd_report)
 
     inspect = sub.add_parser("inspect", help="print a table of a run directory's committed steps, or "
                              "rollouts of one step as text")
-    inspect.add_argument("run_dir")
+    inspect.add_argument("run_dir", help="a run directory (committed or not)")
     inspect.add_argument("--step", type=int, metavar="N", help="show rollouts of step N's window as text")
     inspect.add_argument("--samples", type=int, default=4, metavar="K", help="how many (the first K; default 4)")
     inspect.add_argument("--rollout", action="append", metavar="ID", help="show this rollout (or every rollout "
@@ -627,9 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser("replay", help="redo scoring, filtering, advantages and packing of committed steps "
                             "from their windows and compare with the committed files, bit for bit")
-    replay.add_argument("run_dir")
+    replay.add_argument("run_dir", help="a run directory with committed steps")
     which = replay.add_mutually_exclusive_group(required=True)
-    which.add_argument("--step", type=int, metavar="N")
+    which.add_argument("--step", type=int, metavar="N", help="replay committed step N")
     which.add_argument("--all", action="store_true", help="every committed step")
     replay.add_argument("--config", help="the run's TOML config (default: the run directory's config.json; a "
                         "`beam-rl rollouts` run writes none)")

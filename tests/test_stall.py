@@ -1,11 +1,15 @@
 """A run that cannot make progress says why and stops (beam_rl/source/status.py): errors by cause in the
 status files, merged over shards and shown live; the progress watch's two rules at their defaults; the
-config checked against the model's context. The whole run that stops and resumes is in
-tests/test_user_failures.py."""
+config checked against the model's context; and the CLI's seams (one argument shape for `run` and
+`rollouts`, help for every option, agent errors naming the agent). The whole run that stops and resumes is
+in tests/test_user_failures.py."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import io
+import sys
 import time
 
 import pytest
@@ -13,12 +17,16 @@ from rich.console import Console
 
 from beam_rl import cli, components
 from beam_rl.config import ConfigError, RunSection, config_from_dict, load_config
+from beam_rl.envs import make_env
+from beam_rl.envs.agent import AgentError
+from beam_rl.inference.types import SamplingParams
 from beam_rl.observe import RunObserver
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.failures import ServersNotReadyError
 from beam_rl.source.status import ErrorTally, NothingTrainsError, ProgressWatch, error_cause
 from beam_rl.standin.server import EmbeddedServer
 from beam_rl.tinymodel import tiny_model_dir
+from beam_rl.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus
 from runners import job as job_module
 
@@ -147,3 +155,42 @@ def test_a_server_whose_context_is_below_max_context_is_refused_at_start_up():
             components.check_servers(config, [server.url])
         components.check_servers(config_from_dict({**_tiny_config(1024), "inference": {"urls": [server.url]}}),
                                  [server.url])
+
+
+def _actions(parser: argparse.ArgumentParser, path: str = "beam-rl"):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _actions(sub, f"{path} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_every_option_and_argument_of_every_command_has_help():
+    missing = [f"{path} {action.option_strings or action.dest}" for path, action in _actions(cli.build_parser())
+               if not action.help]
+    assert missing == []
+
+
+@pytest.mark.parametrize("command", ["run", "rollouts"])
+def test_run_and_rollouts_take_config_the_same_way_and_the_old_option_still_works(command):
+    parser = cli.build_parser()
+    for argv in ([command, "a.toml"], [command, "--config", "a.toml"], [command, "a.toml", "--config", "a.toml"]):
+        assert cli._given_config(parser.parse_args(argv)) == "a.toml"
+    assert parser.parse_args([command, "a.toml", "--run-dir", "r"]).run_dir == "r"
+    with pytest.raises(ConfigError, match="a second config is given with --config: b.toml"):
+        cli._given_config(parser.parse_args([command, "a.toml", "--config", "b.toml"]))
+
+
+def test_an_agents_error_names_its_command_line_not_the_interpreter(tmp_path):
+    script = tmp_path / "my_agent.py"
+    script.write_text("import sys; sys.exit(3)")
+    dataset = tmp_path / "data"
+    dataset.mkdir()
+    (dataset / "train.jsonl").write_text('{"prompt": "hi"}\n')
+    tok = load_tokenizer("tiny")
+    env = make_env("agent", tok, command=[sys.executable, str(script), "--fast"], dataset=str(dataset))
+    row = env.load_rows("train")[0]
+    with pytest.raises(AgentError) as caught:
+        asyncio.run(env.run(None, row, env.render_prompt(row), SamplingParams()))
+    assert str(caught.value) == f"agent `{sys.executable} {script} --fast`: exited with status 3"
