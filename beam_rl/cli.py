@@ -101,7 +101,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 2
     last = run_dir.last_committed_step()
     status = run_dir.read_status()
-    console.print(f"run {escape(str(run_dir.path))}: " + (f"steps 1..{last} committed" if last else "no step committed"))
+    steps = f"steps 1..{last} committed" if last else "no step committed"
+    console.print(f"run {escape(str(run_dir.path))}: {steps}")
     if status:
         console.print(f"dispatch ({status.get('shards', 1)} shards), {time.time() - status.get('updated_at', 0):.0f}s "
                       f"ago: policy v{status.get('policy_version', 0)}, {status.get('inflight', 0)} in flight; "

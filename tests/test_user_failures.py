@@ -222,7 +222,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_a_resume_with_room_finishes_i
     assert json.loads(run.config_path.read_text())["run"]["max_steps"] == 6
 
 
-def test_a_run_whose_every_rollout_fails_stops_naming_the_cause_and_resumes_once_it_is_fixed(resumable, record_property):
+def test_a_run_whose_every_rollout_fails_stops_naming_the_cause_and_resumes_once_fixed(resumable, record_property):
     """The defaults (run.stop_after_errored_groups = 16): an environment whose prompts the model's context
     cannot hold (tests/padded_prompts.py) fails every rollout; the run stops in one line naming the cause,
     the live view, `status` and `inspect` show the errors by cause, and once the prompts fit it resumes."""
@@ -231,20 +231,22 @@ def test_a_run_whose_every_rollout_fails_stops_naming_the_cause_and_resumes_once
     config["envs"][0].update(kind="padded_prompts:PaddedPrompts", args={"pad_tokens": 300})  # 256 tokens of context
     run.write_config(config)
     before = committed(run)
-    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     started = time.monotonic()
     proc = beam_rl("run", "--resume", str(run.path), env=env)
     record_property("seconds_to_the_stop", round(time.monotonic() - started, 1))
     [line, kept] = said(proc, 1)
     assert line.startswith("the run stopped: NothingTrainsError: nothing can train: every rollout of the last 16 "
-                           "groups errored (run.stop_after_errored_groups = 16); most frequent cause: PromptTooLong, "), line
+                           "groups errored (run.stop_after_errored_groups = 16); most frequent cause: "
+                           "PromptTooLong, "), line
     assert "env 'reverse_text' row " in line and "leaving no room to generate under model.max_context (256)" in line
     assert kept == f"steps 1..4 are committed in {run.path}; beam-rl run --resume {run.path} continues from there"
-    assert "errored: PromptTooLong; the newest: PromptTooLong: env 'reverse_text' row " in proc.stdout  # the live view's caption
+    newest = "errored: PromptTooLong; the newest: PromptTooLong: env 'reverse_text' row "
+    assert newest in proc.stdout  # the live view, under its table
     assert committed(run) == before
     for command in ("status", "inspect"):
         out = said(beam_rl(command, str(run.path)), 0)
-        assert out[-1].startswith("  ") and "errored: PromptTooLong; the newest: PromptTooLong: env 'reverse_text' row " in out[-1], out
+        assert out[-1].startswith("  ") and newest in out[-1], out
     config["envs"][0]["args"] = {"pad_tokens": 0}  # fixed: the prompts fit
     run.write_config(config)
     said(beam_rl("run", "--resume", str(run.path), env=env), 0)

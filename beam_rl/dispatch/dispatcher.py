@@ -228,7 +228,8 @@ class Dispatcher:
             return self._reject(
                 request,
                 f"PromptTooLong: env {request.env_name!r} row {request.index} (epoch {request.epoch}): the prompt "
-                f"is {len(prompt_ids)} tokens, leaving no room to generate under model.max_context ({self.max_context})",
+                f"is {len(prompt_ids)} tokens, leaving no room to generate under model.max_context "
+                f"({self.max_context})",
             )
         group = OpenGroup(request, env, mode, self.sampling[request.env_name], prompt_ids,
                           collections.deque(request.attempts_to_run), t_admitted=self._clock(),

@@ -125,8 +125,8 @@ class BlackBoxAgent(DatasetEnvironment):
         try:
             out, err = await asyncio.wait_for(process.communicate(json.dumps(row).encode()), self.timeout_s)
         except asyncio.TimeoutError:
-            raise AgentError(f"agent `{shlex.join(self.command)}`: still running after timeout_s = {self.timeout_s:g} s; "
-                             "stopped") from None
+            raise AgentError(f"agent `{shlex.join(self.command)}`: still running after timeout_s = "
+                             f"{self.timeout_s:g} s; stopped") from None
         finally:
             if process.returncode is None:  # timed out, or the rollout was cancelled: the whole group goes
                 with contextlib.suppress(ProcessLookupError):
