@@ -13,7 +13,9 @@ import sys
 import time
 
 import pytest
+from observe_run import observe_config
 from rich.console import Console
+from test_observe_prometheus import scrape, value
 
 from beam_rl import cli, components
 from beam_rl.config import ConfigError, RunSection, config_from_dict, load_config
@@ -21,6 +23,7 @@ from beam_rl.envs import make_env
 from beam_rl.envs.agent import AgentError
 from beam_rl.inference.types import SamplingParams
 from beam_rl.observe import RunObserver
+from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.failures import ServersNotReadyError
 from beam_rl.source.status import ErrorTally, NothingTrainsError, ProgressWatch, error_cause
@@ -81,6 +84,21 @@ def test_the_live_view_shows_the_newest_causes_under_the_table(tmp_path):
         observer.close()
     assert console.file.getvalue().splitlines()[-1] == ("1 errored: InferenceHTTPError (HTTP 400); the newest: "
                                                         f"env 'vf' row 7 (epoch 0): {HTTP_400}")
+
+
+def test_prometheus_counts_errored_rollouts_by_cause(tmp_path):
+    run = RunDir(tmp_path)
+    tally = ErrorTally()
+    for i in range(3):
+        tally.note(errored(f"g{i}", i, HTTP_400), now=1.0)
+    tally.note(errored("g3", 3, "PromptTooLong: the prompt is 318 tokens"), now=2.0)
+    run.write_status({"errored": 4, "errors": tally.as_status()})
+    port = free_port()
+    with RunObserver(run, observe_config(prometheus_port=port, prometheus_host="127.0.0.1")) as observer:
+        observer.poll()
+        samples = scrape(port)
+    assert value(samples, "beam_rl_rollout_errors_total", cause="InferenceHTTPError (HTTP 400)") == 3
+    assert value(samples, "beam_rl_rollout_errors_total", cause="PromptTooLong") == 1
 
 
 def _watch(tally: ErrorTally) -> ProgressWatch:
