@@ -66,8 +66,9 @@ class StallWatch:
         quiet_s = self.first_quiet_s if self._step_s is None else max(self.min_quiet_s, self.quiet_steps * self._step_s)
         if groups_out == 0 and now - self._last_news > quiet_s and not self.stalled:
             self.stalled = True
-            _LOG.warning("no step in %.0fs with nothing out: filters dropped more groups than expected; "
-                         "admitting past the off-policy and sink limits until a step commits", now - self._last_news)
+            _LOG.warning("no step in %.0fs with nothing out: the groups returned were filtered out or errored "
+                         "(`beam-rl status RUN` shows errors by cause); admitting past the off-policy and sink "
+                         "limits until a step commits", now - self._last_news)
         return self.stalled
 
 
