@@ -104,8 +104,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     steps = f"steps 1..{last} committed" if last else "no step committed"
     console.print(f"run {escape(str(run_dir.path))}: {steps}")
     if status:
-        console.print(f"dispatch ({status.get('shards', 1)} shards), {time.time() - status.get('updated_at', 0):.0f}s "
-                      f"ago: policy v{status.get('policy_version', 0)}, {status.get('inflight', 0)} in flight; "
+        shards = status.get("shards", 1)
+        console.print(f"dispatch ({shards} shard{'s' if shards > 1 else ''}), "
+                      f"{time.time() - status.get('updated_at', 0):.0f}s ago: policy v{status.get('policy_version', 0)}, {status.get('inflight', 0)} in flight; "
                       f"rollouts ok {status.get('ok', 0)}, errored {status.get('errored', 0)}, "
                       f"cancelled {status.get('cancelled', 0)}")
     for line in _live_lines(run_dir):
@@ -431,8 +432,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         source = str(run_dir.config_path)
         # The directory given is the run, wherever config.json says it was made (a copied or moved run).
         config = _with_run_dir(config_from_dict(run_dir.read_config(), source=source), args.resume)
-    elif _given_config(args):
-        source = _given_config(args)
+    elif source := _given_config(args):
         config = _with_run_dir(load_config(source), args.run_dir)
     else:
         console.print("[red]give a CONFIG, or --resume RUN_DIR[/red]")
