@@ -179,6 +179,7 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
     - Some answering: the others are named in a warning and left to the dispatcher's re-probes.
     - With dispatch.concurrency.mode = "kv": a server whose /metrics has no KV-cache usage is refused.
     - With trainer.lora: a server without vLLM's runtime LoRA routes is refused.
+    - A server whose context (max_model_len in /v1/models) is below model.max_context is refused.
     No completion is requested on the completions route: a server's own counters see only the run.
     Each dispatch shard drives servers of its own: at least `dispatch.shards` servers, or a ConfigError."""
     problem = shards_problem(config.dispatch.shards, len(server_urls))  # the config counted inference.urls
@@ -200,6 +201,13 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
             if "certificate" in str(err).lower():
                 return f"{url}: TLS failed ({err}); set inference.ca_bundle to the CA that signed it", False
             return f"{url} cannot be reached ({err})", True
+        try:
+            context = await client.served_context()
+        except InferenceError:
+            context = None  # it answered the same route a moment ago: left to the dispatcher's probes
+        if context is not None and config.model.max_context > context:
+            return (f"{url} serves a context of {context} tokens (max_model_len in /v1/models): "
+                    f"model.max_context = {config.model.max_context} is above it", False)
         if config.inference.route == "generate":
             try:
                 await client.check_generate_route()
@@ -279,7 +287,8 @@ def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str,
                           max_regenerations=config.off_policy.max_regenerations,
                           stale_rule=config.off_policy.stale_rule, restore=restore,
                           concurrency=concurrency_for(config, ceiling, start_cap),
-                          max_off_policy_steps=config.off_policy.max_off_policy_steps)
+                          max_off_policy_steps=config.off_policy.max_off_policy_steps,
+                          max_context=config.model.max_context)
 
     return DispatcherThread(build, abandoned_after_s=ABANDONED_SOURCE_S,
                             connect=lambda url: inference_client(config, url, key),

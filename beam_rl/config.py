@@ -40,6 +40,11 @@ class RunSection(_Section):
     seed: int = 0
     max_steps: int = Field(10, gt=0)
     bad_rows: Literal["fail", "skip"] = "fail"  # a malformed dataset row: stop the run, or skip and count it
+    # A run nothing can train stops, naming its most frequent error (0: never): when every rollout of this many
+    # consecutive groups errored, or when no step has committed for this many seconds while at least half of
+    # the rollouts finished since errored (beam_rl/source/status.py:ProgressWatch).
+    stop_after_errored_groups: int = Field(16, ge=0)
+    stop_after_failing_s: float = Field(600.0, ge=0)
 
 
 class ModelSection(_Section):

@@ -113,7 +113,7 @@ class BlackBoxAgent(DatasetEnvironment):
         if episode.failure is not None:
             raise episode.failure  # the inference error itself: a server's fault counts as one
         if not episode.turns:
-            raise AgentError(f"agent {self.command[0]}: it exited without calling the model")
+            raise AgentError(f"agent `{shlex.join(self.command)}`: it exited without calling the model")
         return episode.trajectory({"agent": result})
 
     async def _run_program(self, endpoint: Endpoint, row: dict[str, Any]) -> dict[str, Any]:
@@ -126,8 +126,8 @@ class BlackBoxAgent(DatasetEnvironment):
         try:
             out, err = await asyncio.wait_for(process.communicate(json.dumps(row).encode()), self.timeout_s)
         except asyncio.TimeoutError:
-            raise AgentError(f"agent {self.command[0]}: still running after timeout_s = {self.timeout_s:g} s; "
-                             "stopped") from None
+            raise AgentError(f"agent `{shlex.join(self.command)}`: still running after timeout_s = "
+                             f"{self.timeout_s:g} s; stopped") from None
         finally:
             if process.returncode is None:  # timed out, or the rollout was cancelled: the whole group goes
                 with contextlib.suppress(ProcessLookupError):
@@ -135,7 +135,7 @@ class BlackBoxAgent(DatasetEnvironment):
                 await process.wait()
         if process.returncode != 0:
             tail = err.decode(errors="replace").strip()[-_STDERR_TAIL:]
-            raise AgentError(f"agent {self.command[0]}: exited with status {process.returncode}"
+            raise AgentError(f"agent `{shlex.join(self.command)}`: exited with status {process.returncode}"
                              + (f": {tail.splitlines()[-1]}" if tail else ""))
         return _result(out.decode(errors="replace"))
 

@@ -513,6 +513,18 @@ class InferenceClient:
             raise InferenceError(f"GET {answer.url}: not a model list ({type(err).__name__}: {err})",
                                  self.base_url) from None
 
+    async def served_context(self) -> int | None:
+        """The context window `GET /v1/models` reports for the served model (vLLM's `max_model_len`: the
+        card named as this client's model, else the first); None when it reports none."""
+        answer = await self._request("GET", "/v1/models", retry=False, timeout_s=min(self.timeout_s, 30.0))
+        try:
+            cards = [card for card in answer.json()["data"] if isinstance(card, dict)]
+        except (ValueError, KeyError, TypeError):
+            return None
+        card = next((c for c in cards if c.get("id") == self.model), cards[0] if cards else {})
+        context = card.get("max_model_len")
+        return context if isinstance(context, int) and not isinstance(context, bool) else None
+
     async def tokenize(self, text: str) -> list[int] | None:
         """The token ids the server's tokenizer makes of `text` (vLLM's `POST /tokenize`, no special
         tokens); None when the server has no such route."""

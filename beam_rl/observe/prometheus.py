@@ -45,7 +45,7 @@ STATUS_COUNTERS = {
     "waited_for_sink_s": ("sink_wait_seconds", "Time the source held back for the packer and writer."),
 }
 ROLLOUT_STATUSES = ("ok", "errored", "cancelled")  # status.json counters of finished rollouts
-_STATUS_OTHER = frozenset({*ROLLOUT_STATUSES, "servers", "weight_reloads"})
+_STATUS_OTHER = frozenset({*ROLLOUT_STATUSES, "servers", "weight_reloads", "errors"})
 SERVER_GAUGES = {  # per server, from status.json's "servers" (running/waiting/KV: the server's own /metrics)
     "inflight": ("server_rollouts_in_flight", "Our rollouts running on the server."),
     "healthy": ("server_healthy", "1 while the server takes requests."),
@@ -99,6 +99,10 @@ def _status_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     if finished:
         yield _labelled(CounterMetricFamily, "rollouts_finished", "Rollouts that came back, by status.",
                         "status", finished)
+    causes = {e["cause"]: float(e["count"]) for e in status.get("errors") or () if isinstance(e, Mapping)}
+    if causes:  # status.json's errors (beam_rl/source/status.py:ErrorTally): an alert can name the cause
+        yield _labelled(CounterMetricFamily, "rollout_errors", "Errored rollouts, by cause (the error's type).",
+                        "cause", causes)
     reloads = status.get("weight_reloads")
     if isinstance(reloads, list):
         yield CounterMetricFamily(PREFIX + "weight_reloads", "Weight reloads on the inference servers.",
