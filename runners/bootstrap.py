@@ -182,6 +182,9 @@ def ensure_flink_job_server(version: str | None = None, flink: str = FLINK_VERSI
     """A runnable Flink job-server jar for Beam `version` (default: the installed SDK's), assembled with
     Maven on first use, with `patches` (default: all of `JOB_SERVER_PATCHES`; the jar's name carries their
     digest, as Prism's path does)."""
+    if not JOB_SERVER_PATCHES:
+        raise BootstrapError(f"no job server patches in {Path(__file__).parent / 'job_server_patches'}: a stock job "
+                             "server listens on every interface; reinstall beam-rl from its source tree")
     version = version or sdk_version()
     patches = JOB_SERVER_PATCHES if patches is None else patches
     home = cache_root() / "flink-job-server" / f"beam-{version}-flink-{flink}"
