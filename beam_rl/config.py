@@ -360,6 +360,10 @@ class RunnerSection(_Section):
     # Prism). None: loopback for direct and flink-local, external for flink (docs/flink-cluster.md).
     environment: Literal["loopback", "external", "process"] | None = None
     worker_pool: str = "localhost:50000"  # external: the worker pool's address as each TaskManager sees it
+    # Where the ports the run opens for its runner listen (Prism's job service and its workers' endpoints, the
+    # LOOPBACK worker pool, the Flink job server): loopback; another address (or "0.0.0.0") opens them to
+    # whoever reaches it, with a warning per port: they run the code they are sent.
+    bind_host: str = Field("127.0.0.1", min_length=1)
     # process: the command the runner starts a worker with (None: this machine's `runners.workers boot`)
     worker_command: str | None = None
     parallelism: int = Field(1, ge=1)
@@ -425,7 +429,8 @@ class LoggingSection(_Section):
     wandb: WandbLogging = Field(default_factory=WandbLogging)
     tensorboard: TensorBoardLogging = Field(default_factory=TensorBoardLogging)
     prometheus_port: int = Field(0, ge=0, le=65535)  # the orchestrator serves /metrics here; 0 = off
-    prometheus_host: str = Field("0.0.0.0", min_length=1)  # all interfaces, so a Prometheus elsewhere can scrape
+    # Loopback; "0.0.0.0" lets a Prometheus on another host scrape (a warning says so).
+    prometheus_host: str = Field("127.0.0.1", min_length=1)
 
 
 class _CrossFieldErrors(ValueError):

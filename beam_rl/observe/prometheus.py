@@ -11,6 +11,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from beam_rl.listeners import warn_if_open
 from beam_rl.observe.figures import server_name
 
 if TYPE_CHECKING:
@@ -80,11 +81,14 @@ class RunCollector(Collector):
 
 
 def serve(observer: RunObserver, beam_counters: BeamCounters | None, host: str, port: int) -> tuple[WSGIServer, int]:
-    """Serve /metrics on host:port from a registry of its own; returns the server and the bound port."""
+    """Serve /metrics on host:port from a registry of its own; returns the server and the bound port. A host
+    beyond loopback is warned about: the run's figures, to whoever reaches it."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RunCollector(observer, beam_counters))
     server, _thread = start_http_server(port, addr=host, registry=registry)
     _LOG.info("Prometheus metrics on http://%s:%d/metrics", host, server.server_port)
+    warn_if_open(host, server.server_port, "Prometheus /metrics: the run's figures, servers and counters, to "
+                 "whoever reaches it, unauthenticated", "logging.prometheus_host")
     return server, server.server_port
 
 
