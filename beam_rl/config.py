@@ -73,6 +73,10 @@ class InferenceSection(_Section):
     # A rollout whose server fails (refused, reset, 5xx after retries, timeout, death mid-request) moves to
     # another healthy server this many times, with its group; then it is an errored rollout.
     max_redispatches: int = Field(3, ge=0)
+    # The most of one server answer held in memory, MiB: a whole body, or one event of a stream. A server
+    # sending more is sick (InferenceCorruptResponse, counted against it). 256: about twice the
+    # non-streamed answer of n=64 choices of 32k tokens with their logprobs.
+    max_response_mb: int = Field(256, gt=0)
     # The name of the environment variable holding the servers' API key (vLLM's --api-key); the key itself
     # never goes in a config, a log or the run directory.
     api_key_env: str | None = Field(None, min_length=1)
