@@ -7,9 +7,10 @@ import math
 import re
 import string
 import tomllib
+import types
 import urllib.parse
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -27,6 +28,37 @@ class ConfigError(ValueError):
             super().__init__(f"invalid config {source}: {entries[0]}")
         else:
             super().__init__("\n".join([f"invalid config {source}:", *(f"  {e}" for e in entries)]))
+
+
+# A URL's user-info (scheme://user:password@host): a config is written whole to the run directory
+# (config.json) and to every tracker, so a key in it would be too. Keys live in environment variables that
+# an `api_key_env` setting names; a URL carrying one is refused wherever the config holds it.
+_URL_USERINFO = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s]*@")
+
+
+def has_credentials(text: str) -> bool:
+    """Whether `text` is a URL with user-info (`http://user:secret@host`)."""
+    return _URL_USERINFO.match(text.strip()) is not None
+
+
+def _credential_problems(value: Any, loc: tuple[str | int, ...] = (), table: dict[str, Any] | None = None,
+                         ) -> list[tuple[str, str]]:
+    """(key path, message) of every string under `value`, a raw config at `loc` (in `table`, the TOML table
+    that holds it), that is a URL with credentials. The message never quotes the URL: it holds the secret."""
+    if isinstance(value, dict):
+        return [p for key, item in value.items() for p in _credential_problems(item, (*loc, key), value)]
+    if isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in _credential_problems(item, (*loc, i), table)]
+    if not isinstance(value, str) or not has_credentials(value):
+        return []
+    section = loc[:-1] if isinstance(loc[-1], str) else loc[:-2]
+    problem = "a URL with credentials (user:password@) would be written to the run directory"
+    if "api_key_env" not in _allowed_keys(section):  # an env's args, say: no key setting of its own
+        return [(_key_path(loc), f"{problem}: pass the key in an environment variable instead")]
+    setting = _key_path((*section, "api_key_env"))
+    if table and table.get("api_key_env"):  # aiohttp refuses both at the first request, minutes into the run
+        return [(_key_path(loc), f"credentials in the URL conflict with {setting}: take user:password@ out of it")]
+    return [(_key_path(loc), f"{problem}: put the key in an environment variable and name it in {setting}")]
 
 
 class _Section(BaseModel):
@@ -78,6 +110,10 @@ class InferenceSection(_Section):
     # A rollout whose server fails (refused, reset, 5xx after retries, timeout, death mid-request) moves to
     # another healthy server this many times, with its group; then it is an errored rollout.
     max_redispatches: int = Field(3, ge=0)
+    # The most of one server answer held in memory, MiB: a whole body, or one event of a stream. A server
+    # sending more is sick (InferenceCorruptResponse, counted against it). 256: about twice the
+    # non-streamed answer of n=64 choices of 32k tokens with their logprobs.
+    max_response_mb: int = Field(256, gt=0)
     # The name of the environment variable holding the servers' API key (vLLM's --api-key); the key itself
     # never goes in a config, a log or the run directory.
     api_key_env: str | None = Field(None, min_length=1)
@@ -463,6 +499,15 @@ class RunConfig(_Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        # Before the fields are read: their own errors would quote the URL, and with it the secret.
+        problems = _credential_problems(data) if isinstance(data, dict) else []
+        if problems:
+            raise _CrossFieldErrors(problems)
+        return data
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         from beam_rl.scoring.advantages import algorithm_problems  # the registry: here, not when config is imported
@@ -629,6 +674,9 @@ def _allowed_keys(parent: tuple[str | int, ...]) -> list[str]:
         annotation = field.annotation
         if get_origin(annotation) is list:
             annotation = get_args(annotation)[0]
+        if get_origin(annotation) in (Union, types.UnionType):  # an optional section: `judge: JudgeSection | None`
+            annotation = next((arg for arg in get_args(annotation) if isinstance(arg, type)
+                               and issubclass(arg, BaseModel)), None)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation

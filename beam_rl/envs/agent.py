@@ -38,8 +38,8 @@ from beam_rl.envs.datasets import BadRows
 from beam_rl.envs.multi_turn import FollowUps
 from beam_rl.envs.proxy import Endpoint, Episode, shared_proxy
 from beam_rl.envs.registry import register_env
+from beam_rl.processes import scrubbed_env
 
-_PASSED_ON = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH")
 _STDERR_TAIL = 2000  # characters of a failed agent's stderr kept in the rollout's error
 
 
@@ -117,7 +117,7 @@ class BlackBoxAgent(DatasetEnvironment):
         return episode.trajectory({"agent": result})
 
     async def _run_program(self, endpoint: Endpoint, row: dict[str, Any]) -> dict[str, Any]:
-        env = {k: os.environ[k] for k in _PASSED_ON if k in os.environ}
+        env = scrubbed_env()
         env.update(self.extra_env, OPENAI_BASE_URL=endpoint.base_url, OPENAI_API_KEY=endpoint.secret)
         process = await asyncio.create_subprocess_exec(
             *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,

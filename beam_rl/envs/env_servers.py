@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from beam_rl.envs.proxy import Endpoint
+from beam_rl.processes import scrubbed_env
 
 log = logging.getLogger(__name__)
 
@@ -76,31 +77,34 @@ def proxy_client(endpoint: Endpoint) -> Any:
     return vf.EvalClientConfig(base_url=endpoint.base_url, api_key_var="BEAM_RL_PROXY_KEY", headers=endpoint.headers)
 
 
-def interpreter_env(python: str | None) -> dict[str, str]:
-    """The environment of a process under `python`. Another interpreter (another virtualenv's) is not handed
-    this one's PYTHONPATH or PYTHONHOME, so the Beam worker's packages never shadow the environment's own."""
-    if python is None or python == sys.executable:
-        return dict(os.environ)
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+def interpreter_env(python: str | None, pass_env: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a process under `python` that runs the environment's code: an agent's (no credential
+    of the worker's) plus the variables `pass_env` names. Another interpreter (another virtualenv's) is not
+    handed this one's PYTHONPATH, so the Beam worker's packages never shadow the environment's own."""
+    other = python is not None and python != sys.executable
+    return scrubbed_env(pass_env, drop=("PYTHONPATH",) if other else ())
 
 
-def describe_env(config: dict[str, Any], python: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def describe_env(config: dict[str, Any], python: str | None = None,
+                 pass_env: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the resolved config, the taskset's rows) of a verifiers env config, loaded under `python` (a process
     of its own) or, without it, in this process. Raises ValueError with verifiers' reason. Under `python`,
     once a process: a worker's stages each build the environment, and each load there is a new interpreter
     importing verifiers (seconds)."""
     if python is None:
         return _describe(config, None)
-    described = _described_under(json.dumps(config, sort_keys=True), python)
+    described = _described_under(json.dumps(config, sort_keys=True), python, pass_env)
     return copy.deepcopy(described)
 
 
 @functools.lru_cache(maxsize=16)
-def _described_under(config: str, python: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    return _describe(json.loads(config), python)
+def _described_under(config: str, python: str,
+                     pass_env: tuple[str, ...]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    return _describe(json.loads(config), python, pass_env)
 
 
-def _describe(config: dict[str, Any], python: str | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _describe(config: dict[str, Any], python: str | None,
+              pass_env: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if python is None:
         import verifiers.v1 as vf
 
@@ -113,7 +117,7 @@ def _describe(config: dict[str, Any], python: str | None) -> tuple[dict[str, Any
     if shutil.which(python) is None:
         raise ValueError(f"python {python!r} is not an executable")
     done = subprocess.run([python, "-c", _DESCRIBE, json.dumps(config)], capture_output=True, text=True,
-                          timeout=300, check=False, env=interpreter_env(python))
+                          timeout=300, check=False, env=interpreter_env(python, pass_env))
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = done.stderr.strip().splitlines()
@@ -223,12 +227,13 @@ class ProcessEnvServer(_Server):
     """A verifiers env server in a process beam-rl starts, watched and restarted when it dies."""
 
     def __init__(self, name: str, config: dict[str, Any], *, python: str | None = None,
-                 startup_timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
+                 startup_timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                 pass_env: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.name = name
         self.config = config
         self.python = python or sys.executable
-        self._python_env = interpreter_env(python)
+        self._python_env = interpreter_env(python, pass_env)
         if shutil.which(self.python) is None:
             raise EnvServerError(f"env server {name}: python {self.python!r} is not an executable")
         self.startup_timeout_s = startup_timeout_s
@@ -371,11 +376,13 @@ class RemoteEnvServer(_Server):
         await self.client.close()
 
 
-def env_server(name: str, server: str, config: dict[str, Any], *, python: str | None,
-               startup_timeout_s: float) -> Callable[[], ProcessEnvServer | RemoteEnvServer]:
-    """A factory of the server `server` names: "process", or "tcp://HOST:PORT"."""
+def env_server(name: str, server: str, config: dict[str, Any], *, python: str | None, startup_timeout_s: float,
+               pass_env: tuple[str, ...] = ()) -> Callable[[], ProcessEnvServer | RemoteEnvServer]:
+    """A factory of the server `server` names: "process" (given the variables `pass_env` names), or
+    "tcp://HOST:PORT"."""
     if server == "process":
-        return lambda: ProcessEnvServer(name, config, python=python, startup_timeout_s=startup_timeout_s)
+        return lambda: ProcessEnvServer(name, config, python=python, startup_timeout_s=startup_timeout_s,
+                                        pass_env=pass_env)
     if server.startswith("tcp://"):
         return lambda: RemoteEnvServer(name, server, startup_timeout_s=startup_timeout_s)
     raise ValueError(f"env {name}: server must be \"inline\", \"process\" or \"tcp://HOST:PORT\", got {server!r}")

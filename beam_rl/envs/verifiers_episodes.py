@@ -89,7 +89,9 @@ class VerifiersEpisodes(DatasetEnvironment):
     subprocess and its `max_turns` to this entry's). `server` is "inline", "process" (with `python`, the
     interpreter of another virtualenv) or "tcp://HOST:PORT"; `timeout_s` bounds an episode, and an
     episode whose server died under it runs again up to `max_restarts` times. An env server on another
-    host reaches the inference proxy at `proxy_advertise` where it listens on `proxy_host`."""
+    host reaches the inference proxy at `proxy_advertise` where it listens on `proxy_host`. A "process"
+    server gets the environment an agent's program gets (no credential of the worker's) plus the variables
+    `pass_env` names (a key the environment's own tools need)."""
 
     name = "verifiers"
     multi_turn = True
@@ -108,6 +110,7 @@ class VerifiersEpisodes(DatasetEnvironment):
         max_restarts: int = 3,
         proxy_host: str = LOOPBACK,
         proxy_advertise: str | None = None,
+        pass_env: list[str] | None = None,
         max_context: int | None = None,
     ) -> None:
         super().__init__(tokenizer, max_turns, max_context=max_context)
@@ -127,16 +130,20 @@ class VerifiersEpisodes(DatasetEnvironment):
             raise ValueError("timeout_s must be > 0 and max_restarts >= 0")
         if server == "inline" and python is not None:
             raise ValueError(f"verifiers env {env!r}: `python` runs it in a process of its own (server = \"process\")")
+        if server != "process" and pass_env:
+            raise ValueError(f"verifiers env {env!r}: pass_env names variables for an env server beam-rl starts "
+                             "(server = \"process\"); inline, the environment has the worker's")
+        passed = tuple(str(name) for name in pass_env or ())
         self.timeout_s, self.max_restarts = timeout_s, max_restarts
         self.server = server
         # The client owns the taskset, as verifiers' does. Under `python`, the environment is loaded there:
         # its packages need not be importable here.
         try:
-            self.config, self._rows = describe_env(raw, python if server != "inline" else None)
+            self.config, self._rows = describe_env(raw, python if server != "inline" else None, passed)
         except ValueError as exc:
             raise ValueError(f"verifiers env {env!r} cannot be loaded: {exc}") from None
         self._server = None if server == "inline" else env_server(
-            env, server, self.config, python=python, startup_timeout_s=startup_timeout_s)
+            env, server, self.config, python=python, startup_timeout_s=startup_timeout_s, pass_env=passed)
         stops = self.stop_token_ids()
         if not stops:
             raise ValueError("the verifiers environment needs a tokenizer with an eos token (the end of a turn)")
