@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 import random
 import ssl
@@ -43,6 +42,7 @@ from beam_rl.inference.parsing import parse_completions, parse_server_load, pars
 from beam_rl.inference.sse import EventData
 from beam_rl.inference.types import Completion, SamplingParams, ServerLoad
 from beam_rl.inference.weight_updates import DRAIN_QUIET_S, UpdateMode, WeightUpdates
+from beam_rl.listeners import is_loopback
 
 T = TypeVar("T")
 
@@ -103,17 +103,6 @@ Route = Literal["completions", "generate"]
 ROUTE_PATHS: dict[str, str] = {"completions": "/v1/completions", "generate": "/inference/v1/generate"}
 
 
-def _is_loopback(url: str) -> bool:
-    """Whether `url` names a server on this machine (localhost, 127.0.0.0/8, ::1)."""
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 LORA_SERVER_HINT = ("start vLLM with --enable-lora, --max-lora-rank at least trainer.lora.rank and "
                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (the embedded server: --enable-lora)")
 
@@ -160,7 +149,7 @@ class InferenceClient:
         if route not in ROUTE_PATHS:
             raise ValueError(f"route must be one of {sorted(ROUTE_PATHS)}, not {route!r}")
         self.base_url = base_url.rstrip("/")
-        self._on_this_machine = _is_loopback(self.base_url)
+        self._on_this_machine = is_loopback(urlsplit(self.base_url).hostname or "")
         self.model = model
         self.timeout_s = timeout_s
         self.max_retries = max_retries
