@@ -44,6 +44,7 @@ from beam_rl.envs.loop_local import loop_local
 from beam_rl.envs.multi_turn import FollowUps
 from beam_rl.envs.tools import ToolCall, parse_tool_calls
 from beam_rl.inference.types import Completion
+from beam_rl.listeners import LOOPBACK, warn_if_open
 from beam_rl.types import Turn
 
 MODEL_NAME = "policy"  # what /models lists; the model a call names is not read
@@ -261,7 +262,6 @@ def _assistant_message(text: str, tools: Any) -> dict[str, Any]:
 
 ROLLOUT_HEADER = "X-Beam-RL-Rollout"  # names the session on the shared /v1
 SECRET_HEADER = "X-Beam-RL-Secret"  # the session's secret, for a client whose Authorization carries another key
-LOOPBACK = "127.0.0.1"  # where the proxy listens unless told another address
 RESPONSES_REFUSED = ("the inference proxy serves chat completions, not the Responses API (/v1/responses): use "
                      "chat completions (openai-agents: OpenAIChatCompletionsModel, or "
                      "set_default_openai_api('chat_completions'))")
@@ -349,6 +349,8 @@ class InferenceProxy:
             await site.start()
             self.port = runner.addresses[0][1]
             self._runner = runner
+            warn_if_open(self.host, self.port, "the inference proxy: chat with the policy, guarded only by each "
+                         "rollout's secret", "the environment's proxy_host")
 
     async def close(self) -> None:
         if self._runner is not None:
