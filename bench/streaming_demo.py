@@ -8,6 +8,7 @@ arrived (end of input as data, not a timer: see _PackAndWrite).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -25,10 +26,12 @@ TICK_SCHEMA = pa.schema([("element", pa.int64()), ("emitted_at", pa.float64())])
 
 
 class _EmitTicks(beam.DoFn):
-    """Emits tick i once `interval_s * i` seconds have passed; self-checkpoints instead of sleeping."""
+    """Emits tick i once `interval_s * i` seconds have passed; self-checkpoints instead of sleeping. With
+    `last_waits_for`, the last tick also waits until that file exists (a test opens it)."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, last_waits_for: str | None = None) -> None:
         self._interval_s = interval_s
+        self._last_waits_for = last_waits_for
         self._t0: float | None = None
 
     @beam.DoFn.unbounded_per_element()
@@ -44,6 +47,8 @@ class _EmitTicks(beam.DoFn):
         while True:
             now = time.time()
             due = self._t0 + position * self._interval_s
+            if due <= now and position == count - 1 and not self._last_may_go():
+                due = now + self._interval_s  # look again a tick later
             if due > now:
                 watermark.set_watermark(Timestamp.of(now))
                 tracker.defer_remainder(Duration.of(due - now))
@@ -54,19 +59,24 @@ class _EmitTicks(beam.DoFn):
             yield TimestampedValue((position, now), now)
             position += 1
 
+    def _last_may_go(self) -> bool:
+        return self._last_waits_for is None or os.path.exists(self._last_waits_for)
+
 
 class TickSource(beam.PTransform):
-    """An unbounded source of `count` numbered ticks `(i, emitted_at)`, one every `interval_s`."""
+    """An unbounded source of `count` numbered ticks `(i, emitted_at)`, one every `interval_s`; the last
+    one not before the file `last_waits_for` exists, if named."""
 
-    def __init__(self, count: int, interval_s: float) -> None:
+    def __init__(self, count: int, interval_s: float, last_waits_for: str | None = None) -> None:
         super().__init__()
         self._count = count
         self._interval_s = interval_s
+        self._last_waits_for = last_waits_for
 
     def expand(self, pbegin):
         count = self._count
         return (pbegin | beam.Impulse() | beam.Map(lambda _: count)
-                | beam.ParDo(_EmitTicks(self._interval_s)))
+                | beam.ParDo(_EmitTicks(self._interval_s, self._last_waits_for)))
 
 
 class _ReleaseCompleteGroups(beam.DoFn):
@@ -174,9 +184,9 @@ class PackToArrowFiles(beam.PTransform):
 
 def build_streaming_demo(pipeline: beam.Pipeline, out_dir: str, count: int = 40, interval_s: float = 0.1,
                          group_size: int = 4, groups_per_batch: int = 3,
-                         probe_timers: bool = False) -> None:
+                         probe_timers: bool = False, last_waits_for: str | None = None) -> None:
     (pipeline
-     | "Ticks" >> TickSource(count, interval_s)
+     | "Ticks" >> TickSource(count, interval_s, last_waits_for)
      | "CompleteGroups" >> CompleteByCount(group_size)
      | "PackBatches" >> PackToArrowFiles(out_dir, groups_per_batch, count, probe_timers))
 

