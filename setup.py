@@ -53,8 +53,10 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm"],
-        # cryptography: self-signed certs for https tests; openai: the black-box agent the tests run (tests/agents)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "cryptography>=42", "openai>=1.40"],
+        # cryptography: self-signed certs for https tests; openai: the black-box agent the tests run (tests/agents);
+        # polars, duckdb: readers docs/trainer-api.md shows. Not Hugging Face datasets: its releases that allow
+        # pyarrow<19 pin fsspec<=2025.3.0; tests/test_wheel.py installs it in a venv of its own.
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "cryptography>=42", "openai>=1.40", "polars>=1", "duckdb>=1.1"],
     },
     entry_points={"console_scripts": ["beam-rl=beam_rl.cli:main"]},
 )
