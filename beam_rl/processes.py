@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -70,6 +71,18 @@ def scrubbed_env(pass_env: Iterable[str] = (), drop: Iterable[str] = ()) -> dict
     `pass_env` names (what the config asks it to have), each as this process has it (unset: left out)."""
     names = [name for name in PASSED_ON if name not in set(drop)] + list(pass_env)
     return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def keep_triton_out() -> None:
+    """Have torch see no triton in this process: called first by beam-rl's own processes (the CLI, the
+    embedded servers, the trainer's ranks), which run models on CPU and never compile.
+
+    torch's Linux wheel requires triton, and transformers' model code (and peft) import torch._dynamo,
+    which imports triton whenever it is installed; triton's nanobind extension then printed 20-odd lines
+    of "nanobind: leaked ..." at every such process's exit. A None in sys.modules makes `import triton`
+    fail and `importlib.util.find_spec("triton")` answer None, as if it were not installed. A process
+    that imported triton already keeps it; a user's own trainer importing beam_rl is not touched."""
+    sys.modules.setdefault("triton", None)
 
 
 def die_with_parent() -> None:
