@@ -45,7 +45,8 @@ def user(tmp_path_factory) -> dict:
     """The wheel installed into a fresh venv; a home directory for its runs, outside the checkout."""
     root = tmp_path_factory.mktemp("wheel")
     uv = _uv()
-    built, build_s = _timed([uv, "build", "--wheel", "--out-dir", str(root / "dist"), str(ROOT)], timeout=300)
+    # Through an sdist: the wheel is built in a directory of its own, never from a stale build/ of the checkout.
+    built, build_s = _timed([uv, "build", "--out-dir", str(root / "dist"), str(ROOT)], timeout=300)
     assert built.returncode == 0, built.stderr[-2000:]
     [wheel] = (root / "dist").glob("beam_rl-*.whl")
     venv = root / "venv"
