@@ -36,9 +36,9 @@ setup(
         "transformers>=4.45",
         "tokenizers>=0.20",
         "safetensors>=0.4",
-        # Its Linux wheel requires triton (1 GB), for torch.compile on GPUs, which beam-rl never uses: its own
-        # processes hide it (beam_rl.processes.keep_triton_out). To leave it out, uv's --override with a file
-        # holding `triton; sys_platform == "never"` (scripts/overrides.txt); pip cannot: `pip uninstall triton`.
+        # Its Linux wheel requires triton (1 GB), for torch.compile on GPUs, which beam-rl never uses: without a
+        # GPU its own processes hide it (beam_rl.processes.keep_triton_out). To leave it out, uv's --override
+        # with a file holding `triton; sys_platform == "never"` (scripts/overrides.txt); pip cannot: uninstall it.
         "torch>=2.3",
         "peft>=0.13",  # LoRA adapters: the trainer trains and publishes them, the embedded server serves them
         "matplotlib>=3.8",

@@ -20,6 +20,7 @@ from typing import TypeVar
 _LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 _PR_SET_PDEATHSIG = 1
+_GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's ROCm: the GPUs torch's triton compiles for
 
 
 def _children() -> dict[int, list[int]]:
@@ -74,15 +75,18 @@ def scrubbed_env(pass_env: Iterable[str] = (), drop: Iterable[str] = ()) -> dict
 
 
 def keep_triton_out() -> None:
-    """Have torch see no triton in this process: called first by beam-rl's own processes (the CLI, the
-    embedded servers, the trainer's ranks), which run models on CPU and never compile.
+    """Have torch see no triton in this process, on a machine without a GPU triton could drive: called first
+    by beam-rl's own processes (the CLI, the embedded servers, the trainer's ranks).
 
     torch's Linux wheel requires triton, and transformers' model code (and peft) import torch._dynamo,
     which imports triton whenever it is installed; triton's nanobind extension then printed 20-odd lines
-    of "nanobind: leaked ..." at every such process's exit. A None in sys.modules makes `import triton`
-    fail and `importlib.util.find_spec("triton")` answer None, as if it were not installed. A process
-    that imported triton already keeps it; a user's own trainer importing beam_rl is not touched."""
-    sys.modules.setdefault("triton", None)
+    of "nanobind: leaked ..." at every such process's exit. Without an NVIDIA or AMD GPU (no /dev/nvidiactl,
+    no /dev/kfd) triton can run nothing, so a None in sys.modules costs nothing: `import triton` fails and
+    `importlib.util.find_spec("triton")` answers None, as if it were not installed. With a GPU, code the run
+    loads (an environment's reward model, say) may want it, so it is left alone. A process that imported
+    triton already keeps it; a user's own trainer importing beam_rl is not touched."""
+    if not any(os.path.exists(device) for device in _GPU_DEVICES):
+        sys.modules.setdefault("triton", None)
 
 
 def die_with_parent() -> None:
