@@ -36,6 +36,9 @@ setup(
         "transformers>=4.45",
         "tokenizers>=0.20",
         "safetensors>=0.4",
+        # Its Linux wheel requires triton (1 GB), for torch.compile on GPUs, which beam-rl never uses: without a
+        # GPU its own processes hide it (beam_rl.processes.keep_triton_out). To leave it out, uv's --override
+        # with a file holding `triton; sys_platform == "never"` (scripts/overrides.txt); pip cannot: uninstall it.
         "torch>=2.3",
         "peft>=0.13",  # LoRA adapters: the trainer trains and publishes them, the embedded server serves them
         "matplotlib>=3.8",
@@ -53,8 +56,10 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm"],
-        # cryptography: self-signed certs for https tests; openai: the black-box agent the tests run (tests/agents)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "cryptography>=42", "openai>=1.40"],
+        # cryptography: self-signed certs for https tests; openai: the black-box agent the tests run (tests/agents);
+        # polars, duckdb: readers docs/trainer-api.md shows. Not Hugging Face datasets: its releases that allow
+        # pyarrow<19 pin fsspec<=2025.3.0; tests/test_wheel.py installs it in a venv of its own.
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "cryptography>=42", "openai>=1.40", "polars>=1", "duckdb>=1.1"],
     },
     entry_points={"console_scripts": ["beam-rl=beam_rl.cli:main"]},
 )

@@ -18,7 +18,7 @@ from rich.table import Table
 from beam_rl.config import ConfigError, RunConfig, load_config
 from beam_rl.envs.datasets import DatasetError
 from beam_rl.observe.report import COMMITTED_COLUMNS, StepRow, StepTable
-from beam_rl.processes import ChildFailedError
+from beam_rl.processes import ChildFailedError, keep_triton_out
 from beam_rl.rundir import CommitRecord, CommitRecordError, RunDir, RunDirError, StepCorruptError
 from beam_rl.rundir.failures import ServersNotReadyError, read_failure
 from beam_rl.rundir.lease import RunDirBusyError
@@ -673,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_triton_out()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import TypeVar
 _LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 _PR_SET_PDEATHSIG = 1
+_GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's ROCm: the GPUs torch's triton compiles for
 
 
 def _children() -> dict[int, list[int]]:
@@ -70,6 +72,21 @@ def scrubbed_env(pass_env: Iterable[str] = (), drop: Iterable[str] = ()) -> dict
     `pass_env` names (what the config asks it to have), each as this process has it (unset: left out)."""
     names = [name for name in PASSED_ON if name not in set(drop)] + list(pass_env)
     return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def keep_triton_out() -> None:
+    """Have torch see no triton in this process, on a machine without a GPU triton could drive: called first
+    by beam-rl's own processes (the CLI, the embedded servers, the trainer's ranks).
+
+    torch's Linux wheel requires triton, and transformers' model code (and peft) import torch._dynamo,
+    which imports triton whenever it is installed; triton's nanobind extension then printed 20-odd lines
+    of "nanobind: leaked ..." at every such process's exit. Without an NVIDIA or AMD GPU (no /dev/nvidiactl,
+    no /dev/kfd) triton can run nothing, so a None in sys.modules costs nothing: `import triton` fails and
+    `importlib.util.find_spec("triton")` answers None, as if it were not installed. With a GPU, code the run
+    loads (an environment's reward model, say) may want it, so it is left alone. A process that imported
+    triton already keeps it; a user's own trainer importing beam_rl is not touched."""
+    if not any(os.path.exists(device) for device in _GPU_DEVICES):
+        sys.modules.setdefault("triton", None)
 
 
 def die_with_parent() -> None:

@@ -56,7 +56,10 @@ def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> Pipeli
     if settings.name not in RUNNERS:
         raise ValueError(f"unknown runner {settings.name!r}; choose one of {', '.join(RUNNERS)}")
     args = ["--streaming", *_environment_args(settings), f"--job_server_timeout={JOB_SERVER_TIMEOUT_S}",
-            f"--bind_host={settings.bind_host}", *extra_args]
+            f"--bind_host={settings.bind_host}",
+            # Beam otherwise stages `python -m pip freeze` of this environment with every job: a subprocess
+            # per submission, and "No module named pip" on stderr where the venv has no pip (uv's).
+            "--experiments=disable_logging_submission_environment", *extra_args]
     if settings.job_name:
         args.append(f"--job_name={settings.job_name}")
     if settings.name == "direct":

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from beam_rl.rundir.atomic import TMP_MARK, atomic_write, json_bytes, write_atomic
+from beam_rl.rundir.dataset import committed_dataset
 from beam_rl.rundir.errors import (
     MetricsError,
     RunDirError,
@@ -21,6 +22,9 @@ from beam_rl.rundir.metrics import MetricsStore, MetricsTail
 from beam_rl.rundir.steps import StepStore, open_arrow_file
 from beam_rl.rundir.weights import WeightStore
 from schemas.commit_record import CommitRecord, CommitRecordError, Offset
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
 
 
 class RunDir(StepStore, WeightStore, MetricsStore):
@@ -55,6 +59,12 @@ class RunDir(StepStore, WeightStore, MetricsStore):
             raise RunDirError(f"{self.config_path}: not a beam-rl run config (a JSON {type(config).__name__}, "
                               "not an object)")
         return config
+
+    def dataset(self, kind: str = "window", *, verify: bool = True) -> ds.FileSystemDataset:
+        """The committed steps' window.arrow files ("window") or rank files ("samples") as one pyarrow
+        dataset with a `step` column: what polars, duckdb and Hugging Face datasets read
+        (beam_rl/rundir/dataset.py, docs/trainer-api.md)."""
+        return committed_dataset(self, kind, verify=verify)
 
 
 __all__ = [

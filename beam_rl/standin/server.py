@@ -30,6 +30,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
+from beam_rl.processes import keep_triton_out
 from beam_rl.standin.backend import Backend, PauseGate, PauseState
 from beam_rl.standin.faults import (
     FaultConfig,
@@ -629,6 +630,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_triton_out()
     asyncio.run(_serve(_parse_args(argv)))
 
 

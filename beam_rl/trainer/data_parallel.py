@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  isort: skip
 
 from beam_rl.config import RunConfig, TrainerSection
-from beam_rl.processes import free_port
+from beam_rl.processes import free_port, keep_triton_out
 from beam_rl.rundir import RunDir
 from beam_rl.trainer.policy_loss import PolicyLossStats
 from beam_rl.trainer.reader import MicroBatchArrays, StepReader
@@ -101,6 +101,7 @@ class DataParallelTrainer(ReferenceTrainer):
 def train_rank(run_dir: str, model_dir: str, trainer: TrainerSection, max_steps: int, seed: int) -> None:
     """One rank, torch.distributed set up from the environment torchrun (or `launch`) gives it: gloo on CPU, NCCL
     on CUDA with the rank on the device of its LOCAL_RANK (`trainer.device = "cuda"` names the current device)."""
+    keep_triton_out()  # a rank is a process of its own (spawned, or torchrun's)
     backend = "gloo"
     if trainer.device.startswith("cuda"):
         backend = "nccl"
