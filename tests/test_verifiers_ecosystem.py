@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -84,19 +83,24 @@ def test_an_ecosystem_environment_runs_with_its_default_harness_set_up_in_the_ca
         assert rollout.row["answer"] == "the first computer programmer"
         assert rollout.info["rewards"] == {"looked_up": 1.0} and env.reward(rollout.row, rollout) == 1.0
     assert any(len(r.turns) > 1 for r in rollouts)  # the first reply the server gave was a tool call
+    print(f"{server}: turns {[len(r.turns) for r in rollouts]}, rewards {[r.info['reward'] for r in rollouts]}, "
+          f"first prompt {len(rollouts[0].prompt_ids)} tokens")
     # Nothing was installed into the user's home.
     home = glossary_on_path
     assert not (home / ".local").exists() and not (home / ".cache" / "uv").exists()
 
 
-def test_a_harness_that_cannot_set_up_is_one_line_when_the_environment_is_built(tok, glossary_on_path):
-    """Set up under an env server's Python (`python`: a process of its own, whose HOME has never prepared the
-    chat program): a package index nobody runs, and one that never answers (past `setup_timeout_s`)."""
+def test_a_harness_that_cannot_set_up_is_one_line_when_the_environment_is_built(tok, glossary_on_path, monkeypatch):
+    """A package index nobody runs, and one that never answers (past `setup_timeout_s`), for a process that has
+    not prepared the chat program yet (verifiers records what it prepared per process: a new one's record)."""
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    monkeypatch.setattr(SubprocessRuntime, "_interpreters", {})
+
     def built(index: str, **args) -> str:
         config = {"agent": {"harness": {"id": "bash", "env": {"UV_DEFAULT_INDEX": index}}}}
         with pytest.raises(ValueError) as raised:
-            make_env("verifiers", tok, env="glossary", config=config, server="process", python=sys.executable,
-                     **args)
+            make_env("verifiers", tok, env="glossary", config=config, **args)
         assert "\n" not in str(raised.value), raised.value
         return str(raised.value)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import sys
 from typing import Any
@@ -90,7 +91,13 @@ async def set_up(config: dict[str, Any], env: dict[str, str]) -> dict[str, dict[
 def set_up_within(config: dict[str, Any], env: dict[str, str], timeout_s: float) -> dict[str, Any]:
     """set_up bounded by `timeout_s`, in an event loop of its own: {"harnesses": ...} or {"error": ...}."""
     async def bounded() -> dict[str, dict[str, Any]]:
-        return await asyncio.wait_for(set_up(config, env), timeout_s)
+        try:
+            return await asyncio.wait_for(set_up(config, env), timeout_s)
+        except asyncio.TimeoutError:
+            # verifiers killed the program it waited on and let go of it: its pipes close here, on this loop,
+            # not at the next collection, after the loop is closed ("Event loop is closed").
+            gc.collect()
+            raise
 
     try:
         return {"harnesses": asyncio.run(bounded())}
