@@ -10,6 +10,7 @@ runs reuse it."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -40,14 +41,17 @@ def answers(tok) -> list[list[int]]:
 
 
 @pytest.fixture
-def glossary_on_path(monkeypatch, tmp_path) -> Path:
-    """The package importable here and in every process started from here; a HOME of the test's own, so
-    what a harness would install into ~/.local or ~/.cache/uv is seen. The cache stays the user's."""
+def glossary_on_path(monkeypatch) -> Path:
+    """The package importable here and in every process started from here; a HOME of the tests' own, so what
+    a harness would install into ~/.local or ~/.cache/uv is seen. It and the cache stay from run to run:
+    verifiers keeps its programs under HOME, and uv's environment for one is keyed by its path."""
     monkeypatch.setenv("BEAM_RL_CACHE", str(cache_root()))
     monkeypatch.syspath_prepend(str(PACKAGE))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PACKAGE), os.environ.get("PYTHONPATH")])))
-    home = tmp_path / "home"
-    home.mkdir()
+    home = cache_root() / "tests" / "home"
+    for installed in (home / ".local", home / ".cache" / "uv"):
+        shutil.rmtree(installed, ignore_errors=True)
+    home.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("HOME", str(home))
     return home
 
