@@ -17,7 +17,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["beam_rl*", "transforms*", "runners*", "schemas*"]),
     package_data={"beam_rl": ["envs/data/*.jsonl"],
-                  "runners": ["prism_patches/*.patch"]},  # Prism is built with them (runners/bootstrap.py)
+                  # Prism and the Flink job server are built with them (runners/bootstrap.py)
+                  "runners": ["prism_patches/*.patch", "job_server_patches/*.patch"]},
     install_requires=[
         f"apache-beam=={BEAM_VERSION}",
         "pyarrow>=14,<19",  # apache-beam 2.70 requires pyarrow<19 (18.x is the newest it allows)

@@ -67,12 +67,51 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     console.print(table)
     for line in _decision_lines(run_dir, verified):
         console.print(line)
+    for line in _live_lines(run_dir):
+        console.print(line)
     for path in stray:
         console.print(f"[yellow]{escape(str(path))}: not listed in its step's commit record; "
                       "readers ignore it[/yellow]")
     for err in damaged:
         console.print(f"[red]{escape(str(err))}[/red]")
     return 2 if damaged else 0
+
+
+def _live_lines(run_dir: RunDir) -> list[str]:
+    """What the run's dispatch shards last said that no commit record holds: why the run stopped (failure.json),
+    and the newest causes of errored rollouts with counts and an example each (status-*.json)."""
+    from beam_rl.observe.report import error_lines
+
+    lines = []
+    if (failure := read_failure(run_dir.path)) is not None:
+        lines.append(f"[red]stopped: {escape(str(failure))}[/red]")
+    errors = error_lines(run_dir.read_status(), limit=10)
+    if errors:
+        lines.append("errored rollouts by cause, the newest first (status-*.json):")
+        lines += [f"  [red]{escape(line)}[/red]" for line in errors]
+    return lines
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """A run's state as its dispatch shards last wrote it, for a run going on or one that stopped: its
+    committed steps, what is in flight, how many rollouts ended how, and its errors by cause."""
+    run_dir = RunDir(args.run_dir)
+    if not run_dir.path.is_dir():
+        console.print(f"[red]no run directory at {run_dir.path}[/red]")
+        return 2
+    last = run_dir.last_committed_step()
+    status = run_dir.read_status()
+    steps = f"steps 1..{last} committed" if last else "no step committed"
+    console.print(f"run {escape(str(run_dir.path))}: {steps}")
+    if status:
+        shards = status.get("shards", 1)
+        console.print(f"dispatch ({shards} shard{'s' if shards > 1 else ''}), "
+                      f"{time.time() - status.get('updated_at', 0):.0f}s ago: policy v{status.get('policy_version', 0)}, {status.get('inflight', 0)} in flight; "
+                      f"rollouts ok {status.get('ok', 0)}, errored {status.get('errored', 0)}, "
+                      f"cancelled {status.get('cancelled', 0)}")
+    for line in _live_lines(run_dir):
+        console.print(line)
+    return 0
 
 
 def _decision_lines(run_dir: RunDir, steps: list[int]) -> list[str]:
@@ -205,6 +244,7 @@ def check_model(config: RunConfig, source: str) -> None:
     from beam_rl.rundir.checkpoint_shapes import CheckpointError, tensor_shapes
 
     if config.model.name == "tiny":
+        check_context(config, source)
         check_lora_targets(config, source)
         return
     path = Path(config.model.name).expanduser()
@@ -238,7 +278,25 @@ def check_model(config: RunConfig, source: str) -> None:
     found = problem()
     if found:
         raise ConfigError(source, [("model.name", found)])
+    check_context(config, source)
     check_lora_targets(config, source)
+
+
+def check_context(config: RunConfig, source: str) -> None:
+    """model.max_context and inference.max_tokens fit the model's own context (its config.json's
+    max_position_embeddings, where it says): a server would refuse every longer request. ConfigError naming
+    each key over it."""
+    from beam_rl import components
+
+    path = components.model_dir(config) / "config.json"
+    context = json.loads(path.read_bytes()).get("max_position_embeddings")
+    if not isinstance(context, int):
+        return
+    problems = [(key, f"{value} is above the model's context: max_position_embeddings = {context} in {path}")
+                for key, value in (("model.max_context", config.model.max_context),
+                                   ("inference.max_tokens", config.inference.max_tokens)) if value > context]
+    if problems:
+        raise ConfigError(source, problems)
 
 
 def check_lora_targets(config: RunConfig, source: str) -> None:
@@ -337,8 +395,12 @@ def _cmd_rollouts(args: argparse.Namespace) -> int:
     from runners.beam_log import route_beam_output
     from runners.rollout_job import run_rollouts
 
-    config = _with_run_dir(load_config(args.config), args.run_dir)
-    run_dir = preflight(config, args.config)
+    path = _given_config(args)
+    if path is None:
+        console.print("[red]give a CONFIG: beam-rl rollouts CONFIG[/red]")
+        return 2
+    config = _with_run_dir(load_config(path), args.run_dir)
+    run_dir = preflight(config, path)
     route_beam_output(run_dir.path)
     started, since = time.monotonic(), time.time()
     with console.status("starting inference servers"), inference_servers(config) as urls:
@@ -370,9 +432,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         source = str(run_dir.config_path)
         # The directory given is the run, wherever config.json says it was made (a copied or moved run).
         config = _with_run_dir(config_from_dict(run_dir.read_config(), source=source), args.resume)
-    elif args.config:
-        source = args.config
-        config = _with_run_dir(load_config(args.config), args.run_dir)
+    elif source := _given_config(args):
+        config = _with_run_dir(load_config(source), args.run_dir)
     else:
         console.print("[red]give a CONFIG, or --resume RUN_DIR[/red]")
         return 2
@@ -529,24 +590,39 @@ def _fleet_table(run_dir: RunDir, listed: list, fleet) -> Table:
     return table
 
 
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    """`run` and `rollouts` take the same arguments: CONFIG, or `--config CONFIG` (the older spelling of
+    `rollouts`, kept as an alias), and `--run-dir`."""
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="a TOML run config (see configs/)")
+    parser.add_argument("--config", dest="config_option", metavar="CONFIG", help="the same as CONFIG (an alias)")
+    parser.add_argument("--run-dir", help="the run directory, instead of the config's run.dir")
+
+
+def _given_config(args: argparse.Namespace) -> str | None:
+    """CONFIG, given either way; both given must agree (ConfigError otherwise)."""
+    if args.config and args.config_option and args.config != args.config_option:
+        raise ConfigError(args.config, [("", f"a second config is given with --config: {args.config_option}")])
+    return args.config or args.config_option
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="beam-rl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
     rollouts = sub.add_parser("rollouts", help="run the rollout pipeline (no trainer) into a run directory")
-    rollouts.add_argument("--config", required=True, help="a TOML run config (see configs/)")
-    rollouts.add_argument("--run-dir", help="override run.dir")
+    _config_arguments(rollouts)
     rollouts.set_defaults(func=_cmd_rollouts)
 
     run = sub.add_parser("run", help="the whole RL loop: servers, rollout pipeline, reference trainer")
-    run.add_argument("config", nargs="?", help="a TOML run config (see configs/)")
-    run.add_argument("--run-dir", help="override run.dir")
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its run directory")
+    _config_arguments(run)
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its run directory "
+                     "(its config.json), instead of CONFIG")
     run.set_defaults(func=_cmd_run)
 
     train = sub.add_parser("train", help="the reference trainer, reading and publishing in a run directory")
-    train.add_argument("--run-dir", required=True)
+    train.add_argument("--run-dir", required=True, help="the run directory to read steps from and publish "
+                       "weights into")
     train.add_argument("--config", help="default: the run directory's config.json")
     train.add_argument("--nproc", type=int, default=None,
                        help="data-parallel ranks, each reading its own rank file (batch.trainer_ranks); 1: the "
@@ -554,14 +630,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     report = sub.add_parser("report", help="the step table and a PNG plot of reward, lag and throughput")
-    report.add_argument("run_dir")
+    report.add_argument("run_dir", help="a run directory")
     report.add_argument("--steps", metavar="A:B", help="the steps of the latency table and timeline.png, both "
                         "included (A:, :B, N); default: all")
     report.set_defaults(func=_cmd_report)
 
     inspect = sub.add_parser("inspect", help="print a table of a run directory's committed steps, or "
                              "rollouts of one step as text")
-    inspect.add_argument("run_dir")
+    inspect.add_argument("run_dir", help="a run directory (committed or not)")
     inspect.add_argument("--step", type=int, metavar="N", help="show rollouts of step N's window as text")
     inspect.add_argument("--samples", type=int, default=4, metavar="K", help="how many (the first K; default 4)")
     inspect.add_argument("--rollout", action="append", metavar="ID", help="show this rollout (or every rollout "
@@ -571,9 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser("replay", help="redo scoring, filtering, advantages and packing of committed steps "
                             "from their windows and compare with the committed files, bit for bit")
-    replay.add_argument("run_dir")
+    replay.add_argument("run_dir", help="a run directory with committed steps")
     which = replay.add_mutually_exclusive_group(required=True)
-    which.add_argument("--step", type=int, metavar="N")
+    which.add_argument("--step", type=int, metavar="N", help="replay committed step N")
     which.add_argument("--all", action="store_true", help="every committed step")
     replay.add_argument("--config", help="the run's TOML config (default: the run directory's config.json; a "
                         "`beam-rl rollouts` run writes none)")
@@ -582,10 +658,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(it has a config.json), off for a `beam-rl rollouts` one")
     replay.set_defaults(func=_cmd_replay)
 
+    status = sub.add_parser("status", help="a run's state as it goes on (or as it stopped): committed steps, "
+                            "rollouts in flight and their outcomes, errors by cause with an example each")
+    status.add_argument("run_dir", help="a run directory")
+    status.set_defaults(func=_cmd_status)
+
     servers = sub.add_parser("servers", help="add a server to a running run's fleet, remove one (it drains), or "
                              "list them (inference.discovery = \"file\")")
-    servers.add_argument("action", choices=("add", "remove", "list"))
-    servers.add_argument("run_dir")
+    servers.add_argument("action", choices=("add", "remove", "list"), help="add or remove a server, or list the fleet")
+    servers.add_argument("run_dir", help="the run directory whose fleet it is")
     servers.add_argument("url", nargs="?", help="the server's base URL (add, remove)")
     servers.set_defaults(func=_cmd_servers)
     return parser

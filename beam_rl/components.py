@@ -166,7 +166,8 @@ def inference_client(config: RunConfig, url: str, key: str | None, version: int 
     return InferenceClient(url, model=config.model.name, timeout_s=inf.request_timeout_s,
                            max_retries=inf.max_retries, backoff_s=inf.retry_backoff_s, stream=inf.stream,
                            api_key=key, ca_bundle=inf.ca_bundle, version=version, route=inf.route,
-                           lora=config.trainer.lora is not None)
+                           lora=config.trainer.lora is not None, vocab_size=vocab_size(config),
+                           max_response_bytes=inf.max_response_mb << 20)
 
 
 def check_servers(config: RunConfig, server_urls: list[str]) -> None:
@@ -179,6 +180,7 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
     - Some answering: the others are named in a warning and left to the dispatcher's re-probes.
     - With dispatch.concurrency.mode = "kv": a server whose /metrics has no KV-cache usage is refused.
     - With trainer.lora: a server without vLLM's runtime LoRA routes is refused.
+    - A server whose context (max_model_len in /v1/models) is below model.max_context is refused.
     No completion is requested on the completions route: a server's own counters see only the run.
     Each dispatch shard drives servers of its own: at least `dispatch.shards` servers, or a ConfigError."""
     problem = shards_problem(config.dispatch.shards, len(server_urls))  # the config counted inference.urls
@@ -200,6 +202,13 @@ def check_servers(config: RunConfig, server_urls: list[str]) -> None:
             if "certificate" in str(err).lower():
                 return f"{url}: TLS failed ({err}); set inference.ca_bundle to the CA that signed it", False
             return f"{url} cannot be reached ({err})", True
+        try:
+            context = await client.served_context()
+        except InferenceError:
+            context = None  # it answered the same route a moment ago: left to the dispatcher's probes
+        if context is not None and config.model.max_context > context:
+            return (f"{url} serves a context of {context} tokens (max_model_len in /v1/models): "
+                    f"model.max_context = {config.model.max_context} is above it", False)
         if config.inference.route == "generate":
             try:
                 await client.check_generate_route()
@@ -279,7 +288,8 @@ def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str,
                           max_regenerations=config.off_policy.max_regenerations,
                           stale_rule=config.off_policy.stale_rule, restore=restore,
                           concurrency=concurrency_for(config, ceiling, start_cap),
-                          max_off_policy_steps=config.off_policy.max_off_policy_steps)
+                          max_off_policy_steps=config.off_policy.max_off_policy_steps,
+                          max_context=config.model.max_context)
 
     return DispatcherThread(build, abandoned_after_s=ABANDONED_SOURCE_S,
                             connect=lambda url: inference_client(config, url, key),

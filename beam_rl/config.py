@@ -7,9 +7,10 @@ import math
 import re
 import string
 import tomllib
+import types
 import urllib.parse
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -29,6 +30,37 @@ class ConfigError(ValueError):
             super().__init__("\n".join([f"invalid config {source}:", *(f"  {e}" for e in entries)]))
 
 
+# A URL's user-info (scheme://user:password@host): a config is written whole to the run directory
+# (config.json) and to every tracker, so a key in it would be too. Keys live in environment variables that
+# an `api_key_env` setting names; a URL carrying one is refused wherever the config holds it.
+_URL_USERINFO = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s]*@")
+
+
+def has_credentials(text: str) -> bool:
+    """Whether `text` is a URL with user-info (`http://user:secret@host`)."""
+    return _URL_USERINFO.match(text.strip()) is not None
+
+
+def _credential_problems(value: Any, loc: tuple[str | int, ...] = (), table: dict[str, Any] | None = None,
+                         ) -> list[tuple[str, str]]:
+    """(key path, message) of every string under `value`, a raw config at `loc` (in `table`, the TOML table
+    that holds it), that is a URL with credentials. The message never quotes the URL: it holds the secret."""
+    if isinstance(value, dict):
+        return [p for key, item in value.items() for p in _credential_problems(item, (*loc, key), value)]
+    if isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in _credential_problems(item, (*loc, i), table)]
+    if not isinstance(value, str) or not has_credentials(value):
+        return []
+    section = loc[:-1] if isinstance(loc[-1], str) else loc[:-2]
+    problem = "a URL with credentials (user:password@) would be written to the run directory"
+    if "api_key_env" not in _allowed_keys(section):  # an env's args, say: no key setting of its own
+        return [(_key_path(loc), f"{problem}: pass the key in an environment variable instead")]
+    setting = _key_path((*section, "api_key_env"))
+    if table and table.get("api_key_env"):  # aiohttp refuses both at the first request, minutes into the run
+        return [(_key_path(loc), f"credentials in the URL conflict with {setting}: take user:password@ out of it")]
+    return [(_key_path(loc), f"{problem}: put the key in an environment variable and name it in {setting}")]
+
+
 class _Section(BaseModel):
     # Unknown keys are almost always typos of a real key; silently ignoring them runs the wrong job.
     # Strict: TOML has real types, so `seq_len = "1024"` or `seed = true` is a mistake, not a value.
@@ -40,6 +72,11 @@ class RunSection(_Section):
     seed: int = 0
     max_steps: int = Field(10, gt=0)
     bad_rows: Literal["fail", "skip"] = "fail"  # a malformed dataset row: stop the run, or skip and count it
+    # A run nothing can train stops, naming its most frequent error (0: never): when every rollout of this many
+    # consecutive groups errored, or when no step has committed for this many seconds while at least half of
+    # the rollouts finished since errored (beam_rl/source/status.py:ProgressWatch).
+    stop_after_errored_groups: int = Field(16, ge=0)
+    stop_after_failing_s: float = Field(600.0, ge=0)
 
 
 class ModelSection(_Section):
@@ -73,6 +110,10 @@ class InferenceSection(_Section):
     # A rollout whose server fails (refused, reset, 5xx after retries, timeout, death mid-request) moves to
     # another healthy server this many times, with its group; then it is an errored rollout.
     max_redispatches: int = Field(3, ge=0)
+    # The most of one server answer held in memory, MiB: a whole body, or one event of a stream. A server
+    # sending more is sick (InferenceCorruptResponse, counted against it). 256: about twice the
+    # non-streamed answer of n=64 choices of 32k tokens with their logprobs.
+    max_response_mb: int = Field(256, gt=0)
     # The name of the environment variable holding the servers' API key (vLLM's --api-key); the key itself
     # never goes in a config, a log or the run directory.
     api_key_env: str | None = Field(None, min_length=1)
@@ -355,6 +396,10 @@ class RunnerSection(_Section):
     # Prism). None: loopback for direct and flink-local, external for flink (docs/flink-cluster.md).
     environment: Literal["loopback", "external", "process"] | None = None
     worker_pool: str = "localhost:50000"  # external: the worker pool's address as each TaskManager sees it
+    # Where the ports the run opens for its runner listen (Prism's job service and its workers' endpoints, the
+    # LOOPBACK worker pool, the Flink job server): loopback; another address (or "0.0.0.0") opens them to
+    # whoever reaches it, with a warning per port: they run the code they are sent.
+    bind_host: str = Field("127.0.0.1", min_length=1)
     # process: the command the runner starts a worker with (None: this machine's `runners.workers boot`)
     worker_command: str | None = None
     parallelism: int = Field(1, ge=1)
@@ -388,6 +433,10 @@ class TrainerSection(_Section):
     # Data-parallel ranks (gloo), each reading its own rank file (beam_rl/trainer/data_parallel.py); more
     # than 1 must equal batch.trainer_ranks. 1: one process stands in for every rank.
     nproc: int = Field(1, ge=1)
+    # Where the trainer computes: "cpu", or a CUDA device ("cuda", "cuda:1"; data-parallel ranks then use NCCL,
+    # each on the device of its LOCAL_RANK). bfloat16 halves memory and is the usual choice on a GPU.
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$")
+    dtype: Literal["float32", "bfloat16"] = "float32"
     lora: LoraSection | None = None  # train a LoRA adapter instead of every weight
 
 
@@ -416,7 +465,8 @@ class LoggingSection(_Section):
     wandb: WandbLogging = Field(default_factory=WandbLogging)
     tensorboard: TensorBoardLogging = Field(default_factory=TensorBoardLogging)
     prometheus_port: int = Field(0, ge=0, le=65535)  # the orchestrator serves /metrics here; 0 = off
-    prometheus_host: str = Field("0.0.0.0", min_length=1)  # all interfaces, so a Prometheus elsewhere can scrape
+    # Loopback; "0.0.0.0" lets a Prometheus on another host scrape (a warning says so).
+    prometheus_host: str = Field("127.0.0.1", min_length=1)
 
 
 class _CrossFieldErrors(ValueError):
@@ -448,6 +498,15 @@ class RunConfig(_Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        # Before the fields are read: their own errors would quote the URL, and with it the secret.
+        problems = _credential_problems(data) if isinstance(data, dict) else []
+        if problems:
+            raise _CrossFieldErrors(problems)
+        return data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
@@ -615,6 +674,9 @@ def _allowed_keys(parent: tuple[str | int, ...]) -> list[str]:
         annotation = field.annotation
         if get_origin(annotation) is list:
             annotation = get_args(annotation)[0]
+        if get_origin(annotation) in (Union, types.UnionType):  # an optional section: `judge: JudgeSection | None`
+            annotation = next((arg for arg in get_args(annotation) if isinstance(arg, type)
+                               and issubclass(arg, BaseModel)), None)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation

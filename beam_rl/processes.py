@@ -59,6 +59,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
+# What a child running code beam-rl did not write (an agent's program, an env server) is given of this process's
+# environment: enough to find programs and a Python, a home and the locale; never the run's credentials
+# (inference and judge API keys, a cloud's tokens).
+PASSED_ON = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH")
+
+
+def scrubbed_env(pass_env: Iterable[str] = (), drop: Iterable[str] = ()) -> dict[str, str]:
+    """The environment of a child that runs third-party code: PASSED_ON but `drop`, plus the variables
+    `pass_env` names (what the config asks it to have), each as this process has it (unset: left out)."""
+    names = [name for name in PASSED_ON if name not in set(drop)] + list(pass_env)
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
 def die_with_parent() -> None:
     """A `preexec_fn`: the child gets SIGTERM when the thread that started it ends, so a killed parent
     (SIGKILL included) leaves no child behind. Linux only; start such children from a thread that

@@ -25,6 +25,7 @@ def inference_servers(config: RunConfig) -> Iterator[list[str]]:
         yield list(inf.urls)
         return
     model_dir = components.model_dir(config)
+    key = components.api_key(config)  # the run's key guards its embedded servers' API and control routes
     procs: list[subprocess.Popen] = []
     try:
         # All started before any is waited for: each spends seconds importing torch and loading the model.
@@ -33,7 +34,7 @@ def inference_servers(config: RunConfig) -> Iterator[list[str]]:
                 model_dir, mode=inf.embedded_mode, max_num_seqs=inf.embedded_max_num_seqs,
                 extra_args=("--served-model-name", config.model.name,
                             *(("--enable-lora",) if config.trainer.lora is not None else ())),
-                die_with_parent=True))
+                die_with_parent=True, api_key=key))
         urls = [wait_until_ready(proc) for proc in procs]
         _LOG.info("started %d embedded inference servers: %s", len(urls), ", ".join(urls))
         yield urls

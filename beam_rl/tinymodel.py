@@ -11,8 +11,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from beam_rl.cache import cache_root
 from beam_rl.tokenizer import build_tiny_tokenizer, save_tokenizer
@@ -42,7 +41,7 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _tiny_config(vocab_size: int, eos_id: int, pad_id: int) -> Qwen2Config:
+def _tiny_config(vocab_size: int, eos_id: int, pad_id: int, arch: dict[str, Any]) -> Qwen2Config:
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -51,22 +50,23 @@ def _tiny_config(vocab_size: int, eos_id: int, pad_id: int) -> Qwen2Config:
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         rope_theta=ROPE_THETA,
-        **TINY_ARCH,
+        **arch,
     )
 
 
-def _write_model(directory: pathlib.Path, seed: int) -> None:
+def _write_model(directory: pathlib.Path, seed: int, arch: dict[str, Any] = TINY_ARCH,
+                 device: str = "cpu", dtype: str = "float32") -> None:
     # torch and transformers' models only here: the orchestrator finds the model cached and never
     # imports them (seconds of start-up, and torch._dynamo's import of triton).
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     tokenizer = build_tiny_tokenizer()
-    config = _tiny_config(_round_up(len(tokenizer), 64), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    config = _tiny_config(_round_up(len(tokenizer), 64), tokenizer.eos_token_id, tokenizer.pad_token_id, arch)
     # fork_rng: a fixed seed for the weights without disturbing the caller's global RNG.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[] if device == "cpu" else [torch.device(device)]), torch.device(device):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype)).eval()
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id
     )
@@ -76,7 +76,7 @@ def _write_model(directory: pathlib.Path, seed: int) -> None:
     # look for `torch_dtype` and `rope_theta`, so write both spellings.
     config_path = directory / "config.json"
     saved = json.loads(config_path.read_text())
-    saved.setdefault("torch_dtype", "float32")
+    saved.setdefault("torch_dtype", dtype)
     saved.setdefault("rope_theta", ROPE_THETA)
     config_path.write_text(json.dumps(saved, indent=2) + "\n")
     (directory / _RECIPE_FILE).write_text(json.dumps({"recipe_version": RECIPE_VERSION, "seed": seed}) + "\n")
@@ -123,6 +123,17 @@ def tiny_model_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None) ->
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def write_random_qwen2(directory: str | os.PathLike, arch: dict[str, Any], seed: int = 0, device: str = "cpu",
+                       dtype: str = "float32") -> pathlib.Path:
+    """A random-init Qwen2 of any size `arch` (TINY_ARCH's keys) with the tiny tokenizer at `directory`, initialised
+    on `device` (a GPU builds a 0.5B model in seconds) and saved in `dtype`. Not cached: for checks and benchmarks
+    that need a bigger model of the tiny one's architecture and vocabulary."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_model(directory, seed, arch, device, dtype)
+    return directory
 
 
 def write_llama_model(directory: str | os.PathLike, hidden_size: int = 64, num_hidden_layers: int = 2,

@@ -171,14 +171,37 @@ _JOB_SERVER_POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
 """
 
 
-def ensure_flink_job_server(version: str | None = None, flink: str = FLINK_VERSION) -> Path:
+# Fixes to the job server's Beam classes, as patches to the sources of `org.apache.beam:beam-sdks-java-core`,
+# compiled against the assembled class path into a jar that comes first on it (docs/runners.md).
+JOB_SERVER_PATCHES = sorted((Path(__file__).parent / "job_server_patches").glob("*.patch"))
+_PATCHED_ARTIFACT = "beam-sdks-java-core"
+
+
+def ensure_flink_job_server(version: str | None = None, flink: str = FLINK_VERSION,
+                            patches: list[Path] | None = None) -> Path:
     """A runnable Flink job-server jar for Beam `version` (default: the installed SDK's), assembled with
-    Maven on first use."""
+    Maven on first use, with `patches` (default: all of `JOB_SERVER_PATCHES`; the jar's name carries their
+    digest, as Prism's path does)."""
+    if not JOB_SERVER_PATCHES:
+        raise BootstrapError(f"no job server patches in {Path(__file__).parent / 'job_server_patches'}: a stock job "
+                             "server listens on every interface; reinstall beam-rl from its source tree")
     version = version or sdk_version()
+    patches = JOB_SERVER_PATCHES if patches is None else patches
     home = cache_root() / "flink-job-server" / f"beam-{version}-flink-{flink}"
-    jar = home / f"beam-runners-flink-{flink}-job-server-{version}.jar"
+    stock = home / f"beam-runners-flink-{flink}-job-server-{version}.jar"
+    jar = stock.with_name(f"{stock.stem}-{_patches_digest(patches)}.jar") if patches else stock
     if jar.is_file():
         return jar
+    if not stock.is_file():
+        _assemble_job_server(home, stock, version, flink)
+    if patches:
+        patched = _compile_patches(home, version, patches)
+        _write_launcher_jar(jar, [patched.name, *_launcher_class_path(stock)])
+    return jar
+
+
+def _assemble_job_server(home: Path, jar: Path, version: str, flink: str) -> None:
+    """The stock job server: its dependencies under `home/lib`, and `jar`, a launcher that names them."""
     require_tool("java", "install a Java 11+ runtime (e.g. `apt-get install openjdk-17-jre-headless`)")
     mvn = require_tool("mvn", "install Maven (e.g. `apt-get install maven`) to fetch the Flink runner")
     started = time.monotonic()
@@ -201,7 +224,49 @@ def ensure_flink_job_server(version: str | None = None, flink: str = FLINK_VERSI
         raise BootstrapError(f"{lib} holds {stale} beside slf4j-simple {SLF4J_VERSION}; remove {home} and rerun")
     _write_launcher_jar(jar, [f"lib/{name}" for name in jars])
     _LOG.debug("assembled Flink job server in %.1fs -> %s", time.monotonic() - started, jar)
-    return jar
+
+
+
+def _launcher_class_path(jar: Path) -> list[str]:
+    """The Class-Path a launcher jar's manifest names."""
+    with zipfile.ZipFile(jar) as zf:
+        manifest = zf.read("META-INF/MANIFEST.MF").decode().replace("\r\n", "\n").replace("\n ", "")
+    line = next(line for line in manifest.splitlines() if line.startswith("Class-Path: "))
+    return line.removeprefix("Class-Path: ").split()
+
+
+def _compile_patches(home: Path, version: str, patches: list[Path]) -> Path:
+    """A jar, in `home`, of the classes of `_PATCHED_ARTIFACT`'s sources with `patches` applied, compiled
+    against the job server's class path."""
+    target = home / f"patches-{_patches_digest(patches)}.jar"
+    if target.is_file():
+        return target
+    mvn = require_tool("mvn", "install Maven (e.g. `apt-get install maven`) to fetch the Flink runner")
+    javac = require_tool("javac", "install a JDK 11+ (e.g. `apt-get install openjdk-17-jdk-headless`): the job "
+                                  "server's patched classes are compiled")
+    git = require_tool("git", "install git (its `git apply` patches the job server's sources)")
+    with tempfile.TemporaryDirectory(dir=home) as work:
+        work_dir = Path(work)
+        _run([mvn, "-q", "-B", "dependency:copy", f"-Dartifact=org.apache.beam:{_PATCHED_ARTIFACT}:{version}:jar:sources",
+              f"-DoutputDirectory={work_dir}"], f"Flink job server: fetching the sources of {_PATCHED_ARTIFACT} {version}",
+             cwd=home)
+        sources = [line.split()[1].removeprefix("b/") for patch in patches
+                   for line in patch.read_text().splitlines() if line.startswith("+++ ")]
+        src = work_dir / "src"
+        with zipfile.ZipFile(work_dir / f"{_PATCHED_ARTIFACT}-{version}-sources.jar") as zf:
+            for name in sources:
+                zf.extract(name, src)
+        for patch in patches:
+            _run([git, "apply", "-p1", str(patch)], f"Flink job server: patching ({patch.name})", cwd=src, progress=False)
+        classes = work_dir / "classes"
+        _run([javac, "-nowarn", "-proc:none", "--release", "11", "-cp", str(home / "lib" / "*"), "-d", str(classes),
+              *sources], "Flink job server: compiling the patched classes", cwd=src)
+        tmp = target.with_suffix(".tmp")
+        with zipfile.ZipFile(tmp, "w") as zf:
+            for path in sorted(classes.rglob("*.class")):
+                zf.write(path, path.relative_to(classes).as_posix())
+        os.replace(tmp, target)
+    return target
 
 
 def _write_launcher_jar(jar: Path, class_path: list[str]) -> None:

@@ -9,12 +9,13 @@ import sys
 import threading
 import time
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 
 from beam_rl.config import RunConfig
 from beam_rl.observe import RunObserver
-from beam_rl.observe.report import LIVE_COLUMNS, RunTail, StepTable, fitting_columns, write_plot
+from beam_rl.observe.report import LIVE_COLUMNS, RunTail, StepTable, error_lines, fitting_columns, write_plot
 from beam_rl.observe.rollout_text import tracker_sample_rows
 from beam_rl.processes import Child, Supervisor
 from beam_rl.rundir import RunDir
@@ -126,8 +127,9 @@ def _follow(pipeline: _Waiter, trainer: Child | None, parts: Supervisor, view: _
 
 class _ProgressView:
     """The live table: the last steps (as many columns as the terminal is wide enough for), the run's
-    state in the title and each server's load in the caption. Each render polls the run observer and
-    reads only what the run directory gained since the last one."""
+    state in the title and each server's load in the caption; under it, the newest causes of errored
+    rollouts. Each render polls the run observer and reads only what the run directory gained since the
+    last one."""
 
     def __init__(self, run_dir: RunDir, config: RunConfig, started: float, observer: RunObserver,
                  console: Console) -> None:
@@ -138,7 +140,7 @@ class _ProgressView:
         self._tail = RunTail(run_dir, keep=TABLE_ROWS)
         self._last_step = 0
 
-    def render(self) -> StepTable:
+    def render(self) -> Group:
         self._observer.poll()
         rows = self._tail.update()
         self._last_step = rows[-1].step if rows else 0
@@ -147,7 +149,7 @@ class _ProgressView:
                           title=self._title(status), caption=server_line(status))
         for row in rows:
             table.add_step(row)
-        return table
+        return Group(table, *(f"[red]{escape(line)}[/red]" for line in error_lines(status)))
 
     def _title(self, status: dict) -> str:
         parts = [f"beam-rl {self._tail.run_dir.path}", f"{time.monotonic() - self._started:.0f}s",

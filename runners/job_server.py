@@ -4,6 +4,7 @@ client of the cluster), while an embedded Flink (`[local]`) lives inside it."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from beam_rl.listeners import LOOPBACK, local_name, reach, warn_if_open
 from beam_rl.processes import die_with_parent, free_port, stop_processes
 from runners import bootstrap
 from runners.flink_rest import FlinkRest
@@ -56,15 +58,18 @@ def embedded_flink_jvm_options(heap_mb: int) -> list[str]:
 
 
 def start_job_server(flink_master: str, log: Path, jvm_heap_mb: int | None = None,
-                     timeout_s: float = 120.0) -> JobServer:
-    """A Flink job server for `flink_master` ("[local]": an embedded Flink), its output in `log`."""
+                     timeout_s: float = 120.0, host: str = LOOPBACK) -> JobServer:
+    """A Flink job server for `flink_master` ("[local]": an embedded Flink), its output in `log`, its job
+    service on `host` (`runner.bind_host`)."""
     java = bootstrap.require_tool("java", "install a Java 11+ runtime (e.g. `apt-get install openjdk-17-jre-headless`)")
     port = free_port()
     artifacts = tempfile.mkdtemp(prefix="beam-rl-artifacts-")
     jvm_options = embedded_flink_jvm_options(jvm_heap_mb) if jvm_heap_mb else []
     command = [java, *jvm_options, "-jar", str(bootstrap.ensure_flink_job_server()),
-               "--flink-master", flink_master, "--artifacts-dir", artifacts, "--job-port", str(port),
+               "--flink-master", flink_master, "--artifacts-dir", artifacts, "--job-host", host, "--job-port", str(port),
                "--artifact-port", "0", "--expansion-port", "0"]
+    if flink_master == "[local]":
+        command += ["--flink-conf-dir", _embedded_flink_conf(host)]
     log.parent.mkdir(parents=True, exist_ok=True)
     log_start = log.stat().st_size if log.exists() else 0
     with open(log, "ab") as out:
@@ -74,13 +79,25 @@ def start_job_server(flink_master: str, log: Path, jvm_heap_mb: int | None = Non
         if process.poll() is not None:
             raise JobServerError(f"the Flink job server exited with {process.returncode}:\n{_tail(log)}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return JobServer(process, f"localhost:{port}", log, log_start)
+            with socket.create_connection((local_name(host), port), timeout=1):
+                warn_if_open(host, port, "the Flink job service: whoever reaches it can submit jobs, whose "
+                             "workers run the code they are sent", "runner.bind_host")
+                return JobServer(process, reach(host, port), log, log_start)
         except OSError:
             if time.monotonic() > deadline:
                 stop_processes([process])
                 raise JobServerError(f"the Flink job server did not listen within {timeout_s:g}s:\n{_tail(log)}")
             time.sleep(0.2)
+
+
+def _embedded_flink_conf(host: str) -> str:
+    """A Flink configuration directory that puts the embedded Flink's BLOB server and REST endpoint on `host`:
+    by default Flink listens on every interface."""
+    conf = tempfile.mkdtemp(prefix="beam-rl-flink-conf-")
+    settings = {"jobmanager.bind-host": host, "taskmanager.bind-host": host, "rest.bind-address": host}
+    # JSON strings are YAML strings: "::" stays an address.
+    Path(conf, "config.yaml").write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in settings.items()))
+    return conf
 
 
 def _tail(log: Path, chars: int = 3000) -> str:

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from beam_rl.listeners import LOOPBACK
 from runners import bootstrap
 from runners.harness import quiet_hangups
 from runners.job_server import embedded_flink_jvm_options
+from runners.listen import FlinkOnHost
 from runners.prism import PrismPerJob
 
 RUNNERS = ("direct", "flink-local", "flink")
@@ -42,6 +44,9 @@ class RunnerSettings:
     job_name: str | None = None  # the name the job gets on the runner (Flink lists jobs by it)
     prism_location: str | None = None  # direct: a Prism binary (default: ours, runners.bootstrap)
     jvm_heap_mb: int | None = None  # flink-local: the embedded Flink's JVM heap (-Xmx); None = Java's default
+    # Where the ports the job opens here listen (Prism's job service, the LOOPBACK worker pool); beyond
+    # loopback only on purpose (runners/listen.py).
+    bind_host: str = LOOPBACK
 
 
 def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> PipelineOptions:
@@ -50,7 +55,8 @@ def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> Pipeli
         settings = RunnerSettings(name=settings)
     if settings.name not in RUNNERS:
         raise ValueError(f"unknown runner {settings.name!r}; choose one of {', '.join(RUNNERS)}")
-    args = ["--streaming", *_environment_args(settings), f"--job_server_timeout={JOB_SERVER_TIMEOUT_S}", *extra_args]
+    args = ["--streaming", *_environment_args(settings), f"--job_server_timeout={JOB_SERVER_TIMEOUT_S}",
+            f"--bind_host={settings.bind_host}", *extra_args]
     if settings.job_name:
         args.append(f"--job_name={settings.job_name}")
     if settings.name == "direct":
@@ -83,7 +89,8 @@ def _flink_args(settings: RunnerSettings) -> list[str]:
         master = settings.flink_master
     else:
         master = "[local]"
-    args = ["--runner=FlinkRunner", f"--flink_master={master}", f"--flink_version={bootstrap.FLINK_VERSION}"]
+    args = [f"--runner={FlinkOnHost.__module__}.{FlinkOnHost.__name__}", f"--flink_master={master}",
+            f"--flink_version={bootstrap.FLINK_VERSION}"]
     if settings.job_endpoint:
         args.append(f"--job_endpoint={settings.job_endpoint}")
     else:

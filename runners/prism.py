@@ -12,6 +12,8 @@ process alone, that whoever follows the job stops once it has ended.
 - Here the Prism is started by this module and dies with this process; `release_prism` stops it once its
   job has ended: when `wait_until_finish()` returns, or when `runners/rollout_job.py` has seen the end of a
   job it cancelled.
+- Prism's job service, and the FnAPI endpoints of its workers on the same port, listen on `--bind_host`
+  (runners/listen.py; Prism patch 0008), as does the LOOPBACK environment's worker pool.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from apache_beam.portability.api import beam_job_api_pb2_grpc
 from apache_beam.runners.portability import job_server, prism_runner
 from apache_beam.runners.runner import PipelineResult, PipelineState
 
+from beam_rl.listeners import reach, warn_if_open
 from beam_rl.processes import die_with_parent, stop_processes
+from runners.listen import LoopbackOnHost, bind_host
 
 _LOG = logging.getLogger(__name__)
 _SERVER = "_beam_rl_job_server"
@@ -40,6 +44,15 @@ class OwnPrism(prism_runner.PrismJobServer):
     """One Prism process, started and stopped by this object only."""
 
     _process: subprocess.Popen | None = None
+
+    def __init__(self, options) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(options)
+        self._host = bind_host(options)
+
+    def subprocess_cmd_and_endpoint(self) -> tuple[list, str]:
+        command, endpoint = super().subprocess_cmd_and_endpoint()
+        self._port = int(endpoint.rsplit(":", 1)[1])
+        return [*command, f"--job_host={self._host}"], reach(self._host, self._port)
 
     def start(self) -> beam_job_api_pb2_grpc.JobServiceStub:
         if self._process is None:
@@ -60,6 +73,8 @@ class OwnPrism(prism_runner.PrismJobServer):
                 except grpc.FutureTimeoutError:
                     continue
             self._stub = beam_job_api_pb2_grpc.JobServiceStub(self._channel)
+            warn_if_open(self._host, self._port, "Prism's job service and its workers' FnAPI: whoever reaches it "
+                         "can list and submit jobs, and have workers run their code", "runner.bind_host")
         return self._stub
 
     def stop(self) -> None:
@@ -80,7 +95,7 @@ def log_stdout(line: str) -> None:
     _PRISM_LOG.info(line)
 
 
-class PrismPerJob(prism_runner.PrismRunner):
+class PrismPerJob(LoopbackOnHost, prism_runner.PrismRunner):
     def default_job_server(self, options):  # type: ignore[no-untyped-def]
         # Stopped at exit too, as Beam's own, should nobody stop it earlier.
         self._job_server = job_server.StopOnExitJobServer(OwnPrism(options))

@@ -53,7 +53,7 @@ def runner_settings(config: RunConfig, job_endpoint: str | None = None, job_name
         checkpointing_interval_ms=r.checkpointing_interval_ms, state_backend=r.state_backend,
         state_backend_storage_path=r.state_backend_storage_path, environment=config.worker_environment,
         worker_pool=r.worker_pool, worker_command=r.worker_command, jvm_heap_mb=flink_local_heap_mb(config) if r.name == "flink-local" else None,
-        job_endpoint=job_endpoint, job_name=job_name)
+        job_endpoint=job_endpoint, job_name=job_name, bind_host=r.bind_host)
 
 
 class _JobHandle(Protocol):
@@ -240,7 +240,8 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
         if config.runner.name != "direct":
             master = config.runner.flink_master if config.runner.name == "flink" else "[local]"
             job_server = start_job_server(master, directory.path / "logs" / "flink-job-server.log",
-                                          flink_local_heap_mb(config) if config.runner.name == "flink-local" else None)
+                                          flink_local_heap_mb(config) if config.runner.name == "flink-local" else None,
+                                          host=config.runner.bind_host)
         job_name = f"beam-rl-{spec.run_id[:12]}"
         settings = runner_settings(config, job_server.endpoint if job_server else None, job_name)
         pipeline = beam.Pipeline(options=pipeline_options(settings))

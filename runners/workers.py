@@ -7,8 +7,11 @@
   state cache size and logging from those options. Beam's own Go boot binary also installs staged
   packages into a fresh virtualenv per worker; beam-rl workers use the environment they start in.
 - `process` environments name it as the command a runner starts a worker with (each TaskManager, or
-  Prism); `external` ones point at a worker pool (`pool_main`: Beam's worker_pool_main, told to start
+  Prism); `external` ones point at a worker pool (`pool_main`: Beam's worker pool, told to start
   workers with this boot program), one beside each TaskManager.
+- `start_pool` is Beam's worker pool servicer on the address given, loopback by default: the pools above,
+  and the one a LOOPBACK environment starts in the submitting process (runners/listen.py). Beam's own
+  listens on every interface.
 
     python -m runners.workers pool --port 50000      # a worker pool, until SIGTERM
 """
@@ -25,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from beam_rl.cache import cache_root
+from beam_rl.listeners import LOOPBACK, host_port, reach, warn_if_open
 
 LOG_DIR_ENV = "BEAM_RL_WORKER_LOG_DIR"
 
@@ -92,27 +96,52 @@ def boot_main(argv: list[str]) -> None:
     sdk_worker_main.main(sys.argv)
 
 
-def pool_main(argv: list[str]) -> None:
-    """Beam's worker pool servicer on `--host:--port`, starting each worker with `boot_command()` (so its
-    output goes to a file). Beam's own pool main listens on every interface; one pool per TaskManager on
-    one machine needs each on its own loopback address."""
-    parser = argparse.ArgumentParser(prog="runners.workers pool")
-    parser.add_argument("--host", default="localhost", help="the address TaskManagers reach it on")
-    parser.add_argument("--port", type=int, default=50000)
-    args = parser.parse_args(argv)
-    import signal
-    from concurrent import futures
+def start_pool(host: str, port: int = 0, *, use_process: bool = True, container_executable: str | None = None,
+               state_cache_size: int = 0, data_buffer_time_limit_ms: int = 0, setting: str = "runner.bind_host"):
+    """Beam's worker pool servicer on `host:port` (port 0: a free one); returns the `host:port` a process on
+    this machine reaches it at, its gRPC server (started) and the servicer. `setting` is what chose `host`: the
+    warning when it is beyond loopback names it. Beam's own (`BeamFnExternalWorkerPoolServicer.start`, which
+    `worker_pool_main` and every LOOPBACK environment use) listens on every interface, and a pool starts
+    workers that run whatever pickled code they are sent."""
+    import atexit
 
     import grpc
     from apache_beam.portability.api import beam_fn_api_pb2_grpc
-    from apache_beam.runners.worker.worker_pool_main import BeamFnExternalWorkerPoolServicer
+    from apache_beam.runners.worker.worker_pool_main import BeamFnExternalWorkerPoolServicer, kill_process_gracefully
+    from apache_beam.utils import thread_pool_executor
 
-    pool = BeamFnExternalWorkerPoolServicer(use_process=True, container_executable=str(boot_command()),
-                                            state_cache_size=0, data_buffer_time_limit_ms=0)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    pool = BeamFnExternalWorkerPoolServicer(use_process=use_process, container_executable=container_executable,
+                                            state_cache_size=state_cache_size,
+                                            data_buffer_time_limit_ms=data_buffer_time_limit_ms)
+    # Beam's options: no limit on keepalive pings from the runner.
+    server = grpc.server(thread_pool_executor.shared_unbounded_instance(),
+                         options=[("grpc.http2.max_pings_without_data", 0), ("grpc.http2.max_ping_strikes", 0)])
     beam_fn_api_pb2_grpc.add_BeamFnExternalWorkerPoolServicer_to_server(pool, server)
-    address = f"{args.host}:{server.add_insecure_port(f'{args.host}:{args.port}')}"
+    bound = server.add_insecure_port(host_port(host, port))
     server.start()
+    warn_if_open(host, bound, "a Beam worker pool: it starts SDK workers that run the pickled code a runner sends",
+                 setting)
+
+    @atexit.register
+    def kill_workers():  # as Beam's: worker processes are children of the pool
+        for worker in list(pool._worker_processes.values()):
+            kill_process_gracefully(worker)
+
+    return reach(host, bound), server, pool
+
+
+def pool_main(argv: list[str]) -> None:
+    """A worker pool on `--host:--port` (loopback unless told otherwise), starting each worker with
+    `boot_command()` (so its output goes to a file). One pool per TaskManager on one machine needs each on
+    its own loopback address."""
+    parser = argparse.ArgumentParser(prog="runners.workers pool")
+    parser.add_argument("--host", default=LOOPBACK, help="the address TaskManagers reach it on (default: loopback)")
+    parser.add_argument("--port", type=int, default=50000)
+    args = parser.parse_args(argv)
+    import signal
+
+    address, server, pool = start_pool(args.host, args.port, container_executable=str(boot_command()),
+                                       setting="runners.workers pool --host")
 
     def stop(*_):  # workers are children of the pool: they go with it
         for worker in list(pool._worker_processes.values()):

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from aiohttp import web
@@ -23,12 +24,12 @@ from beam_rl.inference.client import (
     InferenceHTTPError,
     InferenceTimeout,
     ServerLoad,
-    _is_loopback,
     parse_completions,
     parse_server_load,
 )
 from beam_rl.inference.inflight import UNKNOWN_VERSION, LiveRequest, Progress
 from beam_rl.inference.types import Completion, SamplingParams
+from beam_rl.listeners import is_loopback
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -676,7 +677,7 @@ def test_requests_held_back_by_an_update_go_out_in_the_first_pass_after_the_resu
     ("http://[::1]:8000", True), ("http://10.1.2.3:8000", False), ("https://vllm.example.com", False),
     ("http://[2001:db8::1]:8000", False)])
 def test_a_server_on_this_machine_is_told_by_its_address(url, local):
-    assert _is_loopback(url) is local
+    assert is_loopback(urlsplit(url).hostname or "") is local
 
 
 @pytest.mark.parametrize("on_this_machine", [True, False])

@@ -232,7 +232,7 @@ def test_injected_faults_surface_once_per_rollout_with_their_error(start_server,
 
 
 def test_retries_turn_most_injected_errors_into_ok_rollouts(start_server, env):
-    server = start_server(mode="instant")
+    server = start_server(mode="instant", faults=FaultConfig())  # faults enabled, none injected yet
     # Switched on at runtime, as an operator (or a chaos test) would; a new seed restarts the sequence.
     switched = httpx.post(server.url + "/faults", json={"error_rate": 0.5, "seed": FAULT_SEED}, timeout=10)
     assert switched.status_code == 200, switched.text

@@ -24,6 +24,7 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 
 from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
+from proc_net import listeners
 from runners import bootstrap
 from runners.options import RunnerSettings, pipeline_options
 from runners.pipeline import build_rollout_pipeline, source_spec
@@ -386,3 +387,27 @@ def test_a_worker_pool_that_starts_no_worker_fails_the_job_naming_the_pool(tmp_p
              worker_pool=pool)
     named = f"the sdk worker pool at {pool} did not start a worker" in str(raised.value)
     assert named if without is None else not named, raised.value
+
+
+# -- 0008: the job service, and every worker's FnAPI endpoints on its port, listen on every interface -------
+
+
+@pytest.mark.parametrize("without", [None, "0008"])
+def test_the_job_service_listens_on_loopback_unless_told_otherwise(without):
+    """Stock Prism 2.70 listens on `:<job_port>`, every interface: whoever reaches the host can submit a job
+    or have its workers run their code. Patched, it listens on `--job_host`, localhost unless told otherwise
+    (the runs above pass runner.bind_host and run their workers through it)."""
+    port = int(_dead_url().rsplit(":", 1)[1])
+    prism = subprocess.Popen([_prism(without), f"--job_port={port}", "--serve_http=false"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        found = set()
+        while not found and prism.poll() is None:
+            found = listeners([prism.pid])
+            time.sleep(0.1)
+        assert {listener.port for listener in found} == {port}
+        on_loopback = {listener.on_loopback for listener in found}
+        assert on_loopback == ({True} if without is None else {False}), sorted(map(str, found))
+    finally:
+        prism.terminate()
+        prism.wait(30)

@@ -18,7 +18,7 @@ from beam_rl.envs import make_env
 from beam_rl.envs.agent import BlackBoxAgent
 from beam_rl.envs.base import SamplingParams, Trajectory, chat_prompt_ids
 from beam_rl.envs.loop_local import close_loop_locals
-from beam_rl.envs.proxy import Episode, InferenceProxy, shared_proxy
+from beam_rl.envs.proxy import Endpoint, Episode, InferenceProxy, shared_proxy
 from beam_rl.inference.types import Completion
 from beam_rl.standin.faults import FaultConfig
 from tests.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
@@ -55,7 +55,7 @@ class ScriptedClient:
 
 
 def run_episode(env: BlackBoxAgent, client: ScriptedClient, calls, sampling: SamplingParams | None = None) -> Episode:
-    """Serves one episode on a fresh proxy and runs `calls(base_url)` against it."""
+    """Serves one episode on a fresh proxy and runs `calls(endpoint)` against it."""
 
     async def main() -> Episode:
         proxy = InferenceProxy()
@@ -63,7 +63,7 @@ def run_episode(env: BlackBoxAgent, client: ScriptedClient, calls, sampling: Sam
         episode = Episode(env, client, sampling or SamplingParams(max_tokens=16, seed=5), env.follow_ups)
         try:
             with proxy.serve(episode) as endpoint:
-                await calls(endpoint.base_url)
+                await calls(endpoint)
         finally:
             await proxy.close()
         return episode
@@ -80,8 +80,8 @@ def test_a_chat_through_the_proxy_trains_the_sampled_ids_and_the_templates_ids_o
     tool = {"role": "tool", "name": "count", "content": "42"}
     seen: list[str] = []
 
-    async def calls(base_url: str) -> None:
-        openai = AsyncOpenAI(base_url=base_url, api_key="x")
+    async def calls(endpoint: Endpoint) -> None:
+        openai = AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.secret)
         for messages in (first, None):
             if messages is None:  # the program writes the reply back in its own words: the sampled ids stand
                 messages = [*first, {"role": "assistant", "content": seen[0].strip()}, tool]
@@ -117,8 +117,9 @@ def test_calls_that_do_not_extend_the_conversation_or_exceed_its_bounds_are_refu
     user = {"role": "user", "content": "Hi"}
     errors: list[tuple[int, str]] = []
 
-    async def calls(base_url: str) -> None:
-        openai = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+    async def calls(endpoint: Endpoint) -> None:
+        base_url = endpoint.base_url
+        openai = AsyncOpenAI(base_url=base_url, api_key=endpoint.secret, max_retries=0)
 
         async def refused(**kwargs: Any) -> None:
             with pytest.raises(BadRequestError) as caught:
@@ -131,7 +132,7 @@ def test_calls_that_do_not_extend_the_conversation_or_exceed_its_bounds_are_refu
         await openai.chat.completions.create(model="m", messages=[user, {"role": "assistant", "content": "1"}, user])
         await refused(messages=[user, {"role": "assistant", "content": "1"}, user,
                                 {"role": "assistant", "content": "two"}, user])
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {endpoint.secret}"}) as http:
             gone = await http.post(base_url.replace("/rollouts/", "/rollouts/x") + "/chat/completions",
                                    json={"messages": [user]})
             errors.append((gone.status_code, gone.json()["error"]["message"]))
@@ -151,9 +152,9 @@ def test_the_token_routes_take_ids_that_extend_the_context_and_text_prompts_toke
     env = agent_env(tok, dataset)
     results: dict[str, Any] = {}
 
-    async def token_calls(base_url: str) -> None:
-        root = base_url.removesuffix("/v1")
-        async with httpx.AsyncClient() as http:
+    async def token_calls(endpoint: Endpoint) -> None:
+        root = endpoint.base_url.removesuffix("/v1")
+        async with httpx.AsyncClient(headers={"X-Beam-RL-Secret": endpoint.secret}) as http:
             one = (await http.post(root + "/inference/v1/generate",
                                    json={"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4}})).json()
             ids = [5, 6, 7, *one["choices"][0]["token_ids"], 9]
@@ -169,8 +170,8 @@ def test_the_token_routes_take_ids_that_extend_the_context_and_text_prompts_toke
     assert episode.turns[1].env_ids == [9] and results["bad"] == 400
     assert results["two"]["choices"][0]["token_ids"] == episode.turns[1].completion_ids
 
-    async def text_calls(base_url: str) -> None:
-        openai = AsyncOpenAI(base_url=base_url, api_key="x")
+    async def text_calls(endpoint: Endpoint) -> None:
+        openai = AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.secret)
         first = await openai.completions.create(model="m", prompt="Q: 2+2?\nA:")
         results["text"] = await openai.completions.create(
             model="m", prompt="Q: 2+2?\nA:" + first.choices[0].text + "\nQ: why?\nA:")
@@ -194,7 +195,7 @@ def test_one_client_serves_many_rollouts_with_the_rollout_named_in_a_header(tok,
         try:
             with proxy.serve(episodes[0]) as one, proxy.serve(episodes[1]) as two:
                 assert one.shared_base_url == two.shared_base_url
-                openai = AsyncOpenAI(base_url=one.shared_base_url, api_key="x")
+                openai = AsyncOpenAI(base_url=one.shared_base_url, api_key="not the rollouts' secret")
                 for endpoint, text in ((two, "to two"), (one, "to one")):
                     await openai.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
                                                          extra_headers=endpoint.headers)

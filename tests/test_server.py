@@ -62,9 +62,8 @@ def tokens_of(body: dict) -> list[list[int]]:
     return [c["token_ids"] for c in body["choices"]]
 
 
-def slow_steps(s: EmbeddedServer, seconds: float) -> None:
-    """Make every decode step take a while, so a request is reliably observed mid-generation."""
-    assert post(s, "/faults", step_delay_s=seconds).status_code == 200
+# Every decode step takes a while, so a request is reliably observed mid-generation.
+SLOW_STEPS = FaultConfig(step_delay_s=0.02)
 
 
 def reference_logprobs(model_dir, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
@@ -201,8 +200,7 @@ def test_model_name_enforced_only_when_given(make_server, server):
 
 
 def test_metrics_while_a_request_is_in_flight(make_server):
-    s = make_server(kv_cache_tokens=160)  # 10 blocks of 16 tokens
-    slow_steps(s, 0.02)
+    s = make_server(kv_cache_tokens=160, faults=SLOW_STEPS)  # 10 blocks of 16 tokens
     prompt = list(range(3, 23))  # 20 tokens: 2 blocks per sequence until 12 generated, then 3
 
     async def scenario():
@@ -342,8 +340,7 @@ def test_a_label_names_the_tokens_sampled_after_it_whichever_comes_first_in_a_pa
                                                                                      label_first):
     """As vLLM's engine does: a token carries the label set when it was sampled, so while paused the
     label and the load may come in either order (or at once) and name the same tokens."""
-    s = make_server()
-    slow_steps(s, 0.02)
+    s = make_server(faults=SLOW_STEPS)
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:
@@ -437,7 +434,7 @@ def test_pause_queues_new_requests_until_resume(make_server, mode):
 
 
 def _pause_during_generation(s: EmbeddedServer, mode: str):
-    slow_steps(s, 0.02)
+    """`s` was started with SLOW_STEPS."""
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:
@@ -453,7 +450,7 @@ def _pause_during_generation(s: EmbeddedServer, mode: str):
 
 
 def test_pause_keep_freezes_and_resume_finishes(make_server):
-    in_flight, response = _pause_during_generation(make_server(), "keep")
+    in_flight, response = _pause_during_generation(make_server(faults=SLOW_STEPS), "keep")
     assert in_flight
     assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 12
 
@@ -501,7 +498,7 @@ def test_a_keep_pause_is_answered_after_the_streams_sent_every_token_sampled_bef
 
 
 def test_pause_abort_ends_in_flight_requests_with_their_partial_tokens(make_server):
-    s = make_server()
+    s = make_server(faults=SLOW_STEPS)
     _, response = _pause_during_generation(s, "abort")
     assert response.status_code == 200  # vLLM 0.32: an aborted request is answered, not failed
     (choice,) = response.json()["choices"]
@@ -528,7 +525,7 @@ def test_drop_fault_closes_the_connection(make_server):
 
 
 def test_hang_fault_never_answers(make_server):
-    s = make_server()
+    s = make_server(faults=FaultConfig())  # faults enabled, none injected yet
     post(s, "/faults", hang_rate=1.0)
     with pytest.raises(httpx.ReadTimeout):
         post(s, prompt=PROMPT, max_tokens=2, timeout=0.3)
@@ -545,7 +542,7 @@ def test_empty_fault_returns_no_tokens(make_server):
 
 
 def test_faults_are_seeded_and_validated(make_server):
-    s = make_server()
+    s = make_server(faults=FaultConfig())
 
     def statuses() -> list[int]:
         post(s, "/faults", error_rate=0.5, seed=7)
@@ -643,7 +640,7 @@ def test_chat_completion_defaults_to_the_rest_of_the_context(make_server):
 
 
 def test_scripted_replies_are_cycled_with_their_own_latency(make_server):
-    s = make_server(model_dir=None, mode="instant")
+    s = make_server(model_dir=None, mode="instant", faults=FaultConfig())
     replies = ["VERDICT: yes", "VERDICT: no", "I cannot decide ###", {"text": "VERDICT: yes", "latency_s": 2.0}]
     assert post(s, "/faults", replies=replies).json()["replies"][3] == {"text": "VERDICT: yes", "latency_s": 2.0}
     contents = [chat(s).json()["choices"][0]["message"]["content"] for _ in range(3)]
@@ -721,8 +718,9 @@ def test_fault_flags_are_derived_from_fault_config():
     parser = argparse.ArgumentParser()
     add_fault_args(parser)
     flags = {action.dest for action in parser._actions}
-    assert flags == {"help"} | {f"fault_{name}" for name in FaultConfig.model_fields}
-    assert fault_config_from_args(parser.parse_args([])) == FaultConfig()
+    assert flags == {"help", "enable_faults"} | {f"fault_{name}" for name in FaultConfig.model_fields}
+    assert fault_config_from_args(parser.parse_args([])) is None  # the default: no faults, no /faults route
+    assert fault_config_from_args(parser.parse_args(["--enable-faults"])) == FaultConfig()
     args = parser.parse_args(["--fault-error-rate", "0.5", "--fault-seed", "7", "--fault-die-after-tokens", "3",
                               "--fault-replies", "yes", "no", "--fault-step-delay-s", "0.01"])
     assert fault_config_from_args(args) == FaultConfig(error_rate=0.5, seed=7, die_after_tokens=3,

@@ -21,14 +21,16 @@ from small_run import write_small_run_config
 from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
+from beam_rl.tinymodel import tiny_model_dir
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def beam_rl(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`beam-rl ARGV` in a process of its own; lines are not wrapped (a wide terminal)."""
+def beam_rl(*argv: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`beam-rl ARGV` in a process of its own (with `env` added to this one's); lines are not wrapped (a wide
+    terminal)."""
     return subprocess.run([sys.executable, "-m", "beam_rl.cli", *argv], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "COLUMNS": "10000"})
+                          timeout=timeout, env={**os.environ, "COLUMNS": "10000", **(env or {})})
 
 
 def said(proc: subprocess.CompletedProcess, status: int) -> list[str]:
@@ -218,3 +220,45 @@ def test_a_full_disk_stops_the_run_in_one_line_and_a_resume_with_room_finishes_i
     assert_contiguous_and_once(run, 6)
     assert {k: v for k, v in committed(run).items() if k in before} == before
     assert json.loads(run.config_path.read_text())["run"]["max_steps"] == 6
+
+
+def test_a_run_whose_every_rollout_fails_stops_naming_the_cause_and_resumes_once_fixed(resumable, record_property):
+    """The defaults (run.stop_after_errored_groups = 16): an environment whose prompts the model's context
+    cannot hold (tests/padded_prompts.py) fails every rollout; the run stops in one line naming the cause,
+    the live view, `status` and `inspect` show the errors by cause, and once the prompts fit it resumes."""
+    run = resumable
+    config = run.read_config()
+    config["envs"][0].update(kind="padded_prompts:PaddedPrompts", args={"pad_tokens": 300})  # 256 tokens of context
+    run.write_config(config)
+    before = committed(run)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    started = time.monotonic()
+    proc = beam_rl("run", "--resume", str(run.path), env=env)
+    record_property("seconds_to_the_stop", round(time.monotonic() - started, 1))
+    [line, kept] = said(proc, 1)
+    assert line.startswith("the run stopped: NothingTrainsError: nothing can train: every rollout of the last 16 "
+                           "groups errored (run.stop_after_errored_groups = 16); most frequent cause: "
+                           "PromptTooLong, "), line
+    assert "env 'reverse_text' row " in line and "leaving no room to generate under model.max_context (256)" in line
+    assert kept == f"steps 1..4 are committed in {run.path}; beam-rl run --resume {run.path} continues from there"
+    newest = "errored: PromptTooLong; the newest: PromptTooLong: env 'reverse_text' row "
+    assert newest in proc.stdout  # the live view, under its table
+    assert committed(run) == before
+    for command in ("status", "inspect"):
+        out = said(beam_rl(command, str(run.path)), 0)
+        assert out[-1].startswith("  ") and newest in out[-1], out
+    config["envs"][0]["args"] = {"pad_tokens": 0}  # fixed: the prompts fit
+    run.write_config(config)
+    said(beam_rl("run", "--resume", str(run.path), env=env), 0)
+    assert_contiguous_and_once(run, 6)
+    assert {k: v for k, v in committed(run).items() if k in before} == before
+
+
+def test_a_context_the_model_does_not_have_is_named_before_anything_starts(tmp_path):
+    config = _small_config(tmp_path)
+    config.write_text(config.read_text().replace("max_context = 256", "max_context = 2048")
+                      .replace("seq_len = 256", "seq_len = 2048"))
+    [line] = said(beam_rl("run", str(config)), 2)[-1:]
+    assert line == (f"invalid config {config}: model.max_context: 2048 is above the model's context: "
+                    f"max_position_embeddings = 1024 in {tiny_model_dir(0) / 'config.json'}")
+    assert not (tmp_path / "run").exists()  # found before the run directory, a server or Beam

@@ -156,9 +156,10 @@ def test_bad_environments_and_servers_are_named_with_what_is_wrong(tok, toy_env_
     # Nothing answers at the address: every rollout fails, naming the server, within its startup timeout.
     silent = make_env("verifiers", tok, env="vf_toy_mt", server=f"tcp://127.0.0.1:{free_port()}",
                       startup_timeout_s=1)
-    # A harness that raises: the episode's error, naming the environment.
+    # A harness that raises: the episode's error, naming the environment. The server sees the switch only
+    # because pass_env names it: it is given none of the worker's environment but the scrubbed one.
     monkeypatch.setenv("BEAM_RL_TOY_RAISE", "1")
-    failing = make_env("verifiers", tok, env="vf_toy_mt", server="process")
+    failing = make_env("verifiers", tok, env="vf_toy_mt", server="process", pass_env=["BEAM_RL_TOY_RAISE"])
     for env, message in ((silent, "did not answer its health check within 1 s"),
                          (failing, "verifiers env 'vf_toy_mt': the episode failed")):
         with dispatcher_thread([inference.url], env, "rollout", max_inflight=4, max_tokens=96) as thread:

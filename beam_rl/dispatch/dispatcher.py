@@ -71,6 +71,7 @@ class Dispatcher:
         reprobe_s: float = 5.0,
         concurrency: ConcurrencyController | None = None,
         max_off_policy_steps: int | None = None,
+        max_context: int | None = None,
     ) -> None:
         for name, env in envs.items():
             mode = env_modes.get(name, "rollout")
@@ -101,6 +102,7 @@ class Dispatcher:
             raise ValueError(f"the in-flight cap {self.concurrency.cap} is above max_inflight {max_inflight}")
         self._permits = Permits(self.concurrency.cap)
         self.max_off_policy_steps = max_off_policy_steps
+        self.max_context = max_context  # model.max_context: a prompt this long leaves no room to generate
         self._cap_floor = 1
         self._preemptions_seen: dict[str, float] = {}  # each server's preemption counter at the last poll
         self._policy_version = policy_version
@@ -220,6 +222,14 @@ class Dispatcher:
                 request,
                 f"PromptRenderError: env {request.env_name!r} row {request.index} (epoch {request.epoch}): "
                 f"{type(exc).__name__}: {exc}",
+            )
+        if self.max_context is not None and len(prompt_ids) >= self.max_context:
+            # Sent, it would fail on every server, every attempt: one error for the group, no request.
+            return self._reject(
+                request,
+                f"PromptTooLong: env {request.env_name!r} row {request.index} (epoch {request.epoch}): the prompt "
+                f"is {len(prompt_ids)} tokens, leaving no room to generate under model.max_context "
+                f"({self.max_context})",
             )
         group = OpenGroup(request, env, mode, self.sampling[request.env_name], prompt_ids,
                           collections.deque(request.attempts_to_run), t_admitted=self._clock(),

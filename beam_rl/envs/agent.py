@@ -1,9 +1,10 @@
 """A black-box agent as an environment: any program that samples through an OpenAI client.
 
-Each rollout runs `command` once, in a process group of its own, with the dataset row as JSON on its stdin
-and `OPENAI_BASE_URL` naming the rollout's endpoint on the inference proxy (beam_rl/envs/proxy.py); the
-`openai` package reads that variable itself. Every call it makes is one turn of the rollout, sampled by the
-dispatcher's client and kept token for token. It reports its result as a JSON object on the last line of
+Each rollout runs `command` once, in a process group of its own, with the dataset row as JSON on its stdin,
+`OPENAI_BASE_URL` naming the rollout's endpoint on the inference proxy (beam_rl/envs/proxy.py) and
+`OPENAI_API_KEY` the endpoint's secret, which no other rollout's program is given; the `openai` package
+reads both itself. Every call it makes is one turn of the rollout, sampled by the dispatcher's client and
+kept token for token. It reports its result as a JSON object on the last line of
 its stdout; `reward` (a number) is the rollout's reward, and the object travels in the rollout's info.
 
 The program is the user's own code, like a plug-in environment: it runs with the run's permissions. Its
@@ -35,10 +36,10 @@ from beam_rl.envs.base import (
 )
 from beam_rl.envs.datasets import BadRows
 from beam_rl.envs.multi_turn import FollowUps
-from beam_rl.envs.proxy import Episode, shared_proxy
+from beam_rl.envs.proxy import Endpoint, Episode, shared_proxy
 from beam_rl.envs.registry import register_env
+from beam_rl.processes import scrubbed_env
 
-_PASSED_ON = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH")
 _STDERR_TAIL = 2000  # characters of a failed agent's stderr kept in the rollout's error
 
 
@@ -106,18 +107,18 @@ class BlackBoxAgent(DatasetEnvironment):
         episode = Episode(self, client, sampling, self.follow_ups)
         try:
             with proxy.serve(episode) as endpoint:
-                result = await self._run_program(endpoint.base_url, row)
+                result = await self._run_program(endpoint, row)
         finally:
             await episode.aclose()
         if episode.failure is not None:
             raise episode.failure  # the inference error itself: a server's fault counts as one
         if not episode.turns:
-            raise AgentError(f"agent {self.command[0]}: it exited without calling the model")
+            raise AgentError(f"agent `{shlex.join(self.command)}`: it exited without calling the model")
         return episode.trajectory({"agent": result})
 
-    async def _run_program(self, base_url: str, row: dict[str, Any]) -> dict[str, Any]:
-        env = {k: os.environ[k] for k in _PASSED_ON if k in os.environ}
-        env.update(self.extra_env, OPENAI_BASE_URL=base_url, OPENAI_API_KEY="beam-rl")
+    async def _run_program(self, endpoint: Endpoint, row: dict[str, Any]) -> dict[str, Any]:
+        env = scrubbed_env()
+        env.update(self.extra_env, OPENAI_BASE_URL=endpoint.base_url, OPENAI_API_KEY=endpoint.secret)
         process = await asyncio.create_subprocess_exec(
             *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True,
@@ -125,8 +126,8 @@ class BlackBoxAgent(DatasetEnvironment):
         try:
             out, err = await asyncio.wait_for(process.communicate(json.dumps(row).encode()), self.timeout_s)
         except asyncio.TimeoutError:
-            raise AgentError(f"agent {self.command[0]}: still running after timeout_s = {self.timeout_s:g} s; "
-                             "stopped") from None
+            raise AgentError(f"agent `{shlex.join(self.command)}`: still running after timeout_s = "
+                             f"{self.timeout_s:g} s; stopped") from None
         finally:
             if process.returncode is None:  # timed out, or the rollout was cancelled: the whole group goes
                 with contextlib.suppress(ProcessLookupError):
@@ -134,7 +135,7 @@ class BlackBoxAgent(DatasetEnvironment):
                 await process.wait()
         if process.returncode != 0:
             tail = err.decode(errors="replace").strip()[-_STDERR_TAIL:]
-            raise AgentError(f"agent {self.command[0]}: exited with status {process.returncode}"
+            raise AgentError(f"agent `{shlex.join(self.command)}`: exited with status {process.returncode}"
                              + (f": {tail.splitlines()[-1]}" if tail else ""))
         return _result(out.decode(errors="replace"))
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
+import numbers
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,7 @@ from beam_rl.inference.types import Completion, CompletionClient, SamplingParams
 from beam_rl.types import Turn
 
 __all__ = ["Completion", "CompletionClient", "DatasetEnvironment", "Environment", "RewardUnavailable",
-           "SamplingParams", "Trajectory", "chat_prompt_ids"]
+           "SamplingParams", "Trajectory", "chat_prompt_ids", "finite_reward"]
 
 
 @dataclass
@@ -42,6 +44,19 @@ class RewardUnavailable(Exception):
     """The reward could not be computed for a reason outside the policy's control (a sandbox or judge
     that failed, timed out or answered nonsense): the rollout is left out of its group's advantages
     rather than scored 0."""
+
+
+def finite_reward(value: Any) -> float | None:
+    """`value` as the float a reward is, or None when it is none: not a real number (a bool is a verdict, not
+    a score: True would train as 1.0), or not finite once a float (NaN, inf, an int or Fraction past 1.8e308,
+    whose conversion overflows)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        reward = float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return reward if math.isfinite(reward) else None
 
 
 def chat_prompt_ids(

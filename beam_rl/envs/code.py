@@ -19,6 +19,7 @@ from beam_rl.envs.base import DatasetEnvironment, RewardUnavailable, Trajectory,
 from beam_rl.envs.datasets import BadRows, PromptText
 from beam_rl.envs.registry import register_env
 from beam_rl.envs.sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, run_python
+from beam_rl.printable import printable
 
 HARNESS = (Path(__file__).resolve().parent / "code_harness.py").read_text()
 # Opening fence with an optional language tag, the code, then a closing fence or the end of the text
@@ -97,8 +98,10 @@ class Code(DatasetEnvironment):
     """Single-turn coding: complete a function; reward = tests passed / tests.
 
     All of a rollout's tests run in one sandbox (limits from the constructor: `cpu_s`, `wall_s`,
-    `memory_mb`, `processes`, `file_size_mb`; no network), each in its own process with at most
-    `test_timeout_s`. A program that loops, crashes or exhausts a limit fails the tests it spoils;
+    `memory_mb`, `processes`, `file_size_mb`, defaulting to SandboxLimits'; no network), each in its
+    own process with at most `test_timeout_s`. The sandbox's caps hold all of its processes together:
+    the harness, the test's process and whatever the program starts share `processes`, `memory_mb`
+    and `cpu_s`. A program that loops, crashes or exhausts a limit fails the tests it spoils;
     only a sandbox that cannot run at all makes the reward unavailable.
     """
 
@@ -118,11 +121,11 @@ class Code(DatasetEnvironment):
         tokenizer: Any,
         max_turns: int = 1,
         *,
-        cpu_s: float = 5,
-        wall_s: float = 10,
-        memory_mb: int = 512,
-        processes: int = 32,
-        file_size_mb: int = 16,
+        cpu_s: float = SandboxLimits.cpu_s,
+        wall_s: float = SandboxLimits.wall_s,
+        memory_mb: int = SandboxLimits.memory_mb,
+        processes: int = SandboxLimits.processes,
+        file_size_mb: int = SandboxLimits.file_size_mb,
         test_timeout_s: float = 1.0,
         dataset: str | Path | None = None,
         bad_rows: BadRows = "fail",
@@ -181,7 +184,7 @@ def _why_no_report(result: SandboxResult) -> str:
     if result.timed_out:
         return f"no test report: the sandbox timed out after {result.wall_s:.1f} s"
     if result.signal:
-        return f"no test report: the harness was killed by {result.signal}"
+        return f"no test report: the harness was {result.verdict}"
     if result.output_truncated:
         return "no test report: the program flooded the output"
     return f"no test report (harness exit status {result.exit_code})"
@@ -193,8 +196,8 @@ def _outcome(reply: Any, expected: Any) -> TestOutcome:
     if "timeout" in reply:
         timeout = reply["timeout"]
         return TestOutcome(False, f"timed out after {timeout} s" if timeout else "not run: out of time")
-    if "error" in reply:
-        return TestOutcome(False, str(reply["error"]))
+    if "error" in reply:  # the program's exception: its message is the program's text
+        return TestOutcome(False, printable(str(reply["error"])))
     try:
         value = decode(reply.get("value"))
     except (ValueError, TypeError, RecursionError) as err:

@@ -9,6 +9,10 @@ with `EnvServerRestarted` (the protocol's client alone would wait for their repl
 server is started again; the caller runs those episodes again. A server at an address
 (`RemoteEnvServer`) cannot be restarted: while episodes are in flight it is health-checked, and when it
 stops answering they fail with `EnvServerDown` instead of hanging.
+
+Each episode's model calls go to its own endpoint on the inference proxy, with its session's secret in the
+episode's client config (`proxy_client`), never in the server's environment: a harness of one episode cannot
+call into another's rollout.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from beam_rl.envs.proxy import Endpoint
+from beam_rl.processes import scrubbed_env
 
 log = logging.getLogger(__name__)
 
@@ -61,31 +68,43 @@ except Exception as exc:
 """
 
 
-def interpreter_env(python: str | None) -> dict[str, str]:
-    """The environment of a process under `python`. Another interpreter (another virtualenv's) is not handed
-    this one's PYTHONPATH or PYTHONHOME, so the Beam worker's packages never shadow the environment's own."""
-    if python is None or python == sys.executable:
-        return dict(os.environ)
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+def proxy_client(endpoint: Endpoint) -> Any:
+    """verifiers' eval client config for one episode's endpoint on the inference proxy. Its Authorization
+    carries the key of `api_key_var` (unset: "EMPTY"), so the session's secret travels in the proxy's own
+    header, per episode."""
+    import verifiers.v1 as vf
+
+    return vf.EvalClientConfig(base_url=endpoint.base_url, api_key_var="BEAM_RL_PROXY_KEY", headers=endpoint.headers)
 
 
-def describe_env(config: dict[str, Any], python: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def interpreter_env(python: str | None, pass_env: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a process under `python` that runs the environment's code: an agent's (no credential
+    of the worker's) plus the variables `pass_env` names. Another interpreter (another virtualenv's) is not
+    handed this one's PYTHONPATH, so the Beam worker's packages never shadow the environment's own."""
+    other = python is not None and python != sys.executable
+    return scrubbed_env(pass_env, drop=("PYTHONPATH",) if other else ())
+
+
+def describe_env(config: dict[str, Any], python: str | None = None,
+                 pass_env: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the resolved config, the taskset's rows) of a verifiers env config, loaded under `python` (a process
     of its own) or, without it, in this process. Raises ValueError with verifiers' reason. Under `python`,
     once a process: a worker's stages each build the environment, and each load there is a new interpreter
     importing verifiers (seconds)."""
     if python is None:
         return _describe(config, None)
-    described = _described_under(json.dumps(config, sort_keys=True), python)
+    described = _described_under(json.dumps(config, sort_keys=True), python, pass_env)
     return copy.deepcopy(described)
 
 
 @functools.lru_cache(maxsize=16)
-def _described_under(config: str, python: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    return _describe(json.loads(config), python)
+def _described_under(config: str, python: str,
+                     pass_env: tuple[str, ...]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    return _describe(json.loads(config), python, pass_env)
 
 
-def _describe(config: dict[str, Any], python: str | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _describe(config: dict[str, Any], python: str | None,
+              pass_env: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if python is None:
         import verifiers.v1 as vf
 
@@ -98,7 +117,7 @@ def _describe(config: dict[str, Any], python: str | None) -> tuple[dict[str, Any
     if shutil.which(python) is None:
         raise ValueError(f"python {python!r} is not an executable")
     done = subprocess.run([python, "-c", _DESCRIBE, json.dumps(config)], capture_output=True, text=True,
-                          timeout=300, check=False, env=interpreter_env(python))
+                          timeout=300, check=False, env=interpreter_env(python, pass_env))
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = done.stderr.strip().splitlines()
@@ -169,9 +188,9 @@ class _Server:
         self.client: Any = None
         self.episodes = _Episodes()
 
-    async def run(self, *, task_data: dict[str, Any], base_url: str, timeout_s: float) -> Any:
-        """One episode of `task_data`, its model calls sent to `base_url` (an OpenAI-compatible `/v1`);
-        returns verifiers' WireEpisode."""
+    async def run(self, *, task_data: dict[str, Any], endpoint: Endpoint, timeout_s: float) -> Any:
+        """One episode of `task_data`, its model calls sent to `endpoint` on the inference proxy; returns
+        verifiers' WireEpisode."""
         import verifiers.v1 as vf
 
         versions: list[Any] = []
@@ -180,9 +199,8 @@ class _Server:
             if "open" in delta:
                 versions.append(delta["open"].get("version"))
 
-        client = vf.EvalClientConfig(base_url=base_url, api_key_var="BEAM_RL_PROXY_KEY")
-        call = self.client.run(client=client, model="policy", sampling=vf.SamplingConfig(), task_data=task_data,
-                               on_delta=on_delta)
+        call = self.client.run(client=proxy_client(endpoint), model="policy", sampling=vf.SamplingConfig(),
+                               task_data=task_data, on_delta=on_delta)
         try:
             episode = await asyncio.wait_for(self.episodes.run(call), timeout_s)
         except asyncio.TimeoutError:
@@ -209,12 +227,13 @@ class ProcessEnvServer(_Server):
     """A verifiers env server in a process beam-rl starts, watched and restarted when it dies."""
 
     def __init__(self, name: str, config: dict[str, Any], *, python: str | None = None,
-                 startup_timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
+                 startup_timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                 pass_env: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.name = name
         self.config = config
         self.python = python or sys.executable
-        self._python_env = interpreter_env(python)
+        self._python_env = interpreter_env(python, pass_env)
         if shutil.which(self.python) is None:
             raise EnvServerError(f"env server {name}: python {self.python!r} is not an executable")
         self.startup_timeout_s = startup_timeout_s
@@ -357,11 +376,13 @@ class RemoteEnvServer(_Server):
         await self.client.close()
 
 
-def env_server(name: str, server: str, config: dict[str, Any], *, python: str | None,
-               startup_timeout_s: float) -> Callable[[], ProcessEnvServer | RemoteEnvServer]:
-    """A factory of the server `server` names: "process", or "tcp://HOST:PORT"."""
+def env_server(name: str, server: str, config: dict[str, Any], *, python: str | None, startup_timeout_s: float,
+               pass_env: tuple[str, ...] = ()) -> Callable[[], ProcessEnvServer | RemoteEnvServer]:
+    """A factory of the server `server` names: "process" (given the variables `pass_env` names), or
+    "tcp://HOST:PORT"."""
     if server == "process":
-        return lambda: ProcessEnvServer(name, config, python=python, startup_timeout_s=startup_timeout_s)
+        return lambda: ProcessEnvServer(name, config, python=python, startup_timeout_s=startup_timeout_s,
+                                        pass_env=pass_env)
     if server.startswith("tcp://"):
         return lambda: RemoteEnvServer(name, server, startup_timeout_s=startup_timeout_s)
     raise ValueError(f"env {name}: server must be \"inline\", \"process\" or \"tcp://HOST:PORT\", got {server!r}")

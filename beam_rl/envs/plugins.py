@@ -10,14 +10,20 @@ import importlib.util
 import inspect
 import json
 import logging
-import math
 import numbers
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from beam_rl.envs.base import CompletionClient, Environment, RewardUnavailable, SamplingParams, Trajectory
+from beam_rl.envs.base import (
+    CompletionClient,
+    Environment,
+    RewardUnavailable,
+    SamplingParams,
+    Trajectory,
+    finite_reward,
+)
 from beam_rl.inference.client import InferenceError
 from beam_rl.types import Turn
 
@@ -158,8 +164,13 @@ def _at(location: str | None) -> str:
     return f" (at {location})" if location else ""
 
 
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
+def short_repr(value: Any, limit: int = 120) -> str:
+    """`repr(value)` cut to `limit` characters, for an error's one line; what cannot be printed (an int of
+    more than 4,300 digits) is named by its type."""
+    try:
+        text = repr(value)
+    except Exception:  # a plug-in's own __repr__ may raise anything
+        return f"<{type(value).__name__} that cannot be printed>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -204,18 +215,18 @@ class PluginEnvironment(Environment):
             self._logged.add(location or "")
             log.error("%s: %s raised", self._who(), method, exc_info=exc)
         return PluginFailure(
-            f"{self._who()}: {method} raised {type(exc).__name__}: {exc}{_at(location)}; row {_short(row)}"
+            f"{self._who()}: {method} raised {type(exc).__name__}: {exc}{_at(location)}; row {short_repr(row)}"
         )
 
     def _wrong(self, method: str, problem: str, row: Any) -> PluginFailure:
-        return PluginFailure(f"{self._who()}: {method} {problem}; row {_short(row)}")
+        return PluginFailure(f"{self._who()}: {method} {problem}; row {short_repr(row)}")
 
     # -- the protocol -------------------------------------------------------------------------------
 
     def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
         rows = self.inner.load_rows(split)  # dataset errors keep their own type and message
         if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
-            raise PluginFailure(f"{self._who()}: load_rows({split!r}) returned {_short(rows)}, not a list of dicts")
+            raise PluginFailure(f"{self._who()}: load_rows({split!r}) returned {short_repr(rows)}, not a list of dicts")
         return [dict(r) for r in rows]
 
     def render_prompt(self, row: dict[str, Any]) -> list[int]:
@@ -226,7 +237,7 @@ class PluginEnvironment(Environment):
         if not isinstance(ids, (list, tuple)) or not all(_is_token_id(t) for t in ids):
             hint = (" (transformers 5's apply_chat_template returns a BatchEncoding: "
                     "beam_rl.envs.base.chat_prompt_ids gives the list)") if isinstance(ids, Mapping) else ""
-            raise self._wrong("render_prompt", f"returned {_short(ids)}, not a list of token ids{hint}", row)
+            raise self._wrong("render_prompt", f"returned {short_repr(ids)}, not a list of token ids{hint}", row)
         return [int(t) for t in ids]
 
     def stop_token_ids(self) -> list[int]:
@@ -258,25 +269,25 @@ class PluginEnvironment(Environment):
         except Exception as exc:
             raise self._failure("run_group", exc, row) from exc
         if not isinstance(trajectories, (list, tuple)):
-            raise self._wrong("run_group", f"returned {_short(trajectories)}, not a list of Trajectory", row)
+            raise self._wrong("run_group", f"returned {short_repr(trajectories)}, not a list of Trajectory", row)
         return [self._checked_trajectory("run_group", t, row) for t in trajectories]
 
     def _checked_trajectory(self, method: str, trajectory: Any, row: Any) -> Trajectory:
         if not isinstance(trajectory, Trajectory):
-            raise self._wrong(method, f"returned {_short(trajectory)}, not a beam_rl.envs.base.Trajectory", row)
+            raise self._wrong(method, f"returned {short_repr(trajectory)}, not a beam_rl.envs.base.Trajectory", row)
         for i, turn in enumerate(trajectory.turns):
             if not isinstance(turn, Turn):
-                raise self._wrong(method, f"returned a trajectory whose turn {i} is {_short(turn)}, not a Turn", row)
+                raise self._wrong(method, f"returned a trajectory whose turn {i} is {short_repr(turn)}, not a Turn", row)
             for field in ("completion_ids", "env_ids"):
                 ids = getattr(turn, field)
                 if not isinstance(ids, list) or not all(_is_token_id(t) for t in ids):
-                    raise self._wrong(method, f"returned turn {i} with {field} {_short(ids)}, not a list of ints", row)
+                    raise self._wrong(method, f"returned turn {i} with {field} {short_repr(ids)}, not a list of ints", row)
             if not isinstance(turn.logprobs, list) or len(turn.logprobs) != len(turn.completion_ids):
                 raise self._wrong(
-                    method, f"returned turn {i} with {_short(turn.logprobs)} as logprobs for "
+                    method, f"returned turn {i} with {short_repr(turn.logprobs)} as logprobs for "
                     f"{len(turn.completion_ids)} completion ids", row)
         if not isinstance(trajectory.info, dict):
-            raise self._wrong(method, f"returned info {_short(trajectory.info)}, not a dict", row)
+            raise self._wrong(method, f"returned info {short_repr(trajectory.info)}, not a dict", row)
         try:  # info travels to the scoring stage (another process on a cluster) and into the run record
             json.dumps(trajectory.info)
         except (TypeError, ValueError) as exc:
@@ -304,9 +315,10 @@ class PluginEnvironment(Environment):
         return self._checked_reward(value, row)
 
     def _checked_reward(self, value: Any, row: Any) -> float:
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise self._wrong("reward", f"returned {_short(value)} ({type(value).__name__}), not a finite number", row)
-        return float(value)
+        reward = finite_reward(value)
+        if reward is None:
+            raise self._wrong("reward", f"returned {short_repr(value)} ({type(value).__name__}), not a finite number", row)
+        return reward
 
 
 def _is_token_id(value: Any) -> bool:

@@ -4,7 +4,10 @@ still goes through the dispatcher's client for its rollout.
 
 An `Episode` is one rollout's session; `InferenceProxy.serve(episode)` gives its endpoint: a base URL
 (`http://127.0.0.1:PORT/rollouts/KEY/v1`), or the shared `/v1` with the key in the `X-Beam-RL-Rollout`
-header, so that one client serves many rollouts; the key is unguessable and valid while the episode runs. Each
+header, so that one client serves many rollouts; both are valid while the episode runs. The key names the
+session; every call must also carry the session's secret, handed only to the program that runs it, as its
+API key (`Authorization: Bearer`) or in `X-Beam-RL-Secret`: without it a call is answered 401, with another
+session's 403, so no program can add turns to (or read the replies of) another's rollout. Each
 call becomes one turn: it is sampled by the rollout's own `CompletionClient` (group affinity, permits,
 per-token policy versions, update modes, failover with the streamed tokens, goodput accounting) and
 recorded token for token. What the program sends back must extend the conversation: the trained context
@@ -12,12 +15,14 @@ is the exact ids the server sampled plus the chat template's ids of the messages
 (masked out of the loss), never its text re-tokenized.
 
 Routes under the base URL: `POST /chat/completions` (messages, tools; `stream` answered as one event),
-`POST /completions` (a prompt of token ids or of text) and vLLM's token-in route at
-`/rollouts/KEY/inference/v1/generate`. The run's sampling decides temperature and seeds; a call's
-`max_tokens` can only shorten the turn's budget. One proxy serves every episode of an event loop (a
+`POST /completions` (a prompt of token ids or of text), `GET /models` (the policy, with the rollout's
+context window as vLLM's `max_model_len`) and vLLM's token-in route at
+`/rollouts/KEY/inference/v1/generate`; `POST /responses` (the Responses API) is refused with a 400 that
+says to use chat completions. The run's sampling decides temperature and seeds; a call's `max_tokens` can
+only shorten the turn's budget. One proxy serves every episode of an event loop (a
 dispatch worker's dispatcher), started with the first episode. It binds 127.0.0.1 unless told another
 address (`host`), for a harness on another host or in a container, which is handed `advertise` (the name
-that host reaches this one by) in its URLs; only the unguessable keys guard it there.
+that host reaches this one by) in its URLs; only the unguessable secrets guard it there.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import secrets
 import time
@@ -38,6 +44,7 @@ from beam_rl.envs.loop_local import loop_local
 from beam_rl.envs.multi_turn import FollowUps
 from beam_rl.envs.tools import ToolCall, parse_tool_calls
 from beam_rl.inference.types import Completion
+from beam_rl.listeners import LOOPBACK, warn_if_open
 from beam_rl.types import Turn
 
 MODEL_NAME = "policy"  # what /models lists; the model a call names is not read
@@ -253,17 +260,22 @@ def _assistant_message(text: str, tools: Any) -> dict[str, Any]:
 
 # -- the server --------------------------------------------------------------------------------------
 
-ROLLOUT_HEADER = "X-Beam-RL-Rollout"
-LOOPBACK = "127.0.0.1"  # where the proxy listens unless told another address
+ROLLOUT_HEADER = "X-Beam-RL-Rollout"  # names the session on the shared /v1
+SECRET_HEADER = "X-Beam-RL-Secret"  # the session's secret, for a client whose Authorization carries another key
+RESPONSES_REFUSED = ("the inference proxy serves chat completions, not the Responses API (/v1/responses): use "
+                     "chat completions (openai-agents: OpenAIChatCompletionsModel, or "
+                     "set_default_openai_api('chat_completions'))")
 
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
-    """Where one episode's calls go: `base_url` (an OpenAI client's), or the proxy's shared `/v1` with
-    `headers` on each call (one client for many rollouts)."""
+    """Where one episode's calls go: `base_url` with `secret` as the API key (an OpenAI client's), or the
+    proxy's shared `/v1` with `headers` on each call (one client for many rollouts). The secret is left out
+    of the repr, so an endpoint logged by mistake does not give it away."""
 
     root: str
     key: str
+    secret: str = dataclasses.field(repr=False)
 
     @property
     def base_url(self) -> str:
@@ -275,7 +287,13 @@ class Endpoint:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {ROLLOUT_HEADER: self.key}
+        return {ROLLOUT_HEADER: self.key, SECRET_HEADER: self.secret}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Session:
+    episode: Episode
+    secret: str
 
 
 def check_address(host: str, advertise: str | None) -> None:
@@ -306,7 +324,8 @@ class InferenceProxy:
         check_address(host, advertise)
         self.host = host
         self.advertise = advertise or host
-        self._episodes: dict[str, Episode] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._keys: dict[bytes, str] = {}  # each session's key by its secret, for a call that names no session
         self._runner: web.AppRunner | None = None
         self._started = asyncio.Lock()
         self.port: int | None = None
@@ -322,6 +341,7 @@ class InferenceProxy:
                     web.post(root + "/v1/completions", self._complete),
                     web.post(root + "/inference/v1/generate", self._generate),
                     web.get(root + "/v1/models", self._models),
+                    web.post(root + "/v1/responses", self._responses),
                 ])
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
@@ -329,6 +349,8 @@ class InferenceProxy:
             await site.start()
             self.port = runner.addresses[0][1]
             self._runner = runner
+            warn_if_open(self.host, self.port, "the inference proxy: chat with the policy, guarded only by each "
+                         "rollout's secret", "the environment's proxy_host")
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -339,22 +361,38 @@ class InferenceProxy:
     def serve(self, episode: Episode) -> Iterator[Endpoint]:
         """The episode's endpoint, valid until the block ends."""
         key = secrets.token_urlsafe(16)
-        self._episodes[key] = episode
+        self._sessions[key] = session = _Session(episode, secrets.token_urlsafe(32))
+        self._keys[session.secret.encode()] = key
         try:
             name = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
-            yield Endpoint(f"http://{name}:{self.port}", key)
+            yield Endpoint(f"http://{name}:{self.port}", key, session.secret)
         finally:
-            del self._episodes[key]
+            del self._sessions[key], self._keys[session.secret.encode()]
 
     def _episode(self, request: web.Request) -> Episode:
-        key = request.match_info.get("key") or request.headers.get(ROLLOUT_HEADER, "")
-        episode = self._episodes.get(key)
-        if episode is None:
+        """The episode the request names (by its URL or ROLLOUT_HEADER; on the shared /v1 without the header,
+        the one whose secret it carries: litellm lists models at the server's root), if it carries that
+        session's secret."""
+        offered = _offered_secrets(request)
+        if not offered:
+            raise ProxyError(401, "this call carries no rollout secret: send the one beam-rl gave the program as "
+                                  f"its API key (Authorization: Bearer, OPENAI_API_KEY) or in {SECRET_HEADER}")
+        named = request.match_info.get("key") or request.headers.get(ROLLOUT_HEADER, "")
+        session = self._sessions.get(named or next((self._keys[s] for s in offered if s in self._keys), ""))
+        if session is None and named:
             raise ProxyError(404, "no rollout runs under this URL (it has ended, or never was)")
-        return episode
+        if session is None or not any(hmac.compare_digest(secret, session.secret.encode()) for secret in offered):
+            raise ProxyError(403, "this call's secret is not this rollout's: a program may call only its own "
+                                  "rollout's endpoint")
+        return session.episode
 
     async def _models(self, request: web.Request) -> web.Response:
-        return await self._answer(request, lambda episode, body: _model_list())
+        async def call(episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
+            return _model_list(episode.env.max_context)
+        return await self._answer(request, call)
+
+    async def _responses(self, request: web.Request) -> web.Response:
+        return _error(ProxyError(400, RESPONSES_REFUSED))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         async def call(episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
@@ -394,16 +432,33 @@ class InferenceProxy:
                     raise ProxyError(400, "the request body must be a JSON object")
             answer = await call(episode, body)
         except ProxyError as exc:
-            return web.json_response({"error": {"message": exc.message, "type": "invalid_request_error"
-                                                if exc.status < 500 else "server_error", "code": exc.status}},
-                                     status=exc.status)
+            return _error(exc)
         if body.get("stream"):
             return await _stream(request, answer)
         return web.json_response(answer)
 
 
-def _model_list() -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "beam-rl"}]}
+def _offered_secrets(request: web.Request) -> list[bytes]:
+    """The secrets a request carries: its bearer token and SECRET_HEADER (bytes: compare_digest takes any)."""
+    bearer = request.headers.get("Authorization", "")
+    offered = [bearer[len("Bearer "):] if bearer.startswith("Bearer ") else "", request.headers.get(SECRET_HEADER, "")]
+    return [secret.encode() for secret in offered if secret]
+
+
+def _error(exc: ProxyError) -> web.Response:
+    kind = "invalid_request_error" if exc.status < 500 else "server_error"
+    return web.json_response({"error": {"message": exc.message, "type": kind, "code": exc.status}},
+                             status=exc.status)
+
+
+def _model_list(max_context: int | None) -> dict[str, Any]:
+    """The policy as vLLM lists a model: `max_model_len` is the context a rollout may fill (model.max_context),
+    which agent frameworks read to size their prompts."""
+    model: dict[str, Any] = {"id": MODEL_NAME, "object": "model", "created": int(time.time()), "owned_by": "beam-rl",
+                             "root": MODEL_NAME, "parent": None}
+    if max_context is not None:
+        model["max_model_len"] = max_context
+    return {"object": "list", "data": [model]}
 
 
 def _envelope(kind: str, episode: Episode, completion: Completion, choice: dict[str, Any]) -> dict[str, Any]:

@@ -36,10 +36,17 @@ from beam_rl.envs.base import (
     Trajectory,
     chat_prompt_ids,
 )
-from beam_rl.envs.env_servers import EnvServerError, EnvServerRestarted, describe_env, env_server, interpreter_env
+from beam_rl.envs.env_servers import (
+    EnvServerError,
+    EnvServerRestarted,
+    describe_env,
+    env_server,
+    interpreter_env,
+    proxy_client,
+)
 from beam_rl.envs.loop_local import loop_local
 from beam_rl.envs.multi_turn import FollowUps
-from beam_rl.envs.proxy import LOOPBACK, Episode, check_address, shared_proxy
+from beam_rl.envs.proxy import LOOPBACK, Endpoint, Episode, check_address, shared_proxy
 
 
 class VerifiersEpisodeError(RuntimeError):
@@ -78,18 +85,20 @@ def harness_install_env(python: str | None = None) -> dict[str, str]:
     return verifiers_setup.install_env(str(cache_root() / "verifiers"), os.environ.get("PATH", os.defpath), uv)
 
 
-def set_up_harnesses(env_id: str, config: dict[str, Any], python: str | None,
-                     timeout_s: float) -> dict[str, dict[str, Any]]:
-    """Each seat's harness (on the subprocess runtime) set up within `timeout_s`, here or under `python`, once
-    a process: {seat: its pinned harness config}. ValueError, one line, naming the harness, when it cannot be."""
+def set_up_harnesses(env_id: str, config: dict[str, Any], python: str | None, timeout_s: float,
+                     pass_env: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Each seat's harness (on the subprocess runtime) set up within `timeout_s`, here or under `python` (in the
+    environment its env server gets), once a process: {seat: its pinned harness config}. ValueError, one line,
+    naming the harness, when it cannot be."""
     try:
-        return copy.deepcopy(_set_up(json.dumps(config, sort_keys=True), python, timeout_s))
+        return copy.deepcopy(_set_up(json.dumps(config, sort_keys=True), python, timeout_s, pass_env))
     except ValueError as exc:
         raise ValueError(f"verifiers env {env_id!r}: {exc}") from None
 
 
 @functools.lru_cache(maxsize=16)
-def _set_up(config: str, python: str | None, timeout_s: float) -> dict[str, dict[str, Any]]:
+def _set_up(config: str, python: str | None, timeout_s: float,
+            pass_env: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     env = harness_install_env(python)
     if python is None:
         # In a thread: the caller may be inside an event loop; the prepared programs stay known to this
@@ -99,7 +108,7 @@ def _set_up(config: str, python: str | None, timeout_s: float) -> dict[str, dict
     else:
         done = subprocess.run([python, verifiers_setup.__file__, config, json.dumps(env), str(timeout_s)],
                               capture_output=True, text=True, timeout=timeout_s + 300, check=False,
-                              env=interpreter_env(python))
+                              env=interpreter_env(python, pass_env))
         lines = done.stdout.strip().splitlines()
         if done.returncode != 0 or not lines:
             tail = done.stderr.strip().splitlines()
@@ -124,11 +133,11 @@ class _InlineEnv:
         await stack.enter_async_context(self.env.serving())
         return self
 
-    async def run(self, *, task_data: dict[str, Any], base_url: str, timeout_s: float) -> Any:
+    async def run(self, *, task_data: dict[str, Any], endpoint: Endpoint, timeout_s: float) -> Any:
         vf = verifiers_module()
         task = self.task_type(self.task_type.data_type().model_validate(task_data), self.env.config.taskset.task)
         context = vf.ModelContext(model="policy", sampling=vf.SamplingConfig(),
-                                  client=vf.EvalClientConfig(base_url=base_url, api_key_var="BEAM_RL_PROXY_KEY"))
+                                  client=proxy_client(endpoint))
         (slot,) = self.env.slots(task)
         try:
             return await asyncio.wait_for(self.env.run_slot(slot, context), timeout_s)
@@ -145,7 +154,8 @@ class VerifiersEpisodes(DatasetEnvironment):
     (inline, process: `setup_timeout_s`, into the project's cache; beam_rl/envs/verifiers_setup.py);
     `timeout_s` bounds an episode, and an episode whose server died under it runs again up to `max_restarts`
     times. An env server on another host reaches the inference proxy at `proxy_advertise` where it listens
-    on `proxy_host`."""
+    on `proxy_host`. A "process" server gets the environment an agent's program gets (no credential of the
+    worker's) plus the variables `pass_env` names (a key the environment's own tools need)."""
 
     name = "verifiers"
     multi_turn = True
@@ -165,6 +175,7 @@ class VerifiersEpisodes(DatasetEnvironment):
         max_restarts: int = 3,
         proxy_host: str = LOOPBACK,
         proxy_advertise: str | None = None,
+        pass_env: list[str] | None = None,
         max_context: int | None = None,
     ) -> None:
         super().__init__(tokenizer, max_turns, max_context=max_context)
@@ -184,19 +195,23 @@ class VerifiersEpisodes(DatasetEnvironment):
             raise ValueError("timeout_s and setup_timeout_s must be > 0 and max_restarts >= 0")
         if server == "inline" and python is not None:
             raise ValueError(f"verifiers env {env!r}: `python` runs it in a process of its own (server = \"process\")")
+        if server != "process" and pass_env:
+            raise ValueError(f"verifiers env {env!r}: pass_env names variables for an env server beam-rl starts "
+                             "(server = \"process\"); inline, the environment has the worker's")
+        passed = tuple(str(name) for name in pass_env or ())
         self.timeout_s, self.max_restarts = timeout_s, max_restarts
         self.server = server
         # The client owns the taskset, as verifiers' does. Under `python`, the environment is loaded there:
         # its packages need not be importable here.
         try:
-            self.config, self._rows = describe_env(raw, python if server != "inline" else None)
+            self.config, self._rows = describe_env(raw, python if server != "inline" else None, passed)
         except ValueError as exc:
             raise ValueError(f"verifiers env {env!r} cannot be loaded: {exc}") from None
         if server in ("inline", "process"):  # a server at an address sets its harnesses up on its own host
-            for seat, harness in set_up_harnesses(env, self.config, python, setup_timeout_s).items():
+            for seat, harness in set_up_harnesses(env, self.config, python, setup_timeout_s, passed).items():
                 self.config[seat]["harness"] = harness
         self._server = None if server == "inline" else env_server(
-            env, server, self.config, python=python, startup_timeout_s=startup_timeout_s)
+            env, server, self.config, python=python, startup_timeout_s=startup_timeout_s, pass_env=passed)
         stops = self.stop_token_ids()
         if not stops:
             raise ValueError("the verifiers environment needs a tokenizer with an eos token (the end of a turn)")
@@ -233,7 +248,7 @@ class VerifiersEpisodes(DatasetEnvironment):
             episode = Episode(self, client, sampling, self.follow_ups)
             try:
                 with proxy.serve(episode) as endpoint:
-                    wire = await runner.run(task_data=row, base_url=endpoint.base_url, timeout_s=self.timeout_s)
+                    wire = await runner.run(task_data=row, endpoint=endpoint, timeout_s=self.timeout_s)
                 break
             except EnvServerRestarted:
                 discarded += sum(len(t.completion_ids) for t in episode.turns)

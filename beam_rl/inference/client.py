@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 import random
 import ssl
@@ -31,6 +30,7 @@ from beam_rl.inference.errors import (
     InferenceAuthError,
     InferenceBadResponse,
     InferenceConnectionError,
+    InferenceCorruptResponse,
     InferenceError,
     InferenceHTTPError,
     InferenceRetired,
@@ -42,6 +42,7 @@ from beam_rl.inference.parsing import parse_completions, parse_server_load, pars
 from beam_rl.inference.sse import EventData
 from beam_rl.inference.types import Completion, SamplingParams, ServerLoad
 from beam_rl.inference.weight_updates import DRAIN_QUIET_S, UpdateMode, WeightUpdates
+from beam_rl.listeners import is_loopback
 
 T = TypeVar("T")
 
@@ -57,6 +58,7 @@ __all__ = [
     "InferenceBadResponse",
     "InferenceClient",
     "InferenceConnectionError",
+    "InferenceCorruptResponse",
     "InferenceError",
     "InferenceHTTPError",
     "InferenceRetired",
@@ -72,6 +74,8 @@ log = logging.getLogger(__name__)
 
 # Hundreds of rollouts share one server; aiohttp's default of 100 connections would queue them.
 DEFAULT_MAX_CONNECTIONS = 1024
+# The most of one answer held in memory (a whole body, or one event of a stream); inference.max_response_mb.
+DEFAULT_MAX_RESPONSE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -97,17 +101,6 @@ class Answer:
 # --enable-scale-out`), whose answers say which weight label sampled each token (docs/weight-updates.md).
 Route = Literal["completions", "generate"]
 ROUTE_PATHS: dict[str, str] = {"completions": "/v1/completions", "generate": "/inference/v1/generate"}
-
-
-def _is_loopback(url: str) -> bool:
-    """Whether `url` names a server on this machine (localhost, 127.0.0.0/8, ::1)."""
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 LORA_SERVER_HINT = ("start vLLM with --enable-lora, --max-lora-rank at least trainer.lora.rank and "
@@ -148,13 +141,15 @@ class InferenceClient:
         extra_body: dict[str, Any] | None = None,
         route: Route = "completions",
         lora: bool = False,
+        vocab_size: int | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
         if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
             raise ValueError("need max_retries >= 0, timeout_s > 0 and backoff_s >= 0")
         if route not in ROUTE_PATHS:
             raise ValueError(f"route must be one of {sorted(ROUTE_PATHS)}, not {route!r}")
         self.base_url = base_url.rstrip("/")
-        self._on_this_machine = _is_loopback(self.base_url)
+        self._on_this_machine = is_loopback(urlsplit(self.base_url).hostname or "")
         self.model = model
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -169,6 +164,10 @@ class InferenceClient:
         self._initial_version = version  # what a server reporting vLLM's first label, "default", holds
         self.extra_body = dict(extra_body or {})  # more sampling fields of every request (vLLM's extras)
         self.tokens_received = 0  # completion tokens that came back from this server, all requests
+        # What an answer may hold: token ids below the model's vocabulary size (None: any integer), and
+        # this many bytes at once; past either the server is sick (InferenceCorruptResponse).
+        self.vocab_size = vocab_size
+        self.max_response_bytes = max_response_bytes
         # Kept out of repr, logs and errors: only the header the session sends holds it.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._ssl: ssl.SSLContext | None = (
@@ -291,7 +290,8 @@ class InferenceClient:
         spans = self.route == "generate" and updates.labels_supported and not updates.reloading and not self.lora
         request = LiveRequest([choices[i] for i in targets], targets,
                               UNKNOWN_VERSION if updates.reloading else self.version, self.version,
-                              self.stream, progress, self._version_of_label if spans else None)
+                              self.stream, progress, self._version_of_label if spans else None,
+                              url=f"{self.base_url}{ROUTE_PATHS[self.route]}", vocab_size=self.vocab_size)
         self._live.add(request)
         before = sum(len(c.token_ids) for c in request.choices)
         try:
@@ -365,12 +365,15 @@ class InferenceClient:
             async with self._http().post(url, json=payload, headers=self._headers,
                                          timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as response:
                 if response.status >= 400:
-                    raise http_error("POST", url, response.status, await response.read())
+                    raise http_error("POST", url, response.status, await self._read_capped(response, "POST", url))
                 events = EventData()
                 request.body, request.body_taken = response.content, 0
                 async for block in response.content.iter_any():
                     request.took(block)
-                    for data in events.feed(block):
+                    found = events.feed(block)
+                    if events.pending > self.max_response_bytes:
+                        raise self._too_large("POST", url, "an event of its stream")
+                    for data in found:
                         if data == b"[DONE]":
                             ended = True
                             break
@@ -513,6 +516,18 @@ class InferenceClient:
             raise InferenceError(f"GET {answer.url}: not a model list ({type(err).__name__}: {err})",
                                  self.base_url) from None
 
+    async def served_context(self) -> int | None:
+        """The context window `GET /v1/models` reports for the served model (vLLM's `max_model_len`: the
+        card named as this client's model, else the first); None when it reports none."""
+        answer = await self._request("GET", "/v1/models", retry=False, timeout_s=min(self.timeout_s, 30.0))
+        try:
+            cards = [card for card in answer.json()["data"] if isinstance(card, dict)]
+        except (ValueError, KeyError, TypeError):
+            return None
+        card = next((c for c in cards if c.get("id") == self.model), cards[0] if cards else {})
+        context = card.get("max_model_len")
+        return context if isinstance(context, int) and not isinstance(context, bool) else None
+
     async def tokenize(self, text: str) -> list[int] | None:
         """The token ids the server's tokenizer makes of `text` (vLLM's `POST /tokenize`, no special
         tokens); None when the server has no such route."""
@@ -601,7 +616,7 @@ class InferenceClient:
                 method, url, json=json, params=params, headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as response:
-                body = await response.read()
+                body = await self._read_capped(response, method, url)
         except TimeoutError as exc:  # aiohttp's own timeouts subclass it
             raise InferenceTimeout(
                 f"{method} {url}: no answer within {timeout_s:g}s ({type(exc).__name__})", url
@@ -617,4 +632,23 @@ class InferenceClient:
         if response.status >= 400:
             raise http_error(method, url, response.status, body)
         return Answer(url, response.status, body)
+
+    async def _read_capped(self, response: aiohttp.ClientResponse, method: str, url: str) -> bytes:
+        """The body, or InferenceCorruptResponse as soon as it passes `max_response_bytes` (a declared length
+        past it is refused unread): a server cannot make the dispatcher hold more. aiohttp stops reading the
+        socket while a block waits here (read_bufsize), so no more than one block past the cap is in memory."""
+        if (response.content_length or 0) > self.max_response_bytes:
+            raise self._too_large(method, url, f"a body of {response.content_length} bytes")
+        blocks, size = [], 0
+        async for block in response.content.iter_any():
+            size += len(block)
+            if size > self.max_response_bytes:
+                raise self._too_large(method, url, "a body")
+            blocks.append(block)
+        return b"".join(blocks)
+
+    def _too_large(self, method: str, url: str, what: str) -> InferenceCorruptResponse:
+        return InferenceCorruptResponse(
+            f"{method} {url}: {what} larger than inference.max_response_mb ({self.max_response_bytes / 2**20:g} MiB);"
+            " refused", url)
 

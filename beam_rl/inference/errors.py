@@ -78,6 +78,14 @@ class InferenceBadResponse(InferenceError):
     """A 2xx answer that is not what the protocol promises (bad JSON, missing or mismatched fields)."""
 
 
+class InferenceCorruptResponse(InferenceBadResponse):
+    """An answer no working server sends: token ids outside the model's vocabulary, or a body past
+    `inference.max_response_mb`. It says the server is sick (the wrong model, a broken engine, or not a
+    vLLM at all), so it counts against it and the rollout moves on with the tokens received before it."""
+
+    server_fault = True
+
+
 def http_error(method: str, url: str, status: int, body: bytes) -> InferenceHTTPError:
     """The error of a non-2xx answer: InferenceAuthError for 401 and 403, else InferenceHTTPError."""
     text = body.decode("utf-8", errors="replace")[:500]

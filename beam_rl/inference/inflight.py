@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from beam_rl.inference.parsing import chunk_choices
+from beam_rl.inference.errors import InferenceCorruptResponse
+from beam_rl.inference.parsing import chunk_choices, out_of_vocabulary
 from beam_rl.inference.types import Completion
 
 # A token whose sampling version cannot be known from outside the server (a reload while it generated).
@@ -75,6 +76,8 @@ class LiveRequest:
     aborted_by_us: bool = False  # a continue-mode update paused this server with mode=abort while it ran
     updates_lived: int = 0  # keep and continue updates begun while it was in flight
     received_at_resume: list[int] | None = None  # each choice's tokens when the server last resumed
+    url: str = ""  # where it was sent: what a corrupt answer's error names
+    vocab_size: int | None = None  # the model's: token ids outside [0, vocab_size) are refused
     starts: list[int] = field(init=False)  # each choice's tokens from earlier requests (spans count from here)
 
     def __post_init__(self) -> None:
@@ -96,6 +99,12 @@ class LiveRequest:
         return self.body.total_bytes - self.body_taken if self.body is not None else 0
 
     def add(self, index: int, token_ids: list[int], logprobs: list[float], finish_reason: str | None) -> None:
+        # Every token enters a choice here, whatever the route: checked before it is kept, so that what a
+        # failure leaves in `partial` (continued on another server) holds none of a corrupt answer's.
+        vocab = self.vocab_size
+        if vocab is not None and token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):  # inline: hot
+            raise InferenceCorruptResponse(f"{self.url}: choice {index}: {out_of_vocabulary(token_ids, vocab)}",
+                                           self.url)
         choice = self.choices[index]
         choice.token_ids.extend(token_ids)
         choice.logprobs.extend(logprobs)

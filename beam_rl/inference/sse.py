@@ -13,6 +13,11 @@ class EventData:
         self._tail = b""  # the start of an event whose blank line has not come yet
         self._after_cr = False  # the last block ended in CR: an LF opening the next one ends no other line
 
+    @property
+    def pending(self) -> int:
+        """Bytes held of an event not yet ended: what a stream makes its reader keep."""
+        return len(self._tail)
+
     def feed(self, block: bytes) -> list[bytes]:
         if self._after_cr and block.startswith(b"\n"):
             block = block[1:]

@@ -11,6 +11,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from beam_rl.listeners import warn_if_open
 from beam_rl.observe.figures import server_name
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ STATUS_COUNTERS = {
     "waited_for_sink_s": ("sink_wait_seconds", "Time the source held back for the packer and writer."),
 }
 ROLLOUT_STATUSES = ("ok", "errored", "cancelled")  # status.json counters of finished rollouts
-_STATUS_OTHER = frozenset({*ROLLOUT_STATUSES, "servers", "weight_reloads"})
+_STATUS_OTHER = frozenset({*ROLLOUT_STATUSES, "servers", "weight_reloads", "errors"})
 SERVER_GAUGES = {  # per server, from status.json's "servers" (running/waiting/KV: the server's own /metrics)
     "inflight": ("server_rollouts_in_flight", "Our rollouts running on the server."),
     "healthy": ("server_healthy", "1 while the server takes requests."),
@@ -80,11 +81,14 @@ class RunCollector(Collector):
 
 
 def serve(observer: RunObserver, beam_counters: BeamCounters | None, host: str, port: int) -> tuple[WSGIServer, int]:
-    """Serve /metrics on host:port from a registry of its own; returns the server and the bound port."""
+    """Serve /metrics on host:port from a registry of its own; returns the server and the bound port. A host
+    beyond loopback is warned about: the run's figures, to whoever reaches it."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RunCollector(observer, beam_counters))
     server, _thread = start_http_server(port, addr=host, registry=registry)
     _LOG.info("Prometheus metrics on http://%s:%d/metrics", host, server.server_port)
+    warn_if_open(host, server.server_port, "Prometheus /metrics: the run's figures, servers and counters, to "
+                 "whoever reaches it, unauthenticated", "logging.prometheus_host")
     return server, server.server_port
 
 
@@ -99,6 +103,10 @@ def _status_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     if finished:
         yield _labelled(CounterMetricFamily, "rollouts_finished", "Rollouts that came back, by status.",
                         "status", finished)
+    causes = {e["cause"]: float(e["count"]) for e in status.get("errors") or () if isinstance(e, Mapping)}
+    if causes:  # status.json's errors (beam_rl/source/status.py:ErrorTally): an alert can name the cause
+        yield _labelled(CounterMetricFamily, "rollout_errors", "Errored rollouts, by cause (the error's type).",
+                        "cause", causes)
     reloads = status.get("weight_reloads")
     if isinstance(reloads, list):
         yield CounterMetricFamily(PREFIX + "weight_reloads", "Weight reloads on the inference servers.",

@@ -210,6 +210,13 @@ def _rows(commits: Iterable[CommitRecord], previous: float | None, dispatch: lis
     return rows
 
 
+def error_lines(status: dict[str, Any], limit: int = 3) -> list[str]:
+    """The newest causes of errored rollouts in a run's live status (RunDir.read_status), one line each:
+    the cause, how many, and its newest example (which names the environment and row)."""
+    return [f"{entry['count']} errored: {entry['cause']}; the newest: {entry['example']}"
+            for entry in status.get("errors", [])[:limit]]
+
+
 def weight_update_summary(metrics: list[dict[str, Any]]) -> str | None:
     """The run's weight updates in one line: how many, in which modes, the engine time each took from
     each server (paused, or loading in reload mode) and the rollouts they made too stale; None before any."""

@@ -13,6 +13,7 @@ from rich.console import Group
 from rich.panel import Panel
 from rich.text import Text
 
+from beam_rl.printable import printable
 from beam_rl.rundir import RunDir
 
 # How each kind of token shows in the terminal.
@@ -81,7 +82,7 @@ class TokenText:
             return []
         text = self._text(run)
         if "\ufffd" not in text:
-            return [Piece("text", _escape(text), tuple(run))]
+            return [Piece("text", printable(text), tuple(run))]
         out: list[Piece] = []
         i = 0
         while i < len(run):
@@ -89,9 +90,9 @@ class TokenText:
                 text = self._text(run[i:j])
                 if "\ufffd" not in text:
                     if out and out[-1].kind == "text":  # one piece per stretch of text
-                        out[-1] = Piece("text", out[-1].text + _escape(text), out[-1].ids + tuple(run[i:j]))
+                        out[-1] = Piece("text", out[-1].text + printable(text), out[-1].ids + tuple(run[i:j]))
                     else:
-                        out.append(Piece("text", _escape(text), tuple(run[i:j])))
+                        out.append(Piece("text", printable(text), tuple(run[i:j])))
                     i = j
                     break
             else:
@@ -101,10 +102,6 @@ class TokenText:
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _escape(text: str) -> str:
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
 # -- choosing rollouts ------------------------------------------------------------------------------------

@@ -82,7 +82,21 @@ def merge_status(shards: list[dict[str, Any]]) -> dict[str, Any]:
     merged["waiting_for_trainer"] = any(s.get("waiting_for_trainer") for s in shards)
     merged["updated_at"] = max(s.get("updated_at", 0.0) for s in shards)
     merged["shards"] = len(shards)
+    merged["errors"] = _merged_errors(shards)
     return merged
+
+
+def _merged_errors(shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each error cause over every shard (beam_rl/source/status.py:ErrorTally): counts summed, the newest
+    example kept; the newest cause first."""
+    causes: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        for entry in shard.get("errors") or []:
+            have = causes.setdefault(entry["cause"], {**entry, "count": 0})
+            have["count"] += entry["count"]
+            if entry["last_at"] > have["last_at"]:
+                have.update(example=entry["example"], last_at=entry["last_at"])
+    return sorted(causes.values(), key=lambda entry: -entry["last_at"])
 
 
 class MetricsTail:

@@ -6,14 +6,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
-import math
-import numbers
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 from beam_rl.config import RewardSection, RunConfig
-from beam_rl.envs.base import Environment, RewardUnavailable, Trajectory
-from beam_rl.envs.plugins import PluginFailure
+from beam_rl.envs.base import Environment, RewardUnavailable, Trajectory, finite_reward
+from beam_rl.envs.plugins import PluginFailure, short_repr
 from beam_rl.loop_thread import CLOSE_TIMEOUT_S, LoopThread
 from beam_rl.scoring.judge import Judge, JudgeError
 from beam_rl.types import Rollout, RolloutStatus
@@ -173,19 +171,15 @@ def _failure(reward: EnvReward, rollout: Rollout, exc: Exception) -> Exception:
     if isinstance(exc, (PluginFailure, JudgeError, RewardFailed)):  # already name the env and what broke
         return exc
     return RewardFailed(f"env {reward.name!r}: reward raised {type(exc).__name__}: {exc}; "
-                        f"rollout {rollout.rollout_id}, row {_short(rollout.row)}")
+                        f"rollout {rollout.rollout_id}, row {short_repr(rollout.row)}")
 
 
 def _checked(value: Any, reward: EnvReward, rollout: Rollout) -> float:
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise RewardFailed(f"env {reward.name!r}: reward returned {_short(value)} ({type(value).__name__}), not a "
-                           f"finite number; rollout {rollout.rollout_id}, row {_short(rollout.row)}")
-    return float(value)
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    number = finite_reward(value)
+    if number is None:
+        raise RewardFailed(f"env {reward.name!r}: reward returned {short_repr(value)} ({type(value).__name__}), "
+                           f"not a finite number; rollout {rollout.rollout_id}, row {short_repr(rollout.row)}")
+    return number
 
 
 def assign_rewards(rollouts: Sequence[Rollout], env: Environment, settings: RewardSection | None = None) -> None:

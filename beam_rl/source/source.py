@@ -37,8 +37,17 @@ from beam_rl.source.mixing import EnvMix
 from beam_rl.source.restriction import DispatchRange, InFlight
 from beam_rl.source.schedule import PromptSchedule
 from beam_rl.source.shard import Shard
-from beam_rl.source.status import AllServersDownError, HeldBack, ServersDownWatch, StallWatch, StatusBoard
-from beam_rl.types import Rollout
+from beam_rl.source.status import (
+    AllServersDownError,
+    ErrorTally,
+    HeldBack,
+    NothingTrainsError,
+    ProgressWatch,
+    ServersDownWatch,
+    StallWatch,
+    StatusBoard,
+)
+from beam_rl.types import Rollout, RolloutStatus
 
 _LOG = logging.getLogger(__name__)
 
@@ -139,6 +148,10 @@ class RolloutSource:
         self._stall = StallWatch()
         self._servers_down = ServersDownWatch(servers, config.inference.all_servers_down_timeout_s,
                                               config.inference.startup_timeout_s)
+        self._errors = ErrorTally()
+        self._progress = ProgressWatch(config.run.stop_after_errored_groups, config.run.stop_after_failing_s,
+                                       self._errors, time.monotonic())
+        self._not_all_errored: set[str] = set()  # training groups out with a rollout that did not error
         self._admitted: dict[str, int] = {}  # training group id -> schedule position, until returned whole
         self._evaluating: set[str] = set()  # evaluation group ids, until returned whole
         self._in_transit: set[int] = set()  # positions returned whole, not yet in a committed step
@@ -289,17 +302,30 @@ class RolloutSource:
         rollouts = self._dispatcher.poll(max_wait_s)
         for rollout in rollouts:
             rollout.dispatch_worker = self._worker
+            self._note_outcome(rollout)
         for group_id in {r.group_id for r in rollouts}:
             if self._dispatcher.is_unreturned(group_id):
                 continue
             if group_id in self._admitted:
                 self._in_transit.add(self._admitted.pop(group_id))
                 self.emitted += 1
+                self._progress.group_returned(all_errored=group_id not in self._not_all_errored)
+                self._not_all_errored.discard(group_id)
             self._evaluating.discard(group_id)
         now = time.monotonic()
-        if self._status.due(now):
+        if self._status.due(now) or self._progress.too_many_errored_groups:  # the stop, at once
             self._publish_status(now)
         return rollouts
+
+    def _note_outcome(self, rollout: Rollout) -> None:
+        """Errors by cause (shown live), and what the progress watch counts of training rollouts."""
+        if rollout.status is RolloutStatus.ERROR:
+            self._errors.note(rollout, time.time())
+        if rollout.is_eval:
+            return
+        self._progress.rollout_finished(rollout)
+        if rollout.status is not RolloutStatus.ERROR:
+            self._not_all_errored.add(rollout.group_id)
 
     def in_flight(self, with_tokens: bool = False) -> InFlight:
         """What a checkpoint taken now must carry: the attempts admitted whose rollouts `poll` has not
@@ -392,5 +418,11 @@ class RolloutSource:
             "curriculum_skipped": self._curriculum_skipped,
             "mix": self._mix.summary(self._dispatcher.inflight_cap) if self._mix is not None else None,
             "servers": servers,
+            "errors": self._errors.as_status(),
             **counters,
         }, now)
+        try:  # after the status that shows why
+            self._progress.check(now, self._commits.last_step, waiting_for_trainer=self._held.reason is Hold.TRAINER)
+        except NothingTrainsError as err:
+            record_failure(self._run_dir.path, "dispatch", err)
+            raise

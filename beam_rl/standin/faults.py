@@ -1,5 +1,8 @@
 """Fault injection of the embedded server: one pydantic model that the constructor takes, the
 command line's `--fault-*` flags are derived from, and `GET/POST /faults` read and update.
+
+Faults are for tests and benchmarks: a server injects them, and serves `/faults`, only when started with
+them (a FaultConfig given to the constructor; `--enable-faults` or any `--fault-*` flag on the command line).
 """
 
 from __future__ import annotations
@@ -114,8 +117,11 @@ def scripted_choice(reply: ScriptedReply, tokenizer: Any, params: GenerationPara
 
 
 def add_fault_args(parser: argparse.ArgumentParser) -> None:
-    """One `--fault-<field>` flag per FaultConfig field (`--fault-replies TEXT...` for the list)."""
-    group = parser.add_argument_group("fault injection (also GET/POST /faults)")
+    """`--enable-faults`, and one `--fault-<field>` flag per FaultConfig field (`--fault-replies TEXT...` for
+    the list); each flag defaults to None so that `fault_config_from_args` can tell one was given."""
+    group = parser.add_argument_group("fault injection (tests and benchmarks)")
+    group.add_argument("--enable-faults", action="store_true",
+                       help="serve GET/POST /faults, to inject faults at runtime (implied by any --fault-* flag)")
     for name, field in FaultConfig.model_fields.items():
         flag = "--fault-" + name.replace("_", "-")
         default = field.get_default(call_default_factory=True)
@@ -123,12 +129,16 @@ def add_fault_args(parser: argparse.ArgumentParser) -> None:
         if kind is list:
             group.add_argument(flag, nargs="+", default=None, metavar="TEXT", help=field.description)
         else:
-            group.add_argument(flag, type=kind, default=default, help=f"{field.description} (default {default})")
+            group.add_argument(flag, type=kind, default=None, help=f"{field.description} (default {default})")
 
 
-def fault_config_from_args(args: argparse.Namespace) -> FaultConfig:
+def fault_config_from_args(args: argparse.Namespace) -> FaultConfig | None:
+    """The faults the flags set; None (faults disabled) when neither `--enable-faults` nor a `--fault-*` is given."""
     values = {name: getattr(args, "fault_" + name) for name in FaultConfig.model_fields}
-    return FaultConfig.model_validate({k: v for k, v in values.items() if v is not None})
+    given = {k: v for k, v in values.items() if v is not None}
+    if not given and not args.enable_faults:
+        return None
+    return FaultConfig.model_validate(given)
 
 
 def _scalar(annotation: Any) -> type:

@@ -105,9 +105,10 @@ class ModelGenerator:
     the unscaled log-softmax. The n choices of one request share a single prefill.
     """
 
-    def __init__(self, model_dir: str | pathlib.Path) -> None:
+    def __init__(self, model_dir: str | pathlib.Path, device: str = "cpu", dtype: str = "float32") -> None:
         self.model_dir = pathlib.Path(model_dir)
-        self.model = load_tiny_model(self.model_dir)
+        self.device = torch.device(device)
+        self.model = load_tiny_model(self.model_dir).to(device=self.device, dtype=getattr(torch, dtype))
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = int(config.max_position_embeddings)
@@ -161,7 +162,7 @@ class ModelGenerator:
                     module.set_adapter(adapter)
 
     def start(self, params: GenerationParams) -> _ModelState:
-        rng = torch.Generator()
+        rng = torch.Generator(device=self.device)  # multinomial draws with a generator on the logits' device
         # Unseeded requests draw fresh OS entropy (never the process-wide torch RNG, which callers own).
         rng.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
         return _ModelState(params, rng, [ChoiceResult() for _ in range(params.n)])
@@ -172,7 +173,7 @@ class ModelGenerator:
         self._activate(params.adapter)
         if state.cache is None:
             # One prefill for the prompt, its KV cache then fanned out to the n choices.
-            prompt = torch.tensor([params.prompt_ids], dtype=torch.long)
+            prompt = torch.tensor([params.prompt_ids], dtype=torch.long, device=self.device)
             out = self.model(input_ids=prompt, use_cache=True)
             state.cache = out.get("cache", None) or out.get("past_key_values")
             if params.n > 1:

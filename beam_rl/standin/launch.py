@@ -22,14 +22,16 @@ def start_subprocess_server(
     env: dict[str, str] | None = None,
     ready_timeout_s: float = 120.0,
     die_with_parent: bool = False,
+    api_key: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """Returns (process, base url). The caller owns the process: terminate() and wait() it.
 
     `extra_args` are more server flags, e.g. ("--fault-latency-s", "0.1", "--served-model-name", "m").
     `die_with_parent`: the server ends with the calling thread (`beam_rl.processes.die_with_parent`).
+    `api_key`: the key the server requires (`security.needs_key`), handed over in its environment.
     """
     proc = spawn_subprocess_server(model_dir, mode=mode, max_num_seqs=max_num_seqs, extra_args=extra_args,
-                                   env=env, die_with_parent=die_with_parent)
+                                   env=env, die_with_parent=die_with_parent, api_key=api_key)
     return proc, wait_until_ready(proc, ready_timeout_s)
 
 
@@ -41,6 +43,7 @@ def spawn_subprocess_server(
     extra_args: tuple[str, ...] | list[str] = (),
     env: dict[str, str] | None = None,
     die_with_parent: bool = False,
+    api_key: str | None = None,
 ) -> subprocess.Popen:
     """Start a server without waiting for it (`wait_until_ready`), so several can start side by side."""
     cmd = [sys.executable, "-m", "beam_rl.standin.server", "--port", "0", "--mode", mode]
@@ -50,6 +53,8 @@ def spawn_subprocess_server(
         cmd += ["--max-num-seqs", str(max_num_seqs)]
     cmd += list(extra_args)
     child_env = dict(os.environ if env is None else env)
+    if api_key is not None:
+        child_env["VLLM_API_KEY"] = api_key  # not `--api-key`: every local user can read a command line
     # Make this checkout importable in the child even when beam_rl is not pip-installed.
     root = str(pathlib.Path(__file__).resolve().parents[2])
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)

@@ -93,6 +93,10 @@ class SeenRequest:
 class EmbeddedServer:
     """A vLLM-compatible server on a loopback port, for tests and local runs.
 
+    `faults`: a server given a FaultConfig (even an empty one) injects its faults and serves `GET/POST
+    /faults` to change them; without one that route does not exist (404). `api_key`: required on every
+    route that may change the server's state (`security.needs_key`), not only on /v1 as in vLLM.
+
     Logprobs are those of the distribution sampled from: log-softmax of the temperature-scaled
     logits (unscaled for greedy), as recent vLLM returns by default. Pauses follow vLLM 0.32: every
     mode queues new requests until `/resume`; "keep" freezes running ones between two steps,
@@ -117,6 +121,8 @@ class EmbeddedServer:
         ssl_keyfile: str | os.PathLike | None = None,
         exit_on_death: bool = False,
         enable_lora: bool = False,
+        device: str = "cpu",
+        dtype: str = "float32",
     ) -> None:
         if mode not in ("model", "instant", "simulated"):
             raise ValueError(f"mode must be 'model', 'instant' or 'simulated', not {mode!r}")
@@ -129,8 +135,11 @@ class EmbeddedServer:
         self.tokenizer = load_tokenizer(str(self.model_dir) if self.model_dir else "tiny")
         self.texts = TokenTexts(self.tokenizer)
         self.faults = FaultInjector(faults or FaultConfig())
+        # Faults are a test's tool: the route that changes them is served only to a server started with some.
+        self.faults_enabled = faults is not None
         self.gate = PauseGate()
-        self.backend: Backend = self._make_backend(mode, max_num_seqs, kv_cache_tokens, torch_threads, simulated)
+        self.backend: Backend = self._make_backend(mode, max_num_seqs, kv_cache_tokens, torch_threads, simulated,
+                                                   device, dtype)
         # vLLM's runtime LoRA routes, served only when enabled (as vLLM with --enable-lora).
         self.lora = LoraAdapters(self.backend, self.model_dir if mode == "model" else None) if enable_lora else None
         # None = answer whatever `model` a request names; a name given here is enforced like vLLM.
@@ -153,11 +162,12 @@ class EmbeddedServer:
         self.url: str | None = None
 
     def _make_backend(self, mode: Mode, max_num_seqs: int, kv_cache_tokens: int, torch_threads: int | None,
-                      simulated: SimulatedParams | None) -> Backend:
+                      simulated: SimulatedParams | None, device: str, dtype: str) -> Backend:
         special = set(self.tokenizer.all_special_ids)
         if mode == "model":
             assert self.model_dir is not None
-            return ModelBackend(self.model_dir, max_num_seqs, self.gate, self.faults, kv_cache_tokens, torch_threads)
+            return ModelBackend(self.model_dir, max_num_seqs, self.gate, self.faults, kv_cache_tokens, torch_threads,
+                                device, dtype)
         if mode == "instant":
             return InstantBackend(len(self.tokenizer), special, max_num_seqs, self.gate, self.faults, kv_cache_tokens)
         eos = frozenset(t for t in [self.tokenizer.eos_token_id] if t is not None)
@@ -184,9 +194,8 @@ class EmbeddedServer:
                 web.post("/resume", self._resume),
                 web.get("/is_paused", self._is_paused),
                 web.post("/reset_prefix_cache", self._reset_prefix_cache),
-                web.get("/faults", self._get_faults),
-                web.post("/faults", self._set_faults),
                 web.get("/simulated/trace", self._trace),
+                *(self._fault_routes() if self.faults_enabled else []),
                 *(self.lora.routes() if self.lora is not None else []),
             ]
         )
@@ -523,6 +532,9 @@ class EmbeddedServer:
         self.backend.prefix_cache.reset()
         return web.json_response({"status": "ok"})
 
+    def _fault_routes(self) -> list[web.RouteDef]:
+        return [web.get("/faults", self._get_faults), web.post("/faults", self._set_faults)]
+
     async def _get_faults(self, request: web.Request) -> web.Response:
         return web.json_response(self.faults.config.model_dump())
 
@@ -574,7 +586,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--torch-threads", type=int, default=1, help="intra-op threads; 1 suits a tiny model and many servers per host"
     )
     parser.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                        help="require `Authorization: Bearer KEY` on /v1/* (default: $VLLM_API_KEY, if set)")
+                        help="require `Authorization: Bearer KEY` on /v1/* and on every route that changes the "
+                        "server's state (default: $VLLM_API_KEY, if set; the variable keeps the key out of `ps`)")
     parser.add_argument("--ssl-keyfile", default=None, help="serve https with this PEM private key")
     parser.add_argument("--ssl-certfile", default=None, help="serve https with this PEM certificate")
     parser.add_argument("--enable-lora", action="store_true",

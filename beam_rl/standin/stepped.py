@@ -154,8 +154,9 @@ class ModelBackend(_SteppedBackend):
     like a batch scheduler. `step_delay_s` sleeps on the model thread: a slower GPU."""
 
     def __init__(self, model_dir: str | pathlib.Path, max_num_seqs: int, gate: PauseGate, faults: FaultInjector,
-                 kv_cache_tokens: int, torch_threads: int | None = 1) -> None:
-        self.generator = ModelGenerator(model_dir)
+                 kv_cache_tokens: int, torch_threads: int | None = 1, device: str = "cpu",
+                 dtype: str = "float32") -> None:
+        self.generator = ModelGenerator(model_dir, device, dtype)
         super().__init__(self.generator.vocab_size, self.generator.max_model_len, max_num_seqs, gate, faults,
                          kv_cache_tokens)
         if torch_threads is not None:

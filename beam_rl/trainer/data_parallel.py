@@ -10,7 +10,7 @@ layout, STABLE) and records the step's metrics.
 Why an all-reduce of the gradients and not DistributedDataParallel's hooks: the packer gives ranks the
 same tokens but not the same number of micro-batches, and a rank may have none with a trainable token;
 DDP needs every rank to run the same number of backward passes. The sum is what DDP computes, once per
-step instead of bucket by bucket. Gloo on CPU.
+step instead of bucket by bucket. Gloo on CPU, NCCL on CUDA.
 
     beam-rl train --run-dir RUN --nproc 2
     torchrun --nproc-per-node 2 -m beam_rl.trainer.data_parallel --run-dir RUN
@@ -69,7 +69,7 @@ class DataParallelTrainer(ReferenceTrainer):
         return StepReader(self.run, self.rank).read_step(step, record=record)
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)  # NCCL reduces on the GPU only
         dist.all_reduce(tensor)
         return tensor.tolist()
 
@@ -87,7 +87,7 @@ class DataParallelTrainer(ReferenceTrainer):
     def _reduce_stats(self, total: float, stats: PolicyLossStats) -> tuple[float, PolicyLossStats]:
         total, tokens, ratio_sum, clipped, kl_sum = self._sum_over_ranks(
             [total, stats.tokens, stats.ratio_sum, stats.clipped, stats.mismatch_kl_sum])
-        extremes = torch.tensor([stats.ratio_min, -stats.ratio_max], dtype=torch.float64)
+        extremes = torch.tensor([stats.ratio_min, -stats.ratio_max], dtype=torch.float64, device=self.device)
         dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
         return total, PolicyLossStats(tokens=int(tokens), ratio_sum=ratio_sum, ratio_min=float(extremes[0]),
                                       ratio_max=-float(extremes[1]), clipped=int(clipped), mismatch_kl_sum=kl_sum)
@@ -99,8 +99,13 @@ class DataParallelTrainer(ReferenceTrainer):
 
 
 def train_rank(run_dir: str, model_dir: str, trainer: TrainerSection, max_steps: int, seed: int) -> None:
-    """One rank, torch.distributed set up from the environment torchrun (or `launch`) gives it."""
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    """One rank, torch.distributed set up from the environment torchrun (or `launch`) gives it: gloo on CPU, NCCL
+    on CUDA with the rank on the device of its LOCAL_RANK (`trainer.device = "cuda"` names the current device)."""
+    backend = "gloo"
+    if trainer.device.startswith("cuda"):
+        backend = "nccl"
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         torch.set_num_threads(trainer.threads)
         DataParallelTrainer(run_dir, model_dir, trainer, seed).train(max_steps)

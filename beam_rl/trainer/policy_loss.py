@@ -38,18 +38,24 @@ def sampled_token_logprobs(
 
 def check_packed_attention(model: torch.nn.Module, atol: float = 1e-4) -> None:
     """Raise RuntimeError unless the model keeps attention inside each packed sample (see sampled_token_logprobs)."""
-    vocab = int(model.get_input_embeddings().weight.shape[0])
-    first = torch.arange(1, 6) % vocab
-    second = torch.arange(6, 10) % vocab
+    embeddings = model.get_input_embeddings().weight
+    vocab, device = int(embeddings.shape[0]), embeddings.device
+    first = torch.arange(1, 6, device=device) % vocab
+    second = torch.arange(6, 10, device=device) % vocab
+
+    def positions(n: int) -> torch.Tensor:
+        return torch.arange(n, device=device)
+
     with torch.no_grad():
         packed = sampled_token_logprobs(
             model,
             torch.cat([first, second]),
-            torch.cat([torch.arange(len(first)), torch.arange(len(second))]),
-            torch.ones(len(first) + len(second)),
+            torch.cat([positions(len(first)), positions(len(second))]),
+            torch.ones(len(first) + len(second), device=device),
         )
         alone = torch.cat([
-            sampled_token_logprobs(model, seq, torch.arange(len(seq)), torch.ones(len(seq))) for seq in (first, second)
+            sampled_token_logprobs(model, seq, positions(len(seq)), torch.ones(len(seq), device=device))
+            for seq in (first, second)
         ])
     error = float((packed - alone).abs().max())
     if not error <= atol:

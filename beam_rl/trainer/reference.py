@@ -77,12 +77,15 @@ class ReferenceTrainer:
             validate_checkpoint(latest[1], self.model_dir, lora=config.lora is not None)
         self.start_step = 1 if latest is None else latest[0] + 1
         self.step = self.start_step  # the next step to train
+        self.device = torch.device(config.device)
         if config.lora is None:
-            self.model = _load_policy(self.model_dir if latest is None else latest[1]).train()
+            model = _load_policy(self.model_dir if latest is None else latest[1])
         else:
-            self.model = with_lora(_load_policy(self.model_dir), config.lora, seed,
-                                   adapter_dir=None if latest is None else latest[1]).train()
-        check_packed_attention(self.model)
+            model = with_lora(_load_policy(self.model_dir), config.lora, seed,
+                              adapter_dir=None if latest is None else latest[1])
+        # Checked on the device in float32: the masking is what is checked, and bfloat16's rounding would hide it.
+        check_packed_attention(model.to(self.device))
+        self.model = model.to(dtype=getattr(torch, config.dtype)).train()
         # LoRA freezes the base: only what trains is optimised, clipped and (data-parallel) summed.
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=config.lr, weight_decay=config.weight_decay)
@@ -201,14 +204,13 @@ class ReferenceTrainer:
         for mb, mask in zip(micro_batches, trainable):
             if not mask.any():
                 continue
-            logp_new = sampled_token_logprobs(
-                self.model, _tensor(mb["input_ids"]), _tensor(mb["position_ids"]), _tensor(mb["temperatures"])
-            )
+            logp_new = sampled_token_logprobs(self.model, self.as_tensor(mb["input_ids"]),
+                                              self.as_tensor(mb["position_ids"]), self.as_tensor(mb["temperatures"]))
             loss, mb_stats = clipped_policy_loss(
                 logp_new,
-                _tensor(mb["logprobs"]),
-                _tensor(mb["advantages"]),
-                torch.from_numpy(mask),
+                self.as_tensor(mb["logprobs"]),
+                self.as_tensor(mb["advantages"]),
+                self.as_tensor(mask),
                 clip_eps_low=cfg.clip_eps_low,
                 clip_eps_high=cfg.clip_eps_high,
                 num_tokens=num_tokens,
@@ -227,6 +229,10 @@ class ReferenceTrainer:
             )
         self.optimizer.step()
         return total, stats, grad_norm
+
+    def as_tensor(self, array: np.ndarray) -> torch.Tensor:
+        # A copy on the trainer's device: the reader's arrays are read-only views of the memory-mapped file.
+        return torch.tensor(np.asarray(array), device=self.device)
 
     def _wait_for_step(self, step: int, timeout_s: float | None) -> bool:
         """True once `step` is committed; False if stopped first, or if the run's input ended with an earlier
@@ -304,8 +310,3 @@ def _check_positions(mb: MicroBatchArrays, run: RunDir, step: int) -> None:
             f"{run.step_dir(step)}: micro-batch {mb['micro_batch']} has position_ids that do not restart at 0 "
             "on every sample (by seq_len)"
         )
-
-
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    # A copy: the reader's arrays are read-only views of the memory-mapped file.
-    return torch.tensor(np.asarray(array))
