@@ -201,18 +201,20 @@ def test_inline_process_and_tcp_env_servers_train_on_prism(tok, tmp_path, monkey
 
 
 def test_an_environment_under_another_python_is_described_once_a_process(tok, toy_env_on_path, tmp_path):
-    """A worker's stages each build the environment; the taskset is read under its python once, not once
-    each (every read there is an interpreter importing verifiers)."""
+    """A worker's stages each build the environment; the taskset is read, and its harness set up, under its
+    python once, not once each (every run there is an interpreter importing verifiers)."""
     from beam_rl.envs.env_servers import _described_under
+    from beam_rl.envs.verifiers_episodes import _set_up
 
     calls = tmp_path / "calls"
     python = tmp_path / "counting-python"
     python.write_text(f'#!/bin/sh\necho x >> "{calls}"\nPYTHONPATH="{PACKAGE}" exec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
     _described_under.cache_clear()
+    _set_up.cache_clear()
     envs = [make_env("verifiers", tok, max_turns=4, env="vf_toy_mt", server="process", python=str(python),
                      config={"taskset": {"num_tasks": 3}}) for _ in range(2)]
-    assert calls.read_text().count("x") == 1
+    assert calls.read_text().count("x") == 2  # one read, one set-up
     assert envs[0].load_rows() == envs[1].load_rows() and len(envs[0].load_rows()) == 3
     envs[0].load_rows()[0]["a"] = -1  # each environment's rows are its own
     assert envs[1].load_rows()[0]["a"] != -1

@@ -6,15 +6,28 @@ sends them, so each is a turn of the rollout, sampled by the dispatcher's client
 (what the harness or a tool wrote is the template's ids between turns, masked out of the loss). The
 environment runs in the dispatch worker (`server = "inline"`), or in an env server: one beam-rl starts in
 a process of its own, with its own Python if given (`"process"`), or one at an address (`"tcp://..."`),
-spoken to with verifiers' env-server protocol (beam_rl/envs/env_servers.py).
+spoken to with verifiers' env-server protocol (beam_rl/envs/env_servers.py). Its harnesses are set up
+(what they install, into the project's cache) when it is built, not by its first episodes
+(beam_rl/envs/verifiers_setup.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import copy
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+from beam_rl.cache import cache_root
+from beam_rl.envs import verifiers_setup
 from beam_rl.envs.base import (
     CompletionClient,
     DatasetEnvironment,
@@ -23,7 +36,14 @@ from beam_rl.envs.base import (
     Trajectory,
     chat_prompt_ids,
 )
-from beam_rl.envs.env_servers import EnvServerError, EnvServerRestarted, describe_env, env_server, proxy_client
+from beam_rl.envs.env_servers import (
+    EnvServerError,
+    EnvServerRestarted,
+    describe_env,
+    env_server,
+    interpreter_env,
+    proxy_client,
+)
 from beam_rl.envs.loop_local import loop_local
 from beam_rl.envs.multi_turn import FollowUps
 from beam_rl.envs.proxy import LOOPBACK, Endpoint, Episode, check_address, shared_proxy
@@ -57,6 +77,56 @@ def task_messages(data: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+TLS_TRUST = ("SSL_CERT_FILE", "SSL_CERT_DIR")  # where uv (and pip) find the CAs to trust
+
+
+def harness_install_env(python: str | None = None) -> dict[str, str]:
+    """Where the harnesses' installs go: `cache_root()/verifiers` (uv, the packages, the script environments),
+    with the `uv` found on PATH or beside `python` (this one's by default) linked in, so none is installed."""
+    beside = Path(python or sys.executable).parent / "uv"
+    uv = shutil.which("uv") or (str(beside) if beside.exists() else None)
+    # The package index is reached as the set-up reached it: an env server's environment holds no TLS trust
+    # roots of the worker's (a host behind a TLS-inspecting proxy names its CA there), the harness's does.
+    trust = {name: os.environ[name] for name in TLS_TRUST if name in os.environ}
+    return {**verifiers_setup.install_env(str(cache_root() / "verifiers"), os.environ.get("PATH", os.defpath), uv),
+            **trust}
+
+
+def set_up_harnesses(env_id: str, config: dict[str, Any], python: str | None, timeout_s: float,
+                     pass_env: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Each seat's harness (on the subprocess runtime) set up within `timeout_s`, here or under `python` (in the
+    environment its env server gets), once a process: {seat: its pinned harness config}. ValueError, one line,
+    naming the harness, when it cannot be."""
+    try:
+        return copy.deepcopy(_set_up(json.dumps(config, sort_keys=True), python, timeout_s, pass_env))
+    except ValueError as exc:
+        raise ValueError(f"verifiers env {env_id!r}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _set_up(config: str, python: str | None, timeout_s: float,
+            pass_env: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    env = harness_install_env(python)
+    if python is None:
+        # In a thread: the caller may be inside an event loop; the prepared programs stay known to this
+        # process's subprocess runtimes (verifiers keeps them per process), so episodes reuse them.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(verifiers_setup.set_up_within, json.loads(config), env, timeout_s).result()
+    else:
+        done = subprocess.run([python, verifiers_setup.__file__, config, json.dumps(env), str(timeout_s)],
+                              capture_output=True, text=True, timeout=timeout_s + 300, check=False,
+                              env=interpreter_env(python, pass_env))
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines:
+            tail = done.stderr.strip().splitlines()
+            raise ValueError(f"its harnesses could not be set up: {python} exited with status {done.returncode}"
+                             + (f": {tail[-1]}" if tail else ""))
+        answer = json.loads(lines[-1])
+    if "error" in answer:
+        raise ValueError(answer["error"])
+    return answer["harnesses"]
+
+
 class _InlineEnv:
     """The environment in this process, serving (its tool servers and interception up) while the loop runs."""
 
@@ -87,11 +157,12 @@ class VerifiersEpisodes(DatasetEnvironment):
     """`env` is the environment's id (its module: an installed package, or one on PYTHONPATH), `config` its
     verifiers config (`taskset`, `agent`, the env's own keys; the agent's runtime defaults to a local
     subprocess and its `max_turns` to this entry's). `server` is "inline", "process" (with `python`, the
-    interpreter of another virtualenv) or "tcp://HOST:PORT"; `timeout_s` bounds an episode, and an
-    episode whose server died under it runs again up to `max_restarts` times. An env server on another
-    host reaches the inference proxy at `proxy_advertise` where it listens on `proxy_host`. A "process"
-    server gets the environment an agent's program gets (no credential of the worker's) plus the variables
-    `pass_env` names (a key the environment's own tools need)."""
+    interpreter of another virtualenv) or "tcp://HOST:PORT"; each seat's harness is set up when this is built
+    (inline, process: `setup_timeout_s`, into the project's cache; beam_rl/envs/verifiers_setup.py);
+    `timeout_s` bounds an episode, and an episode whose server died under it runs again up to `max_restarts`
+    times. An env server on another host reaches the inference proxy at `proxy_advertise` where it listens
+    on `proxy_host`. A "process" server gets the environment an agent's program gets (no credential of the
+    worker's) plus the variables `pass_env` names (a key the environment's own tools need)."""
 
     name = "verifiers"
     multi_turn = True
@@ -106,6 +177,7 @@ class VerifiersEpisodes(DatasetEnvironment):
         server: str = "inline",
         python: str | None = None,
         timeout_s: float = 600.0,
+        setup_timeout_s: float = 600.0,
         startup_timeout_s: float = 120.0,
         max_restarts: int = 3,
         proxy_host: str = LOOPBACK,
@@ -126,8 +198,8 @@ class VerifiersEpisodes(DatasetEnvironment):
         raw = dict(config or {})
         agent = {"runtime": {"type": "subprocess"}, "max_turns": max_turns, **raw.pop("agent", {})}
         raw = {**raw, "taskset": {**raw.get("taskset", {}), "id": env}, "agent": agent}
-        if timeout_s <= 0 or max_restarts < 0:
-            raise ValueError("timeout_s must be > 0 and max_restarts >= 0")
+        if timeout_s <= 0 or setup_timeout_s <= 0 or max_restarts < 0:
+            raise ValueError("timeout_s and setup_timeout_s must be > 0 and max_restarts >= 0")
         if server == "inline" and python is not None:
             raise ValueError(f"verifiers env {env!r}: `python` runs it in a process of its own (server = \"process\")")
         if server != "process" and pass_env:
@@ -142,6 +214,9 @@ class VerifiersEpisodes(DatasetEnvironment):
             self.config, self._rows = describe_env(raw, python if server != "inline" else None, passed)
         except ValueError as exc:
             raise ValueError(f"verifiers env {env!r} cannot be loaded: {exc}") from None
+        if server in ("inline", "process"):  # a server at an address sets its harnesses up on its own host
+            for seat, harness in set_up_harnesses(env, self.config, python, setup_timeout_s, passed).items():
+                self.config[seat]["harness"] = harness
         self._server = None if server == "inline" else env_server(
             env, server, self.config, python=python, startup_timeout_s=startup_timeout_s, pass_env=passed)
         stops = self.stop_token_ids()
