@@ -62,9 +62,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 # What a child running code beam-rl did not write (an agent's program, an env server) is given of this process's
-# environment: enough to find programs and a Python, a home and the locale; never the run's credentials
-# (inference and judge API keys, a cloud's tokens).
-PASSED_ON = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH")
+# environment: enough to find programs and a Python, a home, the locale and the TLS trust roots (a host behind a
+# TLS-inspecting proxy names its CA there: trust, not a credential); never the run's credentials (inference and
+# judge API keys, a cloud's tokens).
+PASSED_ON = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH", "SSL_CERT_FILE", "SSL_CERT_DIR")
 
 
 def scrubbed_env(pass_env: Iterable[str] = (), drop: Iterable[str] = ()) -> dict[str, str]:

@@ -108,12 +108,13 @@ WORKER_SECRETS = {"VLLM_API_KEY": SECRET, "OPENAI_API_KEY": SECRET, "AWS_SECRET_
 @pytest.fixture
 def fake_python(tmp_path: Path) -> tuple[Path, Path]:
     """An "interpreter" that writes the environment it was given to a file and, asked to describe an
-    environment, prints it as the resolved config: what a real env server's Python would see."""
+    environment or to set up its harnesses, answers both at once (the resolved config, no harness to set up):
+    what a real env server's Python would see."""
     seen = tmp_path / "environ.json"
     script = tmp_path / "python"
     script.write_text(f"#!{sys.executable}\nimport json, os\n"
                       f"open({str(seen)!r}, 'w').write(json.dumps(dict(os.environ)))\n"
-                      "print(json.dumps({'config': {'taskset': {'id': 'toy'}}, 'rows': [{'q': 1}]}))\n")
+                      "print(json.dumps({'config': {'taskset': {'id': 'toy'}}, 'rows': [{'q': 1}], 'harnesses': {}}))\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return script, seen
 

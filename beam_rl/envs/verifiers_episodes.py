@@ -77,19 +77,12 @@ def task_messages(data: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-TLS_TRUST = ("SSL_CERT_FILE", "SSL_CERT_DIR")  # where uv (and pip) find the CAs to trust
-
-
 def harness_install_env(python: str | None = None) -> dict[str, str]:
     """Where the harnesses' installs go: `cache_root()/verifiers` (uv, the packages, the script environments),
     with the `uv` found on PATH or beside `python` (this one's by default) linked in, so none is installed."""
     beside = Path(python or sys.executable).parent / "uv"
     uv = shutil.which("uv") or (str(beside) if beside.exists() else None)
-    # The package index is reached as the set-up reached it: an env server's environment holds no TLS trust
-    # roots of the worker's (a host behind a TLS-inspecting proxy names its CA there), the harness's does.
-    trust = {name: os.environ[name] for name in TLS_TRUST if name in os.environ}
-    return {**verifiers_setup.install_env(str(cache_root() / "verifiers"), os.environ.get("PATH", os.defpath), uv),
-            **trust}
+    return verifiers_setup.install_env(str(cache_root() / "verifiers"), os.environ.get("PATH", os.defpath), uv)
 
 
 def set_up_harnesses(env_id: str, config: dict[str, Any], python: str | None, timeout_s: float,
