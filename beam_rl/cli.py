@@ -131,7 +131,7 @@ def _decision_lines(run_dir: RunDir, steps: list[int]) -> list[str]:
 def _cmd_inspect_samples(args: argparse.Namespace) -> int:
     """Rollouts of one step's window as text (`--step N --samples K`, or `--rollout ID`); a bad step, an
     unknown rollout or a damaged window is one red line and exit status 2."""
-    from beam_rl.components import tokenizer_for
+    from beam_rl.model.location import tokenizer_for
     from beam_rl.observe.rollout_text import RolloutNotFound, TokenText, find_step, rollout_panel, window_rows
     from beam_rl.packing.goodput import describe
 
@@ -240,7 +240,7 @@ def preflight(config: RunConfig, source: str) -> RunDir:
 def check_model(config: RunConfig, source: str) -> None:
     """model.name is "tiny" or a local Hugging Face directory with a model config, a tokenizer that loads,
     and (where a server or the trainer here loads it) safetensors weights; ConfigError at model.name."""
-    from beam_rl import components
+    from beam_rl.model import location
     from beam_rl.rundir.checkpoint_shapes import CheckpointError, tensor_shapes
 
     if config.model.name == "tiny":
@@ -265,7 +265,7 @@ def check_model(config: RunConfig, source: str) -> None:
             return (f"{path / 'config.json'}: transformers cannot load this model "
                     f"({type(err).__name__}: {str(err).splitlines()[0]})")
         try:
-            components.tokenizer_for(config.model.name)
+            location.tokenizer_for(config.model.name)
         except Exception as err:  # transformers raises many kinds for a directory it cannot use
             return f"{path}: its tokenizer does not load ({type(err).__name__}: {str(err).splitlines()[0]})"
         if not config.inference.urls or config.trainer.kind == "reference":
@@ -286,9 +286,9 @@ def check_context(config: RunConfig, source: str) -> None:
     """model.max_context and inference.max_tokens fit the model's own context (its config.json's
     max_position_embeddings, where it says): a server would refuse every longer request. ConfigError naming
     each key over it."""
-    from beam_rl import components
+    from beam_rl.model import location
 
-    path = components.model_dir(config) / "config.json"
+    path = location.model_dir(config) / "config.json"
     context = json.loads(path.read_bytes()).get("max_position_embeddings")
     if not isinstance(context, int):
         return
@@ -301,14 +301,14 @@ def check_context(config: RunConfig, source: str) -> None:
 
 def check_lora_targets(config: RunConfig, source: str) -> None:
     """Every module trainer.lora.target_modules names is a weight matrix of the model; ConfigError naming it."""
-    from beam_rl import components
+    from beam_rl.model import location
     from beam_rl.rundir.checkpoint_shapes import CheckpointError, matrix_module_names
 
     lora = config.trainer.lora
     if lora is None:
         return
     try:
-        modules = matrix_module_names(components.model_dir(config))
+        modules = matrix_module_names(location.model_dir(config))
     except CheckpointError:
         return  # no weights here: nothing trains a LoRA adapter in this process, and check_model said so
     missing = [name for name in lora.target_modules if name not in modules]
@@ -334,7 +334,7 @@ def check_run_records(run_dir: RunDir) -> None:
 def check_published_weights(run_dir: RunDir, config: RunConfig) -> None:
     """The newest weights the trainer published (STABLE) fit the model: every server loads them before
     any group starts, and the trainer resumes from them. RunDirError naming the directory otherwise."""
-    from beam_rl import components
+    from beam_rl.model import location
     from beam_rl.rundir.checkpoint_shapes import CheckpointError, validate_checkpoint
 
     latest = run_dir.latest_stable_weights()
@@ -342,7 +342,7 @@ def check_published_weights(run_dir: RunDir, config: RunConfig) -> None:
         return
     step, path = latest
     try:
-        validate_checkpoint(path, components.model_dir(config), lora=config.trainer.lora is not None)
+        validate_checkpoint(path, location.model_dir(config), lora=config.trainer.lora is not None)
     except CheckpointError as err:
         raise RunDirError(f"the newest published weights, step {step}, cannot be loaded: {err}. Remove {path} "
                           "and the run resumes from the weights published before them") from None
@@ -391,9 +391,9 @@ def _pipeline_stopped(err: BaseException, run_dir: RunDir, since: float, again: 
 
 
 def _cmd_rollouts(args: argparse.Namespace) -> int:
-    from beam_rl.servers import inference_servers
+    from beam_rl.job.servers import inference_servers
     from runners.beam_log import route_beam_output
-    from runners.rollout_job import run_rollouts
+    from beam_rl.job.rollouts import run_rollouts
 
     path = _given_config(args)
     if path is None:
@@ -447,7 +447,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if last is not None:
         console.print(f"resuming {config.run.dir}: steps 1..{last} are committed, continuing at {last + 1}")
     from runners.beam_log import route_beam_output
-    from runners.job import run_job  # the CLI is the one domain module that reaches the runners
+    from beam_rl.job.run import run_job  # the CLI is the one domain module that reaches the runners
 
     route_beam_output(run_dir.path)
     since = time.time()
@@ -467,7 +467,7 @@ def _run_complete(config: RunConfig, last: int | None) -> bool:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from beam_rl import components
+    from beam_rl.model import location
     from beam_rl.config import config_from_dict
     from beam_rl.trainer.reference import run_trainer
 
@@ -482,11 +482,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if nproc > 1:
         from beam_rl.trainer.data_parallel import launch
 
-        launch(run_dir.path, components.model_dir(config), config.trainer, config.run.max_steps, nproc,
+        launch(run_dir.path, location.model_dir(config), config.trainer, config.run.max_steps, nproc,
                seed=config.run.seed)
         return 0
     torch.set_num_threads(config.trainer.threads)
-    run_trainer(run_dir, components.model_dir(config), config.trainer, config.run.max_steps, seed=config.run.seed)
+    run_trainer(run_dir, location.model_dir(config), config.trainer, config.run.max_steps, seed=config.run.seed)
     return 0
 
 

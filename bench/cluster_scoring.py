@@ -21,7 +21,7 @@ from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer
 from runners.flink_cluster import start_cluster
-from runners.rollout_job import run_rollouts
+from beam_rl.job.rollouts import run_rollouts
 
 GROUP_SIZE, ROLLOUTS_PER_STEP = 8, 64
 

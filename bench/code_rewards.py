@@ -23,7 +23,7 @@ from rich.table import Table
 from beam_rl.envs import make_env
 from beam_rl.envs.base import Trajectory
 from beam_rl.envs.code import Code, extract_program
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Turn
 from bench.results import write_results
 

@@ -30,7 +30,7 @@ VARIANTS = {
 
 
 def run_variant(name: str, curriculum: dict | None, rows: int, root: Path) -> dict[str, Any]:
-    from runners.job import run_job
+    from beam_rl.job.run import run_job
 
     base = load_config("configs/tiny.toml")
     env = base.envs[0].model_copy(update={

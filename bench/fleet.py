@@ -25,8 +25,8 @@ from beam_rl import components
 from beam_rl.config import config_from_dict
 from beam_rl.dispatch import DispatcherThread
 from beam_rl.inference.client import InferenceClient
-from beam_rl.tinymodel import tiny_model_dir
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tiny import tiny_model_dir
+from beam_rl.model.tokenizer import load_tokenizer
 from bench.procs import servers as start_servers
 from bench.run import SIM_SMALL
 from bench.utilization import SyntheticEnv, _traces, full_share, make_groups

@@ -31,7 +31,7 @@ from beam_rl.processes import stop_processes
 from beam_rl.rundir import CommitRecord, RunDir
 from beam_rl.source import admission
 from beam_rl.standin.launch import start_subprocess_server
-from beam_rl.tinymodel import tiny_model_dir
+from beam_rl.model.tiny import tiny_model_dir
 from beam_rl.trainer.reader import StepReader
 
 # "cancel" is the behaviour before issue 13: reload under running requests, no streaming, a failed server's
@@ -205,7 +205,7 @@ def _admission_blind_to_the_bound() -> Iterator[None]:
 
 
 def run_config(name: str, bound: int, size: dict[str, Any], max_async_level: int = 1) -> dict[str, Any]:
-    from runners.rollout_job import run_rollouts  # Beam: only where a pipeline runs
+    from beam_rl.job.rollouts import run_rollouts  # Beam: only where a pipeline runs
 
     overrides = CONFIGS[name]
     fleet = Fleet(size)

@@ -35,7 +35,7 @@ from beam_rl.envs.arithmetic import first_integer
 from beam_rl.rundir import RunDir
 from bench import reward_stage
 from bench.results import write_results
-from runners.job import run_job
+from beam_rl.job.run import run_job
 
 PROMPT = "Grade the answer to a sum.\nanswer: {answer}\ncompletion: {completion!r}"
 _GRADED = re.compile(r"answer: (-?[0-9]+)\ncompletion: (.*)\Z", re.DOTALL)

@@ -4,8 +4,8 @@
     .venv/bin/python -m bench.logging_overhead --pairs 6 --out bench/logging_overhead.json
 
 "On" is W&B offline (with its samples table: beam_rl.observe.rollout_text.tracker_sample_rows), TensorBoard and
-Prometheus /metrics scraped once a second. The bench's pipeline (runners.rollout_job.run_rollouts) has no
-run observer; the job (runners/job.py) polls one every 0.5 s in the orchestrator's process beside the
+Prometheus /metrics scraped once a second. The bench's pipeline (beam_rl.job.rollouts.run_rollouts) has no
+run observer; the job (beam_rl/job/run.py) polls one every 0.5 s in the orchestrator's process beside the
 pipeline, so it runs here likewise, on a thread, then is closed. Runs alternate off, on, off, on, ... on the same servers. Per run: the
 pipeline's wall time and sustained rollouts/s; the CPU of this process tree (Prism and W&B's service
 process included, the inference servers not) per rollout, with and without opening the trackers (once
@@ -127,7 +127,7 @@ class _Follower(threading.Thread):
 def one_run(size: dict[str, Any], urls: list[str], server_pids: set[int], logging_on: bool,
             keep: Path | None = None) -> dict[str, Any]:
     """One pipeline run, with all logging on or all off; `keep`: copy its run directory there."""
-    from runners.rollout_job import run_rollouts  # Beam: only where a pipeline runs
+    from beam_rl.job.rollouts import run_rollouts  # Beam: only where a pipeline runs
 
     with tempfile.TemporaryDirectory(prefix="bench-logging-") as run_dir:
         config = bench_config(run_dir, urls, size, "direct")

@@ -70,9 +70,9 @@ def run(config_dict: dict[str, Any]) -> None:
     """The run to its end, on one embedded server per shard answering REPLIES, beside a stand-in trainer."""
     from beam_rl.standin.faults import FaultConfig
     from beam_rl.standin.server import EmbeddedServer
-    from beam_rl.tinymodel import tiny_model_dir
+    from beam_rl.model.tiny import tiny_model_dir
     from bench.goodput import PublishEveryStep
-    from runners.rollout_job import run_rollouts
+    from beam_rl.job.rollouts import run_rollouts
 
     config = config_from_dict(config_dict)
     run_dir = RunDir(config.run.dir)

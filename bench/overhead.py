@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from beam_rl import components
+from beam_rl.model.location import tokenizer_for
 from beam_rl.config import RunConfig, config_from_dict
 from beam_rl.envs.base import Trajectory
 from beam_rl.rundir import RunDir
@@ -87,7 +88,7 @@ class _CommitWatcher(threading.Thread):
 
 
 def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
-    from runners.rollout_job import run_rollouts  # Beam: only where a pipeline runs
+    from beam_rl.job.rollouts import run_rollouts  # Beam: only where a pipeline runs
 
     per_step = size["rollouts_per_step"]
     with procs.servers(size["pipeline_servers"], "instant", 1024) as (urls, server_pids), \
@@ -165,7 +166,7 @@ def plain_loop(size: dict[str, Any]) -> dict[str, Any]:
         config = bench_config(run_dir, ["http://unused"], size, "direct")
         envs = components.build_envs(config)
         env = envs[ENV]
-        tokenizer = components.tokenizer_for(config.model.name)
+        tokenizer = tokenizer_for(config.model.name)
         generator = InstantGenerator(len(tokenizer), set(tokenizer.all_special_ids))
         schedule = components.build_schedule(config, envs)
         algorithm = components.algorithms(config)[ENV]

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from rich.console import Console
 
-from beam_rl.components import tokenizer_for
+from beam_rl.model.location import tokenizer_for
 from beam_rl.observe.replay import replay_steps, run_config
 from beam_rl.observe.rollout_text import TokenText, rollout_panel, step_sample_rows, window_rows
 from beam_rl.rundir import RunDir

@@ -26,7 +26,7 @@ from beam_rl.config import config_from_dict
 from beam_rl.envs import make_env
 from beam_rl.envs.base import Trajectory
 from beam_rl.envs.code import Code
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, Turn
 from bench.code_rewards import MIXES, measure, program
 from bench.results import write_results

@@ -44,7 +44,7 @@ from beam_rl.inference import client as inference_client
 from beam_rl.inference.sse import EventData
 from beam_rl.standin.fleet import start_fleet
 from beam_rl.standin.simulated import SimulatedParams
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import GroupRequest
 from bench.fleet import occupied_share
 from bench.procs import cpu_s

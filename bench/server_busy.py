@@ -16,8 +16,8 @@ import httpx
 from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer
-from beam_rl.tinymodel import tiny_model_dir
-from runners.rollout_job import run_rollouts
+from beam_rl.model.tiny import tiny_model_dir
+from beam_rl.job.rollouts import run_rollouts
 
 
 def _busy_seconds(url: str) -> float:

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from beam_rl import components
+from beam_rl.model.location import tokenizer_for
 from beam_rl.rundir import RunDir
 from beam_rl.scoring.group import score_group
 from beam_rl.standin.generator import InstantGenerator
@@ -26,7 +27,7 @@ def measure(size: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-sink-") as run_dir:
         config = bench_config(run_dir, ["http://unused"], size, "direct")
         envs = components.build_envs(config)
-        tokenizer = components.tokenizer_for(config.model.name)
+        tokenizer = tokenizer_for(config.model.name)
         generator = InstantGenerator(len(tokenizer), set(tokenizer.all_special_ids))
         schedule = components.build_schedule(config, envs)
         algorithm, filters = components.algorithms(config)[ENV], components.pre_batch_filters(config)

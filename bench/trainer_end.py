@@ -29,7 +29,7 @@ from beam_rl.inference.types import SamplingParams
 from beam_rl.packing.packer import pack_for_ranks
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer
-from beam_rl.tinymodel import write_llama_model
+from beam_rl.model.tiny import write_llama_model
 from beam_rl.trainer import data_parallel
 from beam_rl.trainer.reference import run_trainer
 from beam_rl.types import Sample, TrainBatch

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from beam_rl.dispatch import Dispatcher, DispatcherThread
 from beam_rl.envs.base import CompletionClient, Environment, SamplingParams, Trajectory
 from beam_rl.inference.client import InferenceClient
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import GroupRequest, Turn
 
 FULL = 0.95  # a server counts as full with >= 95% of max_num_seqs running

@@ -63,7 +63,7 @@ def _drive(config_path: str, urls: list[str], out: str) -> None:
     """Runs one rollout pipeline to its end, then writes every rollout of the committed windows to `out`."""
     from beam_rl.config import config_from_dict
     from beam_rl.rundir import RunDir
-    from runners import rollout_job
+    from beam_rl.job import rollouts as rollout_job
 
     config = config_from_dict(json.loads(Path(config_path).read_text()))
     rollout_job.run_rollouts(config, urls, config.run.dir, with_trainer=False)

@@ -115,7 +115,7 @@ def _flink_args(settings: RunnerSettings) -> list[str]:
             # source up for good. Once a source task ends, the stages after it drain inside finish()
             # and Flink declines every checkpoint from then on ("task is closing"). So the job runs,
             # and checkpoints, until the orchestrator ends it once the run is over
-            # (runners.rollout_job.RolloutJob).
+            # (beam_rl.job.rollouts.RolloutJob).
         ]
     if settings.state_backend:
         args.append(f"--state_backend={settings.state_backend}")

@@ -10,7 +10,7 @@ process alone, that whoever follows the job stops once it has ended.
   session, a benchmark, a notebook) kept each finished job's Prism running, and a killed one left them all
   behind.
 - Here the Prism is started by this module and dies with this process; `release_prism` stops it once its
-  job has ended: when `wait_until_finish()` returns, or when `runners/rollout_job.py` has seen the end of a
+  job has ended: when `wait_until_finish()` returns, or when `beam_rl/job/rollouts.py` has seen the end of a
   job it cancelled.
 - Prism's job service, and the FnAPI endpoints of its workers on the same port, listen on `--bind_host`
   (runners/listen.py; Prism patch 0008), as does the LOOPBACK environment's worker pool.

@@ -25,7 +25,7 @@ import torch
 
 from beam_rl.config import LoraSection, TrainerSection
 from beam_rl.rundir import RunDir
-from beam_rl.tinymodel import TINY_ARCH, tiny_model_dir, write_random_qwen2
+from beam_rl.model.tiny import TINY_ARCH, tiny_model_dir, write_random_qwen2
 from beam_rl.trainer.policy_loss import sampled_token_logprobs
 from beam_rl.trainer.reader import StepReader
 from beam_rl.trainer.reference import ReferenceTrainer

@@ -26,8 +26,8 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def tok():
-    """The tiny ChatML tokenizer (beam_rl.tokenizer.load_tokenizer("tiny"))."""
-    from beam_rl.tokenizer import load_tokenizer
+    """The tiny ChatML tokenizer (beam_rl.model.tokenizer.load_tokenizer("tiny"))."""
+    from beam_rl.model.tokenizer import load_tokenizer
 
     return load_tokenizer("tiny")
 
@@ -41,7 +41,7 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model_dir(cache_dir):
     """The tiny model (seed 0) as a model directory, in the module's cache."""
-    from beam_rl.tinymodel import tiny_model_dir
+    from beam_rl.model.tiny import tiny_model_dir
 
     return tiny_model_dir(0, cache_dir=cache_dir)
 

@@ -17,7 +17,7 @@ from server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
 
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.standin.simulated import SimulatedParams
-from beam_rl.tinymodel import tiny_model_dir
+from beam_rl.model.tiny import tiny_model_dir
 
 pytestmark = pytest.mark.timeout(120)
 

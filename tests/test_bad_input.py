@@ -29,7 +29,7 @@ from beam_rl.envs import make_env
 from beam_rl.rundir import RunDir, RunDirError
 from beam_rl.rundir import steps as steps_module
 from beam_rl.standin.server import EmbeddedServer
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import MicroBatch, Sample, TrainBatch
 
 pytestmark = pytest.mark.timeout(120)

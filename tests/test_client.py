@@ -556,7 +556,7 @@ def test_a_load_refused_on_the_generate_route_gives_the_old_weights_their_label_
     """Label and load go at once while paused: when the load fails, the label set beside it must not
     name the old weights as the new version once they sample again."""
     from beam_rl.standin.server import EmbeddedServer
-    from beam_rl.tinymodel import tiny_model_dir
+    from beam_rl.model.tiny import tiny_model_dir
 
     server = EmbeddedServer(tiny_model_dir(), mode="instant")
     server.start()
@@ -590,7 +590,7 @@ def test_a_busy_requests_loop_holds_the_server_paused_only_to_read_what_came_bef
     moment. On the completions route, keep waits for the streams to drain on the requests' loop, and so
     does continue for answers that are not streamed (docs/weight-updates.md, "Where the pause runs")."""
     from beam_rl.standin.server import EmbeddedServer
-    from beam_rl.tinymodel import tiny_model_dir
+    from beam_rl.model.tiny import tiny_model_dir
 
     server = EmbeddedServer(tiny_model_dir(), mode="instant")
     server.start()
@@ -627,7 +627,7 @@ def test_requests_held_back_by_an_update_go_out_in_the_first_pass_after_the_resu
     meanwhile (continue's continuations among them). Every pass of a busy requests' loop costs the engine
     time, so they are released from the pause's loop at the resume's answer, not a chain of passes later."""
     from beam_rl.standin.server import EmbeddedServer
-    from beam_rl.tinymodel import tiny_model_dir
+    from beam_rl.model.tiny import tiny_model_dir
 
     server = EmbeddedServer(tiny_model_dir(), mode="instant")
     server.start()
@@ -685,7 +685,7 @@ def test_the_drains_quiet_is_a_margin_for_servers_across_a_network(on_this_machi
     """A server answers a keep pause once it has sent every token sampled before it: one on this machine has
     put them in the client's sockets by then, one across a network may still have some on their way."""
     from beam_rl.standin.server import EmbeddedServer
-    from beam_rl.tinymodel import tiny_model_dir
+    from beam_rl.model.tiny import tiny_model_dir
 
     server = EmbeddedServer(tiny_model_dir(), mode="instant")
     server.start()
@@ -744,7 +744,7 @@ def test_tails_read_after_a_continue_update_keep_the_version_that_sampled_them(m
     finished just before it (it had tokens before the resume), were sampled before: their tokens say so."""
     from beam_rl.standin.faults import FaultConfig
     from beam_rl.standin.server import EmbeddedServer
-    from beam_rl.tinymodel import tiny_model_dir
+    from beam_rl.model.tiny import tiny_model_dir
     from tests.server_helpers import served_versions
 
     server = EmbeddedServer(tiny_model_dir(), faults=FaultConfig(step_delay_s=0.02))

@@ -113,7 +113,7 @@ from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.standin.faults import FaultConfig
 from beam_rl.standin.server import EmbeddedServer
-from runners.rollout_job import run_rollouts
+from beam_rl.job.rollouts import run_rollouts
 config = config_from_dict(json.loads(sys.argv[1]))
 RunDir(config.run.dir).write_config(config.model_dump(mode="json"))  # as `beam-rl run` does: inspect reads it
 server = EmbeddedServer(mode="instant", served_model_name="tiny", max_num_seqs=16,

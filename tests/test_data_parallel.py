@@ -19,10 +19,10 @@ from beam_rl.config import TrainerSection, config_from_dict
 from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer
-from beam_rl.tinymodel import tiny_model_dir
+from beam_rl.model.tiny import tiny_model_dir
 from beam_rl.trainer import data_parallel
 from beam_rl.trainer.reference import ReferenceTrainer
-from runners.rollout_job import run_rollouts
+from beam_rl.job.rollouts import run_rollouts
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -25,7 +25,7 @@ from beam_rl.inference.client import InferenceClient
 from beam_rl.standin.faults import FaultConfig, FaultInjector
 from beam_rl.standin.server import EmbeddedServer
 from beam_rl.standin.simulated import SimulatedParams
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import GroupRequest, Rollout, RolloutStatus, make_group_id
 from tests.server_helpers import served_versions
 

@@ -25,7 +25,7 @@ from beam_rl.config import RunConfig, config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.failures import read_failure
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
-from runners.rollout_job import run_rollouts
+from beam_rl.job.rollouts import run_rollouts
 
 pytestmark = pytest.mark.timeout(120)
 

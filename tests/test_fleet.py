@@ -19,7 +19,7 @@ from beam_rl.config import config_from_dict
 from beam_rl.fleet.assignment import Fleet, FleetFollower, deal
 from beam_rl.fleet.discovery import DiscoveryError, ServersFile
 from beam_rl.fleet.dns_fleet import resolve_fleet
-from beam_rl.fleet.keeper import FleetKeeper, initial_fleet
+from beam_rl.job.fleet_keeper import FleetKeeper, initial_fleet
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.failures import ServersNotReadyError
 from tests.dns_server import LoopbackDNS

@@ -32,7 +32,7 @@ from beam_rl.rundir.lease import RunDirBusyError, read_job_record
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.standin.simulated import SimulatedParams
 from runners.flink_cluster import start_cluster
-from runners.rollout_job import attach_rollouts, start_rollouts
+from beam_rl.job.rollouts import attach_rollouts, start_rollouts
 
 GROUP_SIZE, ROLLOUTS_PER_STEP = 8, 64
 FIRST_STEP_TIMEOUT_S = 90.0
@@ -332,7 +332,7 @@ def _rollouts_done(run_dir: RunDir) -> int:
 _SUBMITTER = """
 import sys
 from beam_rl.config import config_from_dict
-from runners.rollout_job import start_rollouts
+from beam_rl.job.rollouts import start_rollouts
 import json
 config = config_from_dict(json.loads(sys.argv[1]))
 job = start_rollouts(config, json.loads(sys.argv[2]), config.run.dir, with_trainer=False)

@@ -1,4 +1,4 @@
-"""The main job (`runners/job.py`): the live table at 80 and 160 columns; a rollout job left running by
+"""The main job (`beam_rl/job/run.py`): the live table at 80 and 160 columns; a rollout job left running by
 a dead submitter followed instead of a second one submitted; the run observer fed while the job runs."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from beam_rl.observe.report import LIVE_COLUMNS, STEP_COLUMNS
 from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer
-from runners import job as job_module
-from runners.rollout_job import start_rollouts
+from beam_rl.job import live, run as job_module
+from beam_rl.job.rollouts import start_rollouts
 
 TINY = "configs/tiny.toml"
 
@@ -30,7 +30,7 @@ def _rendered(run: RunDir, width: int) -> list[str]:
     console = Console(file=io.StringIO(), width=width, color_system=None)
     observer = RunObserver(run, config)
     try:
-        console.print(job_module._ProgressView(run, config, time.monotonic(), observer, console).render())
+        console.print(live.ProgressView(run, config, time.monotonic(), observer, console).render())
     finally:
         observer.close()
     return console.file.getvalue().splitlines()

@@ -20,7 +20,7 @@ from beam_rl.scoring.judge import Judge, JudgeError, answer_text
 from beam_rl.scoring.rewards import EnvReward, Rewarder, RewardLoop
 from beam_rl.standin.faults import FaultInjector
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus, Turn
 
 REPO = Path(__file__).resolve().parents[1]

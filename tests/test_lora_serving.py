@@ -18,7 +18,7 @@ from beam_rl.inference.types import SamplingParams
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.failures import ServersNotReadyError
 from beam_rl.standin.faults import FaultConfig
-from beam_rl.tinymodel import load_tiny_model
+from beam_rl.model.tiny import load_tiny_model
 from beam_rl.trainer.reference import run_trainer, with_lora
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -140,7 +140,7 @@ def test_a_server_without_lora_is_named_at_start_and_at_load(start_embedded, mod
             return served
 
     assert asyncio.run(main()) is False
-    from beam_rl.components import check_servers
+    from beam_rl.job.preflight import check_servers
 
     config = config_from_dict({"run": {"dir": str(tmp_path)}, "inference": {"urls": [server.url]},
                                "envs": [{"name": "reverse_text", "group_size": 2}],

@@ -13,7 +13,7 @@ from test_trainer import completion_logprob_sum, make_samples, weights_of, write
 from beam_rl.config import LoraSection, TrainerSection
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.checkpoint_shapes import CheckpointError, is_adapter, validate_checkpoint
-from beam_rl.tinymodel import load_tiny_model
+from beam_rl.model.tiny import load_tiny_model
 from beam_rl.trainer.reference import ReferenceTrainer, run_trainer, with_lora
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

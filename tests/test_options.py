@@ -14,7 +14,7 @@ from apache_beam.options.pipeline_options import PortableOptions
 from beam_rl.config import config_from_dict
 from bench import overhead, procs
 from runners.options import JOB_SERVER_TIMEOUT_S, RunnerSettings, pipeline_options
-from runners.rollout_job import runner_settings
+from beam_rl.job.rollouts import runner_settings
 
 JOB_S = 4.0
 

@@ -15,9 +15,9 @@ from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.source import admission
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
-from beam_rl.tinymodel import tiny_model_dir
+from beam_rl.model.tiny import tiny_model_dir
 from bench.goodput import PublishEveryStep
-from runners.rollout_job import run_rollouts, runner_settings, start_rollouts
+from beam_rl.job.rollouts import run_rollouts, runner_settings, start_rollouts
 
 PROMPTS, GROUP_SIZE, ROLLOUTS_PER_STEP = 32, 8, 64
 

@@ -27,7 +27,7 @@ from beam_rl.envs.base import Completion, SamplingParams, Trajectory
 from beam_rl.envs.plugins import PluginEnvironment, PluginError, PluginFailure
 from beam_rl.inference.client import InferenceTimeout
 from beam_rl.scoring.rewards import assign_rewards
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus, Turn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -291,8 +291,8 @@ def test_an_installed_plugin_runs_end_to_end_through_the_pipeline(example_instal
 
     from beam_rl.rundir import RunDir
     from beam_rl.standin.server import EmbeddedServer
-    from beam_rl.tinymodel import tiny_model_dir
-    from runners.rollout_job import run_rollouts
+    from beam_rl.model.tiny import tiny_model_dir
+    from beam_rl.job.rollouts import run_rollouts
 
     config = config_from_dict({
         "run": {"dir": str(tmp_path / "run"), "max_steps": 10},
@@ -338,7 +338,7 @@ def test_a_reward_that_breaks_stops_the_run_with_a_typed_failure_record(
 ) -> None:
     from beam_rl.rundir.failures import read_failure
     from beam_rl.standin.server import EmbeddedServer
-    from runners.rollout_job import run_rollouts
+    from beam_rl.job.rollouts import run_rollouts
 
     module = write_module(tmp_path, PLUGIN + "\nclass Env(Toy):\n    def load_rows(self, split='train'):\n"
                           "        return [{'mode': 'reward_text'}] * 4\n", monkeypatch)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
+from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
 from beam_rl.trainer.policy_loss import (
     PolicyLossStats,
     check_packed_attention,

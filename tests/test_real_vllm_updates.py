@@ -26,12 +26,13 @@ import pytest
 import torch
 
 from beam_rl import components
+from beam_rl.job.preflight import check_servers
 from beam_rl.config import config_from_dict
 from beam_rl.inference.client import InferenceAuthError, InferenceClient
 from beam_rl.inference.inflight import Progress
 from beam_rl.inference.types import SamplingParams
 from beam_rl.rundir import RunDir
-from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
+from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
 from beam_rl.trainer.checkpoint import publish_weights
 from tests.test_pipeline import run_publishing_every_step, trained_token_versions
 from tests.test_real_vllm import TEMPERATURE, VllmServer, _vllm_python
@@ -221,16 +222,16 @@ def test_the_right_key_works_and_a_wrong_or_missing_one_stops_the_run_before_it_
     config = config_from_dict({"envs": [{"name": "reverse_text"}],
                                "inference": {"urls": urls, "api_key_env": KEY_ENV}})
     monkeypatch.setenv(KEY_ENV, KEY)
-    components.check_servers(config, urls)
+    check_servers(config, urls)
     monkeypatch.setenv(KEY_ENV, "wrong-key")
     with pytest.raises(ValueError, match=rf"{vllm.url} refuses the API key in \${KEY_ENV} \(HTTP 401\)"):
-        components.check_servers(config, urls)
+        check_servers(config, urls)
     with pytest.raises(ValueError, match=r"wants an API key \(HTTP 401\)"):
-        components.check_servers(config_from_dict({"envs": [{"name": "reverse_text"}], "inference": {"urls": urls}}),
+        check_servers(config_from_dict({"envs": [{"name": "reverse_text"}], "inference": {"urls": urls}}),
                                  urls)
     monkeypatch.delenv(KEY_ENV)
     with pytest.raises(ValueError, match=f"names the environment variable {KEY_ENV}, which is not set"):
-        components.check_servers(config, urls)
+        check_servers(config, urls)
 
     async def without_key():
         async with InferenceClient(vllm.url, model="tiny") as client:

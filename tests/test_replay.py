@@ -23,10 +23,10 @@ from beam_rl.rundir import RunDir
 from beam_rl.scoring.group import score_group
 from beam_rl.source import admission
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
-from beam_rl.tinymodel import tiny_model_dir
+from beam_rl.model.tiny import tiny_model_dir
 from beam_rl.types import Rollout, TrainBatch, Turn
-from runners.job import run_job
-from runners.rollout_job import run_rollouts
+from beam_rl.job.run import run_job
+from beam_rl.job.rollouts import run_rollouts
 from schemas.commit_record import FileEntry, checksum
 from schemas.train_batch import in_version
 

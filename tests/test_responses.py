@@ -12,7 +12,7 @@ from tokenizers.decoders import DecodeStream
 from beam_rl.standin.generator import ChoiceResult, GenerationParams
 from beam_rl.standin.protocol import CompletionRequest
 from beam_rl.standin.responses import CompletionStream, TokenTexts, visible_text
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from rich.console import Console
 from beam_rl.config import LoraSection, ZeroAdvantageFilter, load_config
 from beam_rl.observe.report import step_rows
 from beam_rl.rundir import RunDir
-from beam_rl.tinymodel import write_llama_model
-from runners.job import run_job
+from beam_rl.model.tiny import write_llama_model
+from beam_rl.job.run import run_job
 
 TINY = "configs/tiny.toml"
 

@@ -9,7 +9,7 @@ import re
 import pytest
 from test_cli import RED, coloured, run_cli
 
-from beam_rl.components import tokenizer_for
+from beam_rl.model.location import tokenizer_for
 from beam_rl.config import config_from_dict
 from beam_rl.observe.rollout_text import TokenText, step_sample_rows, tracker_sample_rows, window_rows
 from beam_rl.rundir import RunDir

@@ -20,7 +20,7 @@ from beam_rl.scoring.advantages import get_algorithm
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.types import Rollout, Turn
 from runners.options import pipeline_options
-from runners.rollout_job import run_rollouts
+from beam_rl.job.rollouts import run_rollouts
 from transforms.groups import CompleteGroups
 from transforms.score import EVALUATION, ScoreGroups
 

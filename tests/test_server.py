@@ -25,8 +25,8 @@ from beam_rl.standin.faults import add_fault_args, fault_config_from_args
 from beam_rl.standin.generator import Weights
 from beam_rl.standin.responses import label_spans, visible_text
 from beam_rl.standin.server import EmbeddedServer, FaultConfig, start_subprocess_server
-from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
+from beam_rl.model.tokenizer import load_tokenizer
 
 PROMPT = [1, 396, 201, 19, 20, 264, 223, 25, 2, 201, 1, 67, 474, 201]  # a short ChatML-ish prompt
 

@@ -22,7 +22,7 @@ from beam_rl.inference.errors import InferenceAuthError
 from beam_rl.standin.backend import PauseState
 from beam_rl.standin.faults import FaultConfig
 from beam_rl.standin.server import EmbeddedServer
-from beam_rl.tinymodel import tiny_model_dir
+from beam_rl.model.tiny import tiny_model_dir
 
 pytestmark = pytest.mark.timeout(120)
 

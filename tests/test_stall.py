@@ -17,7 +17,8 @@ from observe_run import observe_config
 from rich.console import Console
 from test_observe_prometheus import scrape, value
 
-from beam_rl import cli, components
+from beam_rl import cli
+from beam_rl.job.preflight import check_servers
 from beam_rl.config import ConfigError, RunSection, config_from_dict, load_config
 from beam_rl.envs import make_env
 from beam_rl.envs.agent import AgentError
@@ -28,10 +29,10 @@ from beam_rl.rundir import RunDir
 from beam_rl.rundir.failures import ServersNotReadyError
 from beam_rl.source.status import ErrorTally, NothingTrainsError, ProgressWatch, error_cause
 from beam_rl.standin.server import EmbeddedServer
-from beam_rl.tinymodel import tiny_model_dir
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tiny import tiny_model_dir
+from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus
-from runners import job as job_module
+from beam_rl.job import live, run as job_module
 
 HTTP_400 = ("InferenceHTTPError: POST http://127.0.0.1:8000/v1/completions: HTTP 400: This model's maximum context "
             "length is 1024 tokens. However, you requested 1208 tokens")
@@ -79,7 +80,7 @@ def test_the_live_view_shows_the_newest_causes_under_the_table(tmp_path):
     console = Console(file=io.StringIO(), width=400, color_system=None)
     observer = RunObserver(run, config)
     try:
-        console.print(job_module._ProgressView(run, config, time.monotonic(), observer, console).render())
+        console.print(live.ProgressView(run, config, time.monotonic(), observer, console).render())
     finally:
         observer.close()
     assert console.file.getvalue().splitlines()[-1] == ("1 errored: InferenceHTTPError (HTTP 400); the newest: "
@@ -172,8 +173,8 @@ def test_a_server_whose_context_is_below_max_context_is_refused_at_start_up():
         config = config_from_dict({**_tiny_config(2048), "inference": {"urls": [server.url]}})
         with pytest.raises(ServersNotReadyError, match=rf"{server.url} serves a context of 1024 tokens \(max_model_len "
                                                        r"in /v1/models\): model.max_context = 2048 is above it"):
-            components.check_servers(config, [server.url])
-        components.check_servers(config_from_dict({**_tiny_config(1024), "inference": {"urls": [server.url]}}),
+            check_servers(config, [server.url])
+        check_servers(config_from_dict({**_tiny_config(1024), "inference": {"urls": [server.url]}}),
                                  [server.url])
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import beam_rl.tinymodel as tinymodel
-from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
-from beam_rl.tokenizer import load_tokenizer
+import beam_rl.model.tiny as tinymodel
+from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
+from beam_rl.model.tokenizer import load_tokenizer
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from beam_rl.tokenizer import (
+from beam_rl.model.tokenizer import (
     ENDOFTEXT,
     IM_END,
     IM_START,
@@ -74,7 +74,7 @@ def test_load_tiny_is_cached_and_build_is_deterministic(tok):
 
 def test_build_is_deterministic_across_processes():
     # Rust hash maps are seeded per process; the trained merges must not depend on it.
-    code = "from beam_rl.tokenizer import _train_tiny_bpe; print(_train_tiny_bpe().to_str())"
+    code = "from beam_rl.model.tokenizer import _train_tiny_bpe; print(_train_tiny_bpe().to_str())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == json.loads(_train_tiny_bpe().to_str())
 

@@ -19,7 +19,7 @@ from beam_rl.envs.base import Completion, SamplingParams, chat_prompt_ids
 from beam_rl.envs.tool_use import ChatTemplateError, ToolArithmetic, last_integer, tool_messages
 from beam_rl.envs.tools import BadToolCall, Calculator, PythonTool, ToolCall, ToolError, evaluate, parse_tool_calls
 from beam_rl.scoring.samples import trace_to_samples
-from beam_rl.tokenizer import load_tokenizer, save_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer, save_tokenizer
 from beam_rl.types import Rollout
 
 ROW = {"question": "287717 * 87453", "answer": "25161714801"}

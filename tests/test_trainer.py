@@ -17,7 +17,7 @@ from beam_rl.config import TrainerSection
 from beam_rl.packing.packer import pack_for_ranks
 from beam_rl.rundir import CommitRecordError, RunDir, StepAlreadyCommittedError, StepCorruptError
 from beam_rl.rundir.checkpoint_shapes import CheckpointError, validate_checkpoint
-from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
+from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
 from beam_rl.trainer.checkpoint import optimizer_state_path, publish_weights
 from beam_rl.trainer.reference import ReferenceTrainer, run_trainer
 from beam_rl.types import Sample, TrainBatch

@@ -21,7 +21,7 @@ from small_run import write_small_run_config
 from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
-from beam_rl.tinymodel import tiny_model_dir
+from beam_rl.model.tiny import tiny_model_dir
 
 pytestmark = pytest.mark.timeout(600)
 

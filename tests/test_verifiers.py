@@ -66,7 +66,7 @@ import asyncio, json, sys
 from beam_rl.envs import make_env
 from beam_rl.envs.base import Completion, SamplingParams
 from beam_rl.scoring.rewards import assign_rewards
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Rollout
 
 import apache_beam  # noqa: F401  (Beam and verifiers share one process and one protobuf now)
@@ -218,7 +218,7 @@ def _assert_scored_by_the_taskset(run_dir: Path) -> set[str]:
 
 def test_prism_workers_score_with_a_verifiers_taskset(echo_taskset, tmp_path):
     from beam_rl.config import config_from_dict
-    from runners.rollout_job import run_rollouts
+    from beam_rl.job.rollouts import run_rollouts
 
     started, urls = _servers()
     try:

@@ -175,7 +175,7 @@ def test_inline_process_and_tcp_env_servers_train_on_prism(tok, tmp_path, monkey
     from beam_rl.config import config_from_dict
     from beam_rl.rundir import RunDir
     from beam_rl.standin.server import EmbeddedServer
-    from runners.rollout_job import run_rollouts
+    from beam_rl.job.rollouts import run_rollouts
     from tests.run_checks import assert_rank_files_hold_the_windows_tokens
 
     python = own_virtualenv(tmp_path)

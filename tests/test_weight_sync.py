@@ -18,7 +18,7 @@ from beam_rl.dispatch.weight_sync import WeightSync
 from beam_rl.rundir import RunDir
 from beam_rl.source import DispatchRange, RolloutSource, Shard, SourceSpec
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
-from beam_rl.tinymodel import load_tiny_model, tiny_model_dir
+from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
 from beam_rl.trainer.checkpoint import publish_weights
 from tests.server_helpers import metrics
 
@@ -148,7 +148,7 @@ def test_the_dispatch_worker_checks_a_checkpoint_without_importing_torch(tmp_pat
         "from beam_rl import components\n"
         "from beam_rl.rundir.checkpoint_shapes import CheckpointError\n"
         "from beam_rl.config import config_from_dict\n"
-        "from beam_rl.tinymodel import tiny_model_dir\n"
+        "from beam_rl.model.tiny import tiny_model_dir\n"
         "check = components.checkpoint_validator(config_from_dict({'envs': [{'name': 'reverse_text'}]}))\n"
         "check(tiny_model_dir())\n"
         f"try:\n    check({str(tmp_path)!r})\nexcept CheckpointError:\n    pass\nelse:\n    raise SystemExit('no error')\n"

@@ -16,7 +16,7 @@ from beam_rl.envs.base import CompletionClient, DatasetEnvironment, SamplingPara
 from beam_rl.envs.datasets import BadRows
 from beam_rl.envs.multi_turn import Conversation
 from beam_rl.envs.registry import register_env
-from beam_rl.tokenizer import IM_END, IM_START
+from beam_rl.model.tokenizer import IM_END, IM_START
 
 HIGHER, LOWER, CORRECT = "higher", "lower", "correct"
 NO_GUESS = "reply with a number"

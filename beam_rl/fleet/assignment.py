@@ -1,5 +1,5 @@
 """Which dispatch shard drives which server, as the fleet changes: the run directory's fleet.json, written
-by the launcher (beam_rl/fleet/keeper.py) and followed by every shard's source.
+by the launcher (beam_rl/job/fleet_keeper.py) and followed by every shard's source.
 
 The rules (`deal`): a server stays with its shard while it is in the fleet; a new one goes to the shard
 with the fewest; when servers leaving make one shard hold two more than another, the newest server of

@@ -1,5 +1,5 @@
 """The servers file of a run directory, edited by `beam-rl servers`: one of the fleet's sources (the other
-is a DNS name, beam_rl/fleet/dns_fleet.py; `beam_rl/fleet/keeper.py:discover` reads either). A source that
+is a DNS name, beam_rl/fleet/dns_fleet.py; `beam_rl/job/fleet_keeper.py:discover` reads either). A source that
 cannot be read raises DiscoveryError naming it, and the run keeps the fleet it has."""
 
 from __future__ import annotations

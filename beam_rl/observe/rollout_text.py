@@ -259,7 +259,7 @@ def tracker_sample_rows(run_dir: RunDir, model_name: str, count: int = 8) -> Cal
     (loaded at the first call)."""
 
     def rows(step: int) -> list[dict[str, str | int | float]]:
-        from beam_rl.components import tokenizer_for
+        from beam_rl.model.location import tokenizer_for
 
         return step_sample_rows(run_dir, step, tokenizer_for(model_name), count)
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from beam_rl.tinymodel import load_tiny_model
+from beam_rl.model.tiny import load_tiny_model
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5

@@ -68,7 +68,7 @@ from beam_rl.standin.simulated import (
     simulated_params_from_args,
 )
 from beam_rl.standin.stepped import InstantBackend, ModelBackend
-from beam_rl.tokenizer import load_tokenizer
+from beam_rl.model.tokenizer import load_tokenizer
 
 __all__ = ["EmbeddedServer", "FaultConfig", "start_subprocess_server", "main"]
 
@@ -128,7 +128,7 @@ class EmbeddedServer:
         if mode not in ("model", "instant", "simulated"):
             raise ValueError(f"mode must be 'model', 'instant' or 'simulated', not {mode!r}")
         if mode == "model" and model_dir is None:
-            from beam_rl.tinymodel import tiny_model_dir
+            from beam_rl.model.tiny import tiny_model_dir
 
             model_dir = tiny_model_dir()
         self.model_dir = pathlib.Path(model_dir) if model_dir is not None else None

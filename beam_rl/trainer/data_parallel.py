@@ -134,7 +134,7 @@ def launch(run_dir: str | os.PathLike[str], model_dir: str | os.PathLike[str], t
 
 def main(argv: list[str] | None = None) -> None:
     """torchrun's entry: `torchrun --nproc-per-node N -m beam_rl.trainer.data_parallel --run-dir RUN`."""
-    from beam_rl import components
+    from beam_rl.model.location import model_dir
     from beam_rl.config import config_from_dict, load_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = RunDir(args.run_dir)
     config: RunConfig = load_config(args.config) if args.config else config_from_dict(
         run_dir.read_config(), source=str(run_dir.config_path))
-    train_rank(str(run_dir.path), str(Path(components.model_dir(config))), config.trainer, config.run.max_steps,
+    train_rank(str(run_dir.path), str(Path(model_dir(config))), config.trainer, config.run.max_steps,
                config.run.seed)
 
 

@@ -18,7 +18,7 @@ import torch
 from beam_rl.config import LoraSection, TrainerSection
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.checkpoint_shapes import validate_checkpoint
-from beam_rl.tinymodel import load_tiny_model
+from beam_rl.model.tiny import load_tiny_model
 from beam_rl.trainer.checkpoint import (
     load_optimizer_state,
     prune_optimizer_states,

@@ -1,11 +1,8 @@
-"""The main job: inference servers, the rollout pipeline and (optionally) the reference trainer, as the
-parts of one supervisor, with a live progress table and the run observer until max_steps are trained."""
+"""What a user watches while a run goes on: the live progress table, refreshed until the rollout job and
+the trainer are both done."""
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import sys
 import threading
 import time
 
@@ -14,81 +11,17 @@ from rich.live import Live
 from rich.markup import escape
 
 from beam_rl.config import RunConfig
+from beam_rl.job.rollouts import RolloutJob
 from beam_rl.observe import RunObserver
-from beam_rl.observe.report import LIVE_COLUMNS, RunTail, StepTable, error_lines, fitting_columns, write_plot
-from beam_rl.observe.rollout_text import tracker_sample_rows
+from beam_rl.observe.report import LIVE_COLUMNS, RunTail, StepTable, error_lines, fitting_columns
 from beam_rl.processes import Child, Supervisor
 from beam_rl.rundir import RunDir
-from beam_rl.servers import inference_servers
-from runners.rollout_job import RolloutJob, attach_rollouts, start_rollouts
 
 REFRESH_S = 0.5
 TABLE_ROWS = 12  # the last steps the progress table shows
-SAMPLE_ROLLOUTS = 8  # rollouts of each committed step in W&B's samples table
 
 
-def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
-    console = console or Console()
-    run_dir = RunDir(config.run.dir)
-    run_dir.check_writable()  # before any server starts
-    run_dir.write_config(config.model_dump(mode="json"))
-    started = time.monotonic()
-    # First: a Prometheus port in use fails here, before anything else starts.
-    jobs: list[RolloutJob] = []  # the rollout job, once submitted: its Beam counters go to Prometheus
-    observer = RunObserver(run_dir, config, sample_rows=tracker_sample_rows(run_dir, config.model.name, SAMPLE_ROLLOUTS),
-                           beam_counters=lambda: jobs[0].counters() if jobs else {})
-    with Supervisor() as parts:
-        parts.add("run observer", observer.close)
-        urls = parts.enter("inference servers", inference_servers(config))
-        console.print(f"inference servers: {', '.join(urls)}; runner: {config.runner.name}; run dir: {run_dir.path}")
-        job = _rollout_job(config, urls, run_dir, console)
-        jobs.append(job)
-        parts.add("rollout job", job.cancel)
-        if threading.current_thread() is threading.main_thread():
-            # Beam's job-server wrapper installs a SIGINT handler that fails when called; Ctrl-C, and
-            # SIGTERM alike, must reach this loop as KeyboardInterrupt so the parts are stopped in order.
-            signal.signal(signal.SIGINT, _interrupt)
-            signal.signal(signal.SIGTERM, _interrupt)
-        pipeline = _Waiter(job)
-        trainer = None
-        if config.trainer.kind == "reference":
-            trainer = parts.start("trainer", [sys.executable, "-m", "beam_rl.cli", "train", "--run-dir", str(run_dir.path)],
-                                  run_dir.path / "trainer.log")
-        _follow(pipeline, trainer, parts, _ProgressView(run_dir, config, started, observer, console))
-    plot = write_plot(run_dir)
-    console.print(f"done in {time.monotonic() - started:.0f}s; steps under {run_dir.rollouts_dir}; plot {plot}")
-    return run_dir
-
-
-class Interrupted(KeyboardInterrupt):
-    """The job was stopped by a signal (Ctrl-C's SIGINT, or SIGTERM); `signal` names it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signal = signal.Signals(signum)
-
-
-def _interrupt(signum: int, _frame) -> None:
-    raise Interrupted(signum)
-
-
-def _rollout_job(config: RunConfig, urls: list[str], run_dir: RunDir, console: Console) -> RolloutJob:
-    """The job a dead submitter left running for this run directory on its Flink cluster, when its
-    servers are still there; else a new one."""
-    attached = attach_rollouts(config, str(run_dir.path))
-    if attached is not None:
-        if config.inference.urls:
-            console.print(f"following the rollout job still running for {run_dir.path} (job.json)")
-            return attached
-        # Its embedded servers died with the process that started it: it could only wait for them.
-        console.print("cancelling the rollout job left running: its embedded inference servers are gone")
-        attached.cancel()
-        with contextlib.suppress(RuntimeError):  # "ended as CANCELED before the run was over"
-            attached.wait()
-    return start_rollouts(config, urls, str(run_dir.path), with_trainer=True)
-
-
-class _Waiter:
+class PipelineWaiter:
     """Waits for the rollout job on a thread of its own, keeping the error it ended with."""
 
     def __init__(self, job: RolloutJob) -> None:
@@ -106,7 +39,7 @@ class _Waiter:
         return self._thread.is_alive()
 
 
-def _follow(pipeline: _Waiter, trainer: Child | None, parts: Supervisor, view: _ProgressView) -> None:
+def follow(pipeline: PipelineWaiter, trainer: Child | None, parts: Supervisor, view: ProgressView) -> None:
     """Refresh the view until the pipeline and the trainer are both done; raise what stopped either."""
     try:
         with Live(view.render(), console=view.console, refresh_per_second=2) as live:
@@ -125,7 +58,7 @@ def _follow(pipeline: _Waiter, trainer: Child | None, parts: Supervisor, view: _
     parts.raise_if_failed()  # a trainer that failed after the pipeline's end
 
 
-class _ProgressView:
+class ProgressView:
     """The live table: the last steps (as many columns as the terminal is wide enough for), the run's
     state in the title and each server's load in the caption; under it, the newest causes of errored
     rollouts. Each render polls the run observer and reads only what the run directory gained since the

@@ -3,7 +3,7 @@
 RunSpec -> DispatchRollouts -> CompleteGroups -> ScoreGroups -> PackBatches -> WriteTrainBatches
                                                         \\-> EvaluateRounds (held-out rounds)
 
-Starting the job it makes and following it is runners/rollout_job.py.
+Starting the job it makes and following it is beam_rl/job/rollouts.py.
 """
 
 from __future__ import annotations

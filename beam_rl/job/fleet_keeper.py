@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from beam_rl import components
+from beam_rl.model.location import tokenizer_for
 from beam_rl.config import RunConfig
 from beam_rl.fleet.assignment import Fleet, deal
 from beam_rl.fleet.discovery import DiscoveryError, ServersFile
@@ -58,7 +59,7 @@ def joining_problem(config: RunConfig, url: str) -> str | None:
                 theirs = await client.tokenize(TOKENIZER_PROBE)
             except InferenceError as err:
                 return f"{url}: {err}"
-        ours = components.tokenizer_for(config.model.name).encode(TOKENIZER_PROBE, add_special_tokens=False)
+        ours = tokenizer_for(config.model.name).encode(TOKENIZER_PROBE, add_special_tokens=False)
         if theirs is not None and list(theirs) != list(ours):
             return f"{url} tokenizes differently from the run's model {config.model.name!r} ({theirs[:8]} ...)"
         return None

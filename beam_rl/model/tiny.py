@@ -14,7 +14,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from beam_rl.cache import cache_root
-from beam_rl.tokenizer import build_tiny_tokenizer, save_tokenizer
+from beam_rl.model.tokenizer import build_tiny_tokenizer, save_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, Qwen2Config

@@ -14,8 +14,9 @@ import grpc
 from apache_beam.runners.runner import PipelineState
 
 from beam_rl import components
+from beam_rl.job.preflight import check_servers
 from beam_rl.config import RunConfig
-from beam_rl.fleet.keeper import FleetKeeper, initial_fleet
+from beam_rl.job.fleet_keeper import FleetKeeper, initial_fleet
 from beam_rl.processes import worker_id
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.lease import RunLease, read_job_record, write_job_record
@@ -23,7 +24,7 @@ from beam_rl.source import SourceSpec
 from runners.flink_rest import TERMINAL, FlinkRest
 from runners.job_server import JobServer, start_job_server
 from runners.options import RunnerSettings, pipeline_options
-from runners.pipeline import build_rollout_pipeline, source_spec
+from beam_rl.job.graph import build_rollout_pipeline, source_spec
 from runners.prism import release_prism
 
 _LOG = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
     fleet = None
     try:
         server_urls = initial_fleet(config, str(directory.path), server_urls)
-        components.check_servers(config, server_urls)  # a refused API key fails here, not rollout by rollout
+        check_servers(config, server_urls)  # a refused API key fails here, not rollout by rollout
         removed = directory.clean_uncommitted()  # what a killed run left half-written
         if removed:
             _LOG.warning("removed %d uncommitted leftovers of an earlier run: %s", len(removed), removed[:5])

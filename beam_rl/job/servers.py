@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Iterator
 
 from beam_rl import components
+from beam_rl.model.location import model_dir
 from beam_rl.config import RunConfig
 from beam_rl.processes import stop_processes
 from beam_rl.standin.launch import spawn_subprocess_server, wait_until_ready
@@ -21,17 +22,17 @@ def inference_servers(config: RunConfig) -> Iterator[list[str]]:
     """Yields the base URLs to dispatch to; embedded servers live exactly as long as the block, and
     die with this process however it ends."""
     inf = config.inference
-    if inf.urls or inf.discovery == "dns":  # a DNS name is the fleet (beam_rl/fleet/keeper.py:initial_fleet)
+    if inf.urls or inf.discovery == "dns":  # a DNS name is the fleet (beam_rl/job/fleet_keeper.py:initial_fleet)
         yield list(inf.urls)
         return
-    model_dir = components.model_dir(config)
+    model = model_dir(config)
     key = components.api_key(config)  # the run's key guards its embedded servers' API and control routes
     procs: list[subprocess.Popen] = []
     try:
         # All started before any is waited for: each spends seconds importing torch and loading the model.
         for _ in range(inf.embedded_servers):
             procs.append(spawn_subprocess_server(
-                model_dir, mode=inf.embedded_mode, max_num_seqs=inf.embedded_max_num_seqs,
+                model, mode=inf.embedded_mode, max_num_seqs=inf.embedded_max_num_seqs,
                 extra_args=("--served-model-name", config.model.name,
                             *(("--enable-lora",) if config.trainer.lora is not None else ())),
                 die_with_parent=True, api_key=key))
