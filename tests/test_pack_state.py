@@ -1,10 +1,12 @@
 """The packer's Beam state, its only copy: read back for every element, it cuts the batches a packer
 kept in memory cuts from the same elements (the groups of one element oldest token first); each pending
 group is stored once, with its tokens, rather than rewritten with every element; a copy restored from an
-older checkpoint skips what was committed since; and the end of input waits for every shard."""
+older checkpoint skips what was committed since; the end of input waits for every shard; and a value
+stored before the packer's state moved to the domain restores."""
 
 from __future__ import annotations
 
+import base64
 import pickle
 
 from beam_rl import components
@@ -205,3 +207,25 @@ def test_the_last_batch_waits_for_every_shards_end_of_input_and_every_group_it_a
     last = feed(groups[2])
     assert [type(x) for x in last] == [type(last[0]), InputExhausted] and last[0].step == 2
     assert last[0].group_ids == ["g2"] and last[1].last_step == 2
+
+
+# A value today's packer state was stored as before it moved to beam_rl/packing/state.py (pickled at
+# 09b3e29 as `transforms.pack._PackerState`): a builder at step 4, no groups pending, 3 groups seen, and
+# shard 0 ended after 5. Flink savepoints hold such values.
+_SAVED_BEFORE_THE_MOVE = base64.b64decode(
+    "gASVBgIAAAAAAACMD3RyYW5zZm9ybXMucGFja5SMDF9QYWNrZXJTdGF0ZZSTlCmBlH2UKIwHYnVpbGRlcpSMF2JlYW1fcmwucGFja2lu"
+    "Zy5iYXRjaGVzlIwMQmF0Y2hCdWlsZGVylJOUKYGUfZQojAZjdXR0ZXKUjBZiZWFtX3JsLnBhY2tpbmcucGFja2VylIwLQmF0Y2hDdXR0"
+    "ZXKUk5QpgZR9lCiMEXJvbGxvdXRzX3Blcl9zdGVwlEsIjAx0b2tlbl9idWRnZXSUTnVijAdzZXFfbGVulE0ABIwFcmFua3OUSwGMDHBv"
+    "c3RfZmlsdGVyc5RdlIwJbmV4dF9zdGVwlEsEjAZfY2xvY2uUjAR0aW1llIwEdGltZZSTlIwIX3BlbmRpbmeUXZSMB193aW5kb3eUXZSM"
+    "Dl93aW5kb3dfZ3JvdXBzlF2UjA5fd2luZG93X2NvdW50c5SMF2JlYW1fcmwuc2NvcmluZy5maWx0ZXJzlIwMRmlsdGVyQ291bnRzlJOU"
+    "KYGUfZQojAltb25pdG9yZWSUjAtjb2xsZWN0aW9uc5SMB0NvdW50ZXKUk5R9lIWUUpSMCGVuZm9yY2VklGgrfZSFlFKUdWKMCl9jdXRf"
+    "ZmF0ZXOUaCt9lIWUUpR1YowLZ3JvdXBzX3NlZW6USwOMBWVuZGVklH2USwBLBXOMB2ZsdXNoZWSUiXViLg==")
+
+
+def test_a_packer_state_stored_before_the_domain_owned_it_restores(tmp_path):
+    fn, state, pending = _packer(tmp_path), _Value(), _Bag()
+    state.raw = _SAVED_BEFORE_THE_MOVE
+    assert list(fn.process(("packer", [_scored(0, 0)]), state=state, pending=pending)) == []
+    assert pending.items and state.read().groups_seen == 4
+    batch, end = fn.process(("packer", [_scored(1, 0)]), state=state, pending=pending)
+    assert batch.step == 4 and batch.group_ids == ["g0", "g1"] and end == InputExhausted(last_step=4)

@@ -1,17 +1,15 @@
 """PackBatches: one stateful packer cuts scored groups into numbered train batches.
 
-It holds the BatchBuilder in Beam state under a single key, so step numbers are assigned in one place:
-the groups waiting for a batch in a bag (each added once), the rest (window records, counts, next step)
-as one small value. Beam state is the only copy. Batches are cut when full; the last, partial one when
-every shard's EndOfInput has come and every group it announced has arrived (end of input is data here,
-never a timer), followed by an InputExhausted marker for the writer.
+It holds the packer's state (beam_rl/packing/state.py) in Beam state under a single key, so step numbers
+are assigned in one place: the value in one ReadModifyWrite state, the groups waiting for a batch in a
+bag the domain's save appends to (each group added once). Beam state is the only copy; each element is
+one load, one add and one save. Batches are cut when full; the last, partial one when every shard's
+EndOfInput has come and every group it announced has arrived (end of input is data here, never a timer),
+followed by an InputExhausted marker for the writer.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-from dataclasses import dataclass, field
 from typing import Any, List, Tuple
 
 import apache_beam as beam
@@ -23,29 +21,21 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from beam_rl import components
 from beam_rl.config import RunConfig
-from beam_rl.packing.batches import BatchBuilder, InputExhausted
+from beam_rl.packing.batches import BatchBuilder
+from beam_rl.packing.state import Packer, PackerState, PackerWrites
 from beam_rl.rundir import RunDir
-from beam_rl.source import EndOfInput
 from transforms.coders import PackerItem, PackerOutput
 
 _PACKER_KEY = "packer"
 BATCH_GROUPS = 64  # at most this many scored groups reach the packer as one element
-_LOG = logging.getLogger(__name__)
 
 
-@dataclass
-class _PackerState:
-    builder: BatchBuilder
-    groups_seen: int = 0
-    ended: dict[int, int] = field(default_factory=dict)  # shard -> groups it announced in its EndOfInput
-    flushed: bool = False  # the final, partial batch was cut
-
-    def input_exhausted(self, shards: int) -> bool:
-        return len(self.ended) == shards and self.groups_seen >= sum(self.ended.values())
+# The name savepoints taken before the packer's state moved to the domain recorded its value under.
+_PackerState = PackerState
 
 
 class _PackFn(beam.DoFn):
-    STATE = userstate.ReadModifyWriteStateSpec("packer", PickleCoder())  # _PackerState, no pending groups
+    STATE = userstate.ReadModifyWriteStateSpec("packer", PickleCoder())  # PackerState, no pending groups
     PENDING = userstate.BagStateSpec("pending", PickleCoder())  # its pending groups, in packing order
 
     def __init__(self, config: RunConfig, first_step: int, check_staleness: bool, run_dir: str) -> None:
@@ -60,55 +50,22 @@ class _PackFn(beam.DoFn):
     def process(self, keyed: Tuple[str, Any], state=beam.DoFn.StateParam(STATE),
                 pending=beam.DoFn.StateParam(PENDING)):
         _, items = keyed
-        packer, rewrite = self._current(state.read(), pending)
-        before = packer.builder.pending
-        out: list[PackerOutput] = []
-        groups = [item for item in items if not isinstance(item, EndOfInput)]
-        for end in (item for item in items if isinstance(item, EndOfInput)):
-            packer.ended[end.shard] = end.groups
-        packer.groups_seen += len(groups)
-        out += packer.builder.add_all(groups)
-        exhausted = packer.input_exhausted(self._config.dispatch.shards) and not packer.flushed
-        if exhausted:
-            final = packer.builder.flush()
-            out += [final] if final is not None else []
-            packer.flushed = True
-        self._store(packer, before, rewrite, state, pending)
-        for batch in out:
-            if batch.step <= self._config.run.max_steps:
-                yield batch
-        if exhausted:
-            yield InputExhausted(last_step=packer.builder.next_step - 1)
+        packer = Packer.load(state.read(), pending.read(), new_builder=self._new_builder, steps=self._dir)
+        out = packer.add(items, shards=self._config.dispatch.shards, max_steps=self._config.run.max_steps)
+        self._write(packer.save(), state, pending)
+        if packer.dropped:
+            beam.metrics.Metrics.counter("beam_rl", "packer_groups_dropped_after_restore").inc(packer.dropped)
+        yield from out
 
-    def _current(self, durable: _PackerState | None, pending) -> tuple[_PackerState, bool]:
-        """Beam's copy (or a new packer), and whether its pending bag must be rewritten. Steps are never
-        rolled back in the run directory: if the step this packer would write next is committed already,
-        Flink restored a checkpoint older than the run directory (or restarted with none), so the groups
-        those steps hold are dropped and their step numbers are not given out again."""
-        if durable is None:
-            packer = _PackerState(components.batch_builder(self._config, self._first_step, self._check_staleness))
-        else:
-            packer = durable
-            packer.builder.restore_pending(list(pending.read()))
-        if not self._dir.is_committed(packer.builder.next_step):
-            return packer, False
-        dropped = packer.builder.drop_committed(self._dir.consumed_offsets(), self._dir.next_step())
-        beam.metrics.Metrics.counter("beam_rl", "packer_groups_dropped_after_restore").inc(dropped)
-        _LOG.warning("packer behind the run directory: now at step %d, dropped %d groups a committed "
-                     "step holds", packer.builder.next_step, dropped)
-        return packer, True
+    def _new_builder(self) -> BatchBuilder:
+        return components.batch_builder(self._config, self._first_step, self._check_staleness)
 
     @staticmethod
-    def _store(packer: _PackerState, before: list, rewrite: bool, state, pending) -> None:
-        rest, after = packer.builder.split_pending()
-        state.write(dataclasses.replace(packer, builder=rest))
-        kept = len(before) <= len(after) and all(a is b for a, b in zip(before, after))
-        if rewrite or not kept:  # a batch was cut (or groups dropped): store what is left
+    def _write(writes: PackerWrites, state, pending) -> None:
+        state.write(writes.value)
+        if writes.clear_first:
             pending.clear()
-            added = after
-        else:
-            added = after[len(before):]
-        for group in added:
+        for group in writes.pending:
             pending.add(group)
 
 

@@ -1,5 +1,5 @@
 """Cutting scored groups into train batches, synchronous and Beam-free: the article's process_batch
-plus packing. The Beam packer (transforms/pack.py) keeps a `BatchBuilder` in its state.
+plus packing. The packer's state (beam_rl/packing/state.py) keeps a `BatchBuilder` between elements.
 """
 
 from __future__ import annotations
@@ -81,10 +81,10 @@ class BatchBuilder:
         return list(self._pending)
 
     def split_pending(self) -> tuple[BatchBuilder, list[ScoredGroup]]:
-        """This builder without its pending groups, and those groups. A packer keeps the two apart in
-        state so that each group is stored once, not rewritten with every element; the window keeps
-        the records of pending groups without their token arrays, so each token is stored once, with
-        its group."""
+        """This builder without its pending groups, and those groups, to be stored apart
+        (`beam_rl.packing.state.Packer.save`) so that each group is stored once, not rewritten with
+        every element; the window keeps the records of pending groups without their token arrays, so
+        each token is stored once, with its group."""
         rest = BatchBuilder.__new__(BatchBuilder)
         rest.__dict__.update(self.__dict__, _pending=[], _window=self._window_without_pending_tokens())
         return rest, list(self._pending)
