@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from beam_rl import servers
+from beam_rl.job import servers
 from beam_rl.config import config_from_dict
 from beam_rl.inference.client import InferenceClient
 from beam_rl.inference.errors import InferenceAuthError
