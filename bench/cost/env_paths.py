@@ -12,7 +12,7 @@ CPU per rollout is the whole machine's user+system time (/proc/stat) less the in
 path's rollouts: it counts the worker, the proxy, agent processes, env servers and their runtimes. Latency
 is each rollout's sent-to-finished time. Run it on an otherwise idle machine.
 
-    .venv/bin/python -m bench.env_paths --rollouts 256 --max-tokens 128 --out bench/env_paths.json
+    .venv/bin/python -m bench.cost.env_paths --rollouts 256 --max-tokens 128 --out bench/cost/env_paths.json
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from beam_rl.envs.proxy import Episode, shared_proxy
 from beam_rl.envs.reverse_text import ReverseText
 from beam_rl.standin.launch import start_subprocess_server
 from beam_rl.types import GroupRequest, make_group_id
-from bench.results import write_results
+from bench.common.results import write_results
 
 FOLLOW_UP = {"role": "user", "content": "Now say it again, differently."}
 
@@ -116,7 +116,7 @@ class TwoTurnViaProxy(TwoTurn):
         return episode.trajectory({})
 
 
-TOY_ENV = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vf_toy_mt"
+TOY_ENV = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "vf_toy_mt"
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -194,8 +194,8 @@ def main() -> None:
         external, address = _external_env_server()
         toy = {"kind": "verifiers", "args": {"env": "vf_toy_mt", "config": {"taskset": {"num_tasks": 64}}}}
         paths = {
-            "inline": {"kind": "bench.env_paths:TwoTurn"},
-            "inline_proxy": {"kind": "bench.env_paths:TwoTurnViaProxy"},
+            "inline": {"kind": "bench.cost.env_paths:TwoTurn"},
+            "inline_proxy": {"kind": "bench.cost.env_paths:TwoTurnViaProxy"},
             "agent_process": {"kind": "agent", "args": {"command": [sys.executable, str(agent)],
                                                          "dataset": str(data)}},
             "verifiers_inline": toy,

@@ -1,7 +1,7 @@
 """What reading a server's load costs the dispatcher, which polls every server's /metrics: the whole
 exposition handed to prometheus_client's parser against only the lines a ServerLoad reads, side by side:
 
-    .venv/bin/python -m bench.load_parse
+    .venv/bin/python -m bench.cost.load_parse
 
 On the embedded simulated server's exposition, and on a vLLM-shaped one (per-engine gauges and counters,
 latency histograms: most of a real server's lines)."""

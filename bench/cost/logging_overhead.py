@@ -1,7 +1,7 @@
 """All logging on against all off, side by side on the small bench's pipeline (figure 3's run: instant servers,
 1,024 rollouts of 256 tokens, 128 a step, Prism):
 
-    .venv/bin/python -m bench.logging_overhead --pairs 6 --out bench/logging_overhead.json
+    .venv/bin/python -m bench.cost.logging_overhead --pairs 6 --out bench/cost/logging_overhead.json
 
 "On" is W&B offline (with its samples table: beam_rl.observe.rollout_text.tracker_sample_rows), TensorBoard and
 Prometheus /metrics scraped once a second. The bench's pipeline (beam_rl.job.rollouts.run_rollouts) has no
@@ -35,9 +35,8 @@ from beam_rl.config import LoggingSection, config_from_dict
 from beam_rl.observe import RunObserver
 from beam_rl.observe.rollout_text import tracker_sample_rows
 from beam_rl.rundir import RunDir
-from bench import procs
-from bench.overhead import bench_config
-from bench.run import SIZES
+from bench.common import procs
+from bench.common.pipeline import SIZES, bench_config
 
 POLL_S = 0.5
 SCRAPE_S = 1.0
@@ -232,7 +231,7 @@ def main() -> None:
     pairs = [(runs[i], runs[i + 1]) for i in range(0, len(runs), 2)]
     summary["tree_cpu_per_rollout_on_over_off_by_pair"] = [
         round(on["tree_cpu_ms_per_rollout_after_open"] / off["tree_cpu_ms_per_rollout"], 3) for off, on in pairs]
-    results = {"command": f"python -m bench.logging_overhead --pairs {args.pairs} --size {args.size}",
+    results = {"command": f"python -m bench.cost.logging_overhead --pairs {args.pairs} --size {args.size}",
                "size": args.size, "pairs": args.pairs, "machine_cpus": os.cpu_count(), "summary": summary,
                "runs": runs}
     print(json.dumps(results["summary"], indent=2))

@@ -1,6 +1,6 @@
 """The run observer's CPU per poll on a run directory of N committed steps, beside re-reading it whole.
 
-    .venv/bin/python -m bench.observe_poll --steps 1000 --out bench/observe_results.json
+    .venv/bin/python -m bench.cost.observe_poll --steps 1000 --out bench/cost/observe_poll.json
 
 CPU is the observer process tree's (user + system: W&B's service process included), per
 configuration: no tracker (Prometheus snapshot only), TensorBoard, TensorBoard + W&B offline. Figures:
@@ -26,7 +26,7 @@ from beam_rl.observe import RunObserver
 from beam_rl.observe.report import step_rows
 from beam_rl.rundir import RunDir
 from beam_rl.types import TrainBatch
-from bench.procs import cpu_s, tree_pids
+from bench.common.procs import cpu_s, tree_pids
 
 CONFIGS = {
     "none": {},

@@ -2,7 +2,7 @@
 committed step, in this process (warm: imports done, the tokenizer loaded) and as the commands (a fresh
 interpreter each, imports included).
 
-    .venv/bin/python -m bench.replay_cost RUN_DIR --step N [--repeat 5] [--out bench/replay_cost.json]
+    .venv/bin/python -m bench.cost.replay_cost RUN_DIR --step N [--repeat 5] [--out bench/cost/replay_cost.json]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 N runs, for this checkout's sandbox and for the sandbox of a git ref (main by default) side by side.
 The two take turns, so both see the same load on the machine.
 
-    .venv/bin/python -m bench.sandbox_start --runs 100 --baseline main --out bench/sandbox_start.json
+    .venv/bin/python -m bench.cost.sandbox_start --runs 100 --baseline main --out bench/cost/sandbox_start.json
 
 The baseline is `beam_rl/envs/sandbox.py` as committed at the ref, loaded as a module of its own (it
 imports only the standard library).
@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from beam_rl.envs import sandbox
-from bench.results import write_results
+from bench.common.results import write_results
 
 PROGRAM = "print(sum(range(1000)))\n"
 

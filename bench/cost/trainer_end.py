@@ -2,7 +2,7 @@
 weight update costs per step with whole weights against a LoRA adapter (bytes published, time to publish, time for
 a server to load, engine time a keep update stalls), side by side in one run:
 
-    .venv/bin/python -m bench.trainer_end --out bench/trainer_end.json
+    .venv/bin/python -m bench.cost.trainer_end --out bench/cost/trainer_end.json
 
 The model is Llama-shaped with random weights (~3M parameters, built offline), big enough that whole weights
 and an adapter differ the way they do for real models; the steps are synthetic (random tokens, advantages of
@@ -130,7 +130,7 @@ async def _updates_under_load(server: EmbeddedServer, path: Path, lora: bool, up
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/trainer_end.json")
+    parser.add_argument("--out", default="bench/cost/trainer_end.json")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--length", type=int, default=128)
@@ -145,7 +145,7 @@ def main() -> None:
         published = publish_figures(model_dir, work, vocab)
         updates = update_figures(model_dir, published)
     result = {
-        "command": "python -m bench.trainer_end " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        "command": "python -m bench.cost.trainer_end " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
         "model": {"architecture": "LlamaForCausalLM", "parameters": params},
         "data_parallel": dp,
         "weight_update": {kind: {k: v for k, v in published[kind].items() if k != "path"} | updates[kind]

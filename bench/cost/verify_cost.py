@@ -2,7 +2,7 @@
 verified read of a 64 MiB rank file next to an unverified one (mapping it alone, and `StepReader.read_step`),
 warm and cold.
 
-    .venv/bin/python -m bench.verify_cost [--mib 64] [--rounds 7]
+    .venv/bin/python -m bench.cost.verify_cost [--mib 64] [--rounds 7]
 
 Cold reads evict the rank file's pages with posix_fadvise(DONTNEED) (that file only); rounds interleave
 the variants so drift hits them alike. Prints one JSON object; times are medians in ms.

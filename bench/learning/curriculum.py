@@ -5,7 +5,7 @@ windows: the share of generated tokens that trained (the rest were filtered, mos
 groups), the mean reward of the trained rollouts and the reward per trained token, and the groups the
 curriculum kept back.
 
-    .venv/bin/python -m bench.curriculum --rows 40 --out bench/curriculum.json
+    .venv/bin/python -m bench.learning.curriculum --rows 40 --out bench/learning/curriculum.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rich.console import Console
 
 from beam_rl.config import CurriculumSection, load_config
 from beam_rl.rundir import RunDir
-from bench.results import write_results
+from bench.common.results import write_results
 
 VARIANTS = {
     "none": None,
@@ -71,7 +71,7 @@ def window_figures(run_dir: RunDir) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=40)
-    parser.add_argument("--out", default="bench/curriculum.json")
+    parser.add_argument("--out", default="bench/learning/curriculum.json")
     args = parser.parse_args()
     results: dict[str, Any] = {"rows": args.rows, "epochs": 3, "config": "configs/tiny.toml", "variants": {}}
     with tempfile.TemporaryDirectory(prefix="beam-rl-curriculum-") as root:

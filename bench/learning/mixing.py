@@ -4,7 +4,7 @@ with four in ten (the server answers 7 and 8 in turn: a row whose answer is 7 ma
 answer it never gives makes an all-zero group). A stand-in trainer publishes weights as each step commits,
 so admission runs as far ahead of training as in a real run.
 
-    .venv/bin/python -m bench.mixing --steps 40 --out bench/mixing.json
+    .venv/bin/python -m bench.learning.mixing --steps 40 --out bench/learning/mixing.json
 
 Reported per variant, from the committed steps' rank files: each environment's share of trained samples
 (and tokens) against its target, and its share of the groups consumed (the acceptance correction at work).
@@ -25,7 +25,7 @@ from rich.console import Console
 from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.source.mixing import trained_by_env
-from bench.results import write_results
+from bench.common.results import write_results
 
 GROUP = 4
 FILTERED_OF_10 = {"a": 1, "b": 4}
@@ -71,7 +71,7 @@ def run(config_dict: dict[str, Any]) -> None:
     from beam_rl.standin.faults import FaultConfig
     from beam_rl.standin.server import EmbeddedServer
     from beam_rl.model.tiny import tiny_model_dir
-    from bench.goodput import PublishEveryStep
+    from bench.common.trainer import PublishEveryStep
     from beam_rl.job.rollouts import run_rollouts
 
     config = config_from_dict(config_dict)

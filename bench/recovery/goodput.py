@@ -1,13 +1,12 @@
 """Goodput under weights published every step and a server killed every 30 simulated seconds, for the old
-cancel-whole-group behaviour and each weight-update mode, side by side: `python -m bench.goodput
-[--size small|full] --out bench/goodput.json` (bench/README.md)."""
+cancel-whole-group behaviour and each weight-update mode, side by side: `python -m bench.recovery.goodput
+[--size small|full] --out bench/recovery/goodput.json` (bench/README.md)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,8 +30,8 @@ from beam_rl.processes import stop_processes
 from beam_rl.rundir import CommitRecord, RunDir
 from beam_rl.source import admission
 from beam_rl.standin.launch import start_subprocess_server
-from beam_rl.model.tiny import tiny_model_dir
 from beam_rl.trainer.reader import StepReader
+from bench.common.trainer import PublishEveryStep
 
 # "cancel" is the behaviour before issue 13: reload under running requests, no streaming, a failed server's
 # rollouts errored (no re-dispatch), a group past the bound cancelled whole (off_policy.stale_rule
@@ -59,24 +58,6 @@ SIZES: dict[str, dict[str, Any]] = {
               "max_tokens": 64, "permits": 48, "time_scale": 0.05, "kill_every_sim_s": 30.0, "down_sim_s": 10.0,
               "length_median": 16, "length_sigma": 1.0, "bounds": (2,)},
 }
-
-
-class PublishEveryStep(threading.Thread):
-    """A stand-in trainer: publishes weights (the tiny model's own tensors) as soon as each step commits."""
-
-    def __init__(self, run_dir: RunDir) -> None:
-        super().__init__(daemon=True)
-        self.run_dir, self.stop = run_dir, threading.Event()
-
-    def run(self) -> None:
-        latest = self.run_dir.latest_stable_weights()  # a resumed run's trainer goes on from its weights
-        published, files = (latest[0] if latest else 0), [f for f in tiny_model_dir().iterdir() if f.is_file()]
-        while not self.stop.wait(0.02):
-            for step in range(published + 1, (self.run_dir.last_committed_step() or 0) + 1):
-                with self.run_dir.publish_weights_dir(step) as directory:
-                    for file in files:
-                        shutil.copy(file, directory)
-                published = step
 
 
 def _server_counter(url: str, name: str) -> float:
@@ -351,14 +332,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated of {', '.join(CONFIGS)}")
     parser.add_argument("--bounds", default=None, help="comma-separated max_off_policy_steps (default: the size's)")
     parser.add_argument("--max-async-level", type=int, default=1, help="off_policy.max_async_level")
-    parser.add_argument("--out", default="bench/goodput.json")
+    parser.add_argument("--out", default="bench/recovery/goodput.json")
     args = parser.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         parser.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
     t0 = time.time()
-    head = {"command": " ".join(["python -m bench.goodput", *(argv if argv is not None else sys.argv[1:])]),
+    head = {"command": " ".join(["python -m bench.recovery.goodput", *(argv if argv is not None else sys.argv[1:])]),
             "machine": {"cpus": os.cpu_count()}}
 
     def write(so_far: dict[str, Any]) -> None:  # after each configuration: a long run's results survive it

@@ -7,7 +7,7 @@ that worker once a checkpoint has passed, Flink's restore, the run to its end. T
 servers sampled - tokens of the rollouts in the committed windows (a run without a kill loses 0: the
 control). The bound to meet: no more than the servers sampled between the restored checkpoint and the kill.
 
-    .venv/bin/python -m bench.worker_kill --runs 3 --out bench/worker_kill.json
+    .venv/bin/python -m bench.recovery.worker_kill --runs 3 --out bench/recovery/worker_kill.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from beam_rl.standin.server import SeenRequest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VARIANTS = {"restart": False, "continue": True}  # -> dispatch.checkpoint_tokens
 GROUP_SIZE = 8
 PROMPTS = 48
@@ -94,14 +94,14 @@ def _server(seed: int):
 
 def _workers(driver_pid: int) -> list[int]:
     """The Python SDK workers the embedded Flink started (`runners.workers boot` processes)."""
-    from bench.procs import cmdline, tree_pids
+    from bench.common.procs import cmdline, tree_pids
 
     return [pid for pid in tree_pids(driver_pid) if "boot" in (argv := cmdline(pid))
             and any(part.endswith(("runners.workers", "workers.py")) for part in argv)]
 
 
 def _kill_tree(root: int) -> None:
-    from bench.procs import tree_pids
+    from bench.common.procs import tree_pids
 
     for pid in tree_pids(root):
         with contextlib.suppress(ProcessLookupError):

@@ -2,7 +2,8 @@
 flight, over completions drawn from the bundled tasks' reference solutions and broken variants of them,
 once with a few programs that loop forever (each costs its tests' timeouts) and once without.
 
-    .venv/bin/python -m bench.code_rewards --concurrency 1,4,16 --rollouts 64 --out bench/code_rewards.json
+    .venv/bin/python -m bench.rewards.code_rewards --concurrency 1,4,16 --rollouts 64 \
+        --out bench/rewards/code_rewards.json
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from beam_rl.envs.base import Trajectory
 from beam_rl.envs.code import Code, extract_program
 from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Turn
-from bench.results import write_results
+from bench.common.results import write_results
 
 # Completion kinds and their share of the rollouts: what a policy early in training writes.
 KINDS = {"reference": 0.5, "wrong": 0.2, "exception": 0.1, "syntax_error": 0.15, "loop": 0.05}
@@ -126,7 +127,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16", help="rewards in flight, comma-separated levels")
     parser.add_argument("--rollouts", type=int, default=64, help="rollouts scored at each level")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench/code_rewards.json")
+    parser.add_argument("--out", default="bench/rewards/code_rewards.json")
     args = parser.parse_args()
     env = make_env("code", load_tokenizer("tiny"))
     asyncio.run(measure(env, completions(env, 2, args.seed, KINDS), 1))  # warm-up: the network check, page cache

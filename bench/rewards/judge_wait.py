@@ -7,7 +7,7 @@ The judge is an OpenAI-compatible endpoint on 127.0.0.1 that grades exactly as a
 reward does (from the answer and the completion in its prompt), so both runs learn from the same rewards
 and differ only in when those rewards arrive.
 
-    .venv/bin/python -m bench.judge_wait --latency-s 1 --concurrency 64,256 --out bench/judge_wait.json
+    .venv/bin/python -m bench.rewards.judge_wait --latency-s 1 --concurrency 64,256 --out bench/rewards/judge_wait.json
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from rich.table import Table
 from beam_rl.config import RunConfig, load_config
 from beam_rl.envs.arithmetic import first_integer
 from beam_rl.rundir import RunDir
-from bench import reward_stage
-from bench.results import write_results
+from bench.rewards import reward_stage
+from bench.common.results import write_results
 from beam_rl.job.run import run_job
 
 PROMPT = "Grade the answer to a sum.\nanswer: {answer}\ncompletion: {completion!r}"
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--latency-s", type=float, default=1.0, help="the judge's time per answer")
     parser.add_argument("--concurrency", default="64,256", help="reward.concurrency levels of the judged runs")
     parser.add_argument("--work-dir", default="runs/bench-judge-wait", help="the two runs' directories go here")
-    parser.add_argument("--out", default="bench/judge_wait.json")
+    parser.add_argument("--out", default="bench/rewards/judge_wait.json")
     args = parser.parse_args()
     base = load_config(args.config)
     work = Path(args.work_dir)

@@ -5,7 +5,8 @@ masked (reward_error, left out of the baseline, the group dropped below min_scor
 absolute advantage error against the truth, over the rollouts whose rewards were known and over the
 failed ones a 0-scoring trainer trains on, averaged over `--draws` draws of failures.
 
-    .venv/bin/python -m bench.reward_masking --run-dir runs/bench-judge-wait/judge_off --out bench/reward_masking.json
+    .venv/bin/python -m bench.rewards.reward_masking --run-dir runs/bench-judge-wait/judge_off \
+        --out bench/rewards/reward_masking.json
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from beam_rl.scoring.advantages import AdvantageAlgorithm, get_algorithm
 from beam_rl.scoring.group import score_group
 from beam_rl.scoring.rewards import mark_reward_error
 from beam_rl.types import Rollout, Turn
-from bench.results import write_results
+from bench.common.results import write_results
 
 
 def run_groups(run_dir: RunDir) -> list[list[Rollout]]:
@@ -97,7 +98,7 @@ def main() -> None:
     parser.add_argument("--min-scored", type=int, default=2)
     parser.add_argument("--draws", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench/reward_masking.json")
+    parser.add_argument("--out", default="bench/rewards/reward_masking.json")
     args = parser.parse_args()
     groups = run_groups(RunDir(args.run_dir))
     algorithm = get_algorithm(args.algorithm)

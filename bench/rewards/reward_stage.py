@@ -1,10 +1,11 @@
 """The code environment's rewards through the scoring stage (CompleteGroups -> ScoreGroups on Prism):
 rollouts/s, p50/p99 latency of a group in the stage, and groups per bundle, with `reward.concurrency` at
-each level; beside it, the sandbox alone with as many rewards in flight (bench/code_rewards.py's loop).
+each level; beside it, the sandbox alone with as many rewards in flight (bench/rewards/code_rewards.py's loop).
 Every group reaches the stage at once, as when groups queue up behind slow rewards. Concurrency 1 is
 what the stage did before rewards were asynchronous: one reward at a time.
 
-    .venv/bin/python -m bench.reward_stage --concurrency 1,4,16 --groups 12 --out bench/reward_stage.json
+    .venv/bin/python -m bench.rewards.reward_stage --concurrency 1,4,16 --groups 12 \
+        --out bench/rewards/reward_stage.json
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from beam_rl.envs.base import Trajectory
 from beam_rl.envs.code import Code
 from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, Turn
-from bench.code_rewards import MIXES, measure, program
-from bench.results import write_results
+from bench.rewards.code_rewards import MIXES, measure, program
+from bench.common.results import write_results
 from runners.options import pipeline_options
 from transforms import score
 from transforms.groups import CompleteGroups
@@ -113,7 +114,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16", help="reward.concurrency levels, comma-separated")
     parser.add_argument("--groups", type=int, default=12, help=f"groups of {GROUP_SIZE} scored at each level")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench/reward_stage.json")
+    parser.add_argument("--out", default="bench/rewards/reward_stage.json")
     args = parser.parse_args()
     env = make_env("code", load_tokenizer("tiny"))
     count_bundles()

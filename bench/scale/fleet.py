@@ -8,7 +8,7 @@
    with a backlog of groups throughout; per phase, the share of time each member engine ran full (its
    own step trace), and how long the 4 that join take to run full.
 
-    python -m bench.fleet --out bench/fleet.json
+    python -m bench.scale.fleet --out bench/scale/fleet.json
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from beam_rl.dispatch import DispatcherThread
 from beam_rl.inference.client import InferenceClient
 from beam_rl.model.tiny import tiny_model_dir
 from beam_rl.model.tokenizer import load_tokenizer
-from bench.procs import servers as start_servers
-from bench.run import SIM_SMALL
-from bench.utilization import SyntheticEnv, _traces, full_share, make_groups
+from bench.common.engines import SyntheticEnv, full_share, make_groups, occupied_share, step_traces
+from bench.common.pipeline import SIM_SMALL
+from bench.common.procs import servers as start_servers
 
 SLOTS = 16  # max_num_seqs of every server
 # Engine steps 4x the small figure's: eight servers streaming every token to one dispatcher on two cores
@@ -39,7 +39,7 @@ FLEET_SIM = (*SIM_SMALL, "--sim-time-scale", "4")
 
 def _config(max_inflight: int, max_tokens: int):
     return config_from_dict({
-        "envs": [{"name": "synthetic", "kind": "reverse_text", "group_size": 4}],  # bench.utilization.SyntheticEnv
+        "envs": [{"name": "synthetic", "kind": "reverse_text", "group_size": 4}],  # bench.common.engines.SyntheticEnv
         "inference": {"max_inflight": max_inflight, "max_tokens": max_tokens, "request_timeout_s": 600.0,
                       "drain_timeout_s": 2.0},
     })
@@ -111,17 +111,6 @@ def join_to_first_request(mode: str, trials: int) -> dict[str, Any]:
             "target_over_load_s": 1.0, "met": max(over) <= 1.0}
 
 
-def occupied_share(trace: dict[str, Any], start: float, end: float) -> float:
-    """Time-weighted mean of running / max_num_seqs over [start, end), from the engine's own step trace."""
-    t = np.asarray(trace["t"], dtype=float)
-    if t.size == 0 or end <= start:
-        return 0.0
-    stop = np.append(t[1:], end)
-    covered = np.clip(np.minimum(stop, end) - np.maximum(t, start), 0, None)
-    running = np.asarray(trace["running"], dtype=float) / trace["max_num_seqs"]
-    return float((covered * running).sum() / (end - start))
-
-
 def _phase(host: DispatcherThread, backlog: Backlog, name: str, members: list[str], phase_s: float) -> dict[str, Any]:
     """The fleet becomes `members` for `phase_s`; each member's engine, measured once the change settled."""
     started = time.time()
@@ -129,7 +118,7 @@ def _phase(host: DispatcherThread, backlog: Backlog, name: str, members: list[st
     end = started + phase_s
     while time.time() < end:
         backlog.pump(0.05)
-    traces = asyncio.run(_traces(members, started))
+    traces = asyncio.run(step_traces(members, started))
     steady = started + phase_s / 4
     shares = [full_share(tr, steady, end) for tr in traces]
     occupied = [occupied_share(tr, steady, end) for tr in traces]
@@ -163,7 +152,7 @@ def fleet_utilization(phase_s: float) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/fleet.json")
+    parser.add_argument("--out", default="bench/scale/fleet.json")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--phase-s", type=float, default=10.0)
     args = parser.parse_args()

@@ -1,7 +1,7 @@
 """The packer's Beam state per step and the cost of writing window.arrow, for steps of 64 rollouts of 256
 tokens (32 prompt + 224 completion), fed one scored group of 8 per element as the runner does.
 
-    python -m bench.pack_state [--steps 8] [--filtered-groups 2] [--repeat 15]
+    python -m bench.scale.pack_state [--steps 8] [--filtered-groups 2] [--repeat 15]
 
 State is measured as a runner stores it (pickled): the largest value + bag held at a step's end, and the
 bytes written per step. The write cost of window.arrow is measured twice, next to the step's rank files
@@ -34,7 +34,7 @@ from transforms.pack import _PackFn
 GROUP_SIZE, ROLLOUTS_PER_STEP, PROMPT, COMPLETION = 8, 64, 32, 224
 
 
-class _Value:
+class StoredValue:
     """A ReadModifyWrite state that stores bytes, as a runner does."""
 
     def __init__(self) -> None:
@@ -49,7 +49,9 @@ class _Value:
         self.written += len(self.raw)
 
 
-class _Bag:
+class StoredBag:
+    """A bag state that stores each element pickled, as a runner does."""
+
     def __init__(self) -> None:
         self.items: list[bytes] = []
         self.written = 0
@@ -75,7 +77,7 @@ def _write(path: Path, table) -> int:
         return f.tell()
 
 
-def _group(index: int, rng: np.random.Generator, flat: bool):
+def scored_group(index: int, rng: np.random.Generator, flat: bool):
     rewards = np.ones(GROUP_SIZE) if flat else rng.random(GROUP_SIZE)
     prompt = rng.integers(0, 150_000, PROMPT).tolist()
     rollouts = [Rollout(f"e0-i{index}", "reverse_text", a, GROUP_SIZE, prompt_ids=prompt, index=index,
@@ -89,7 +91,7 @@ def _group(index: int, rng: np.random.Generator, flat: bool):
 def measure(steps: int, filtered_groups: int, repeat: int) -> dict:
     rng = np.random.default_rng(0)
     per_step = ROLLOUTS_PER_STEP // GROUP_SIZE + filtered_groups
-    groups = [_group(i, rng, flat=i % per_step < filtered_groups) for i in range(steps * per_step)]
+    groups = [scored_group(i, rng, flat=i % per_step < filtered_groups) for i in range(steps * per_step)]
     with tempfile.TemporaryDirectory(prefix="bench-pack-state-") as run_dir:
         fn = _PackFn(config_from_dict({
             "run": {"dir": run_dir, "max_steps": 10**6},
@@ -97,7 +99,7 @@ def measure(steps: int, filtered_groups: int, repeat: int) -> dict:
             "batch": {"rollouts_per_step": ROLLOUTS_PER_STEP},
         }), 1, check_staleness=False, run_dir=run_dir)
         fn.setup()
-        state, pending, batches = _Value(), _Bag(), []
+        state, pending, batches = StoredValue(), StoredBag(), []
         held, written, last_written = [], [], 0
         for group in groups:
             out = list(fn.process(("packer", [group]), state=state, pending=pending))

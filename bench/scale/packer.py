@@ -1,9 +1,9 @@
 """The packer's ceiling: how many steps and rollouts a second the single-key packer and the step writer
 number and commit, with nothing upstream to wait for (issue 30: the packer numbers every step on one key).
 
-    python -m bench.packer [--steps 40] [--runners direct,flink-local] [--out bench/packer.json]
+    python -m bench.scale.packer [--steps 40] [--runners direct,flink-local] [--out bench/scale/packer.json]
 
-Scored groups of 8 rollouts of 256 tokens (32 prompt + 224 completion; bench/pack_state.py makes them), 256
+Scored groups of 8 rollouts of 256 tokens (32 prompt + 224 completion; bench/scale/pack_state.py makes them), 256
 rollouts a step, are made up front and fed to the same two stages a run ends with (`PackBatches`, then
 `WriteTrainBatches`: Arrow files, fsyncs, the commit record) on each runner, from a bounded source that has
 them all at once. The rate is the rollouts of steps 2..N over the time from step 1's commit to step N's
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import apache_beam as beam
@@ -27,7 +26,7 @@ import numpy as np
 
 from beam_rl.config import RunConfig, config_from_dict
 from beam_rl.rundir import RunDir
-from bench.pack_state import GROUP_SIZE, _Bag, _group, _Value
+from bench.scale.pack_state import GROUP_SIZE, StoredBag, StoredValue, scored_group
 from runners.job_server import start_job_server
 from runners.options import RunnerSettings, pipeline_options
 from transforms.pack import BATCH_GROUPS, PackBatches, _PackFn
@@ -58,7 +57,7 @@ def in_process(groups: list, steps: int) -> dict:
         pack, write = _PackFn(_config(tmp, steps), 1, check_staleness=False, run_dir=tmp), _WriteStepFn(tmp)
         pack.setup()
         write.setup()
-        state, pending = _Value(), _Bag()
+        state, pending = StoredValue(), StoredBag()
         for start in range(0, len(groups), BATCH_GROUPS):  # as a backlog reaches the packer: full lists
             for batch in pack.process(("packer", groups[start:start + BATCH_GROUPS]), state=state, pending=pending):
                 list(write.process(batch))
@@ -87,13 +86,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    groups = [_group(i, rng, flat=False) for i in range(args.steps * ROLLOUTS_PER_STEP // GROUP_SIZE)]
+    groups = [scored_group(i, rng, flat=False) for i in range(args.steps * ROLLOUTS_PER_STEP // GROUP_SIZE)]
     results = {"in_process": in_process(groups, args.steps)}
     print(f"in_process: {results['in_process']}", flush=True)
     for runner in args.runners.split(","):
         results[runner] = on_runner(groups, args.steps, runner)
         print(f"{runner}: {results[runner]}", flush=True)
-    out = {"command": f"python -m bench.packer --steps {args.steps} --runners {args.runners}",
+    out = {"command": f"python -m bench.scale.packer --steps {args.steps} --runners {args.runners}",
            "rollouts_per_step": ROLLOUTS_PER_STEP, "group_size": GROUP_SIZE, "tokens_per_rollout": 256,
            "results": results}
     if args.out:

@@ -2,7 +2,7 @@
 process spends per streamed event and per rollout, and how full it keeps the engines; then the event rate
 past which it no longer keeps them full.
 
-    python -m bench.scale --out bench/scale.json [--size small|full] [--parts sizes,ceiling,compare,profile]
+    python -m bench.scale.scale --out bench/scale/scale.json [--size small|full] [--parts sizes,ceiling,compare,profile]
 
 - The dispatcher is the real one (`components.dispatcher_thread`, what a shard runs), in this process; the
   fleet is `beam_rl.standin.fleet` in processes of its own, so none of its CPU is counted here.
@@ -46,9 +46,8 @@ from beam_rl.standin.fleet import start_fleet
 from beam_rl.standin.simulated import SimulatedParams
 from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import GroupRequest
-from bench.fleet import occupied_share
-from bench.procs import cpu_s
-from bench.utilization import SyntheticEnv, _traces
+from bench.common.engines import SyntheticEnv, occupied_share, step_traces
+from bench.common.procs import cpu_s
 
 GROUP_SIZE = 4
 # Permits per slot: a finished sequence's slot is refilled from the server's own queue at once. One request per
@@ -219,7 +218,7 @@ def drive(urls: list[str], fleet_pids: list[int], route: str, stream: bool, slot
         if profile:
             host._call(profiler.disable)
         failed = feeder.failed
-    traces = asyncio.run(_traces(urls, first["t"]))
+    traces = asyncio.run(step_traces(urls, first["t"]))
     occupied = np.array([occupied_share(trace, first["t"], last["t"]) for trace in traces])
     d = {k: last[k] - first[k] for k in first}
     events, rollouts = d["events"], d["rollouts"]
@@ -350,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         size = {**size, "ceiling_tokens_per_s": {"streaming": tuple(int(r) for r in args.ceiling_tokens_per_s.split(","))}}
     parts = [p for p in args.parts.split(",") if p]
     result: dict[str, Any] = {
-        "command": " ".join(["python -m bench.scale", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m bench.scale.scale", *(argv if argv is not None else sys.argv[1:])]),
         "size": args.size, "params": size, "length_median": LENGTH_MEDIAN, "length_sigma": LENGTH_SIGMA,
         "max_tokens": MAX_TOKENS, "group_size": GROUP_SIZE, "unscaled_step_s": step_s(size["slots"]),
     }

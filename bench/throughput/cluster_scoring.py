@@ -6,7 +6,7 @@ parallelism 1 all stages run in one worker, at parallelism 2 dispatch (2 shards)
 two. Throughput is rollouts per second from the first rollout's start to the last commit: job start-up is
 left out, and with 20 ms of reward CPU per rollout against ~1 ms of dispatch and packing, scoring sets it.
 
-    python -m bench.cluster_scoring --reward-cpu-ms 20 --prompts 96
+    python -m bench.throughput.cluster_scoring --reward-cpu-ms 20 --prompts 96
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--reward-cpu-ms", type=float, default=20.0)
     parser.add_argument("--prompts", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1, help="alternate 1 and 2 workers this many times")
-    parser.add_argument("--out", default="bench/cluster_scoring.json")
+    parser.add_argument("--out", default="bench/throughput/cluster_scoring.json")
     args = parser.parse_args()
     cluster = start_cluster(taskmanagers=2, slots_per_taskmanager=2)
     servers = [EmbeddedServer(mode="instant", max_num_seqs=256) for _ in range(2)]

@@ -1,7 +1,7 @@
 """The in-flight cap, side by side (issue 28 item 1): fixed caps against `dispatch.concurrency.mode = "goodput"`
 and `"kv"`, on simulated engines whose KV cache is bounded (they preempt when it fills, as vLLM V1 does), while
-the policy moves on a clock, for three workloads. `python -m bench.concurrency [--size small|full] --out
-bench/concurrency.json`.
+the policy moves on a clock, for three workloads. `python -m bench.throughput.concurrency [--size small|full] --out
+bench/throughput/concurrency.json`.
 
 Each workload starts its own fleet of simulated servers (beam_rl/standin/fleet.py: one process of its own, so
 the servers' CPU is not the dispatcher's) and runs every configuration against it for the same wall time:

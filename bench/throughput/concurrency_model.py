@@ -1,8 +1,8 @@
-"""The goodput controller against a model of bench/concurrency.py's workloads, offline: many seeds in
-seconds where the real benchmark takes a run of minutes per sample. `python -m bench.concurrency_model
+"""The goodput controller against a model of bench/throughput/concurrency.py's workloads, offline: many seeds in
+seconds where the real benchmark takes a run of minutes per sample. `python -m bench.throughput.concurrency_model
 [--seeds 60] [--probe-step 0.125] [--tolerance 0.03]`.
 
-The model: the trained rate under a cap is the fixed caps' sweep of `bench/concurrency.json`, linear between
+The model: the trained rate under a cap is the fixed caps' sweep of `bench/throughput/concurrency.json`, linear between
 them; each policy step draws a factor around it (log-normal, `--noise` per step: 0.15 gives the spread of one
 measurement of the runs, about 7%); the rate moves to a new cap's over a rollout's lifetime (4 s), not at
 once. Rollouts of the workload's mean length finish at that rate and go to the real `GoodputController`.
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from beam_rl.dispatch.concurrency import ConcurrencyController, FixedConcurrency, GoodputController
-from bench.concurrency import WORKLOADS, sweep
+from bench.throughput.concurrency import WORKLOADS, sweep
 
 LAG_S = 4.0  # about a rollout's lifetime near the best cap, in the benchmark's real seconds
 
@@ -63,7 +63,7 @@ def summary(make: Callable[[], ConcurrencyController], curve: dict[int, float], 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=Path("bench/concurrency.json"))
+    parser.add_argument("--results", type=Path, default=Path("bench/throughput/concurrency.json"))
     parser.add_argument("--seeds", type=int, default=60)
     parser.add_argument("--noise", type=float, default=0.15)
     parser.add_argument("--probe-step", type=float, help="GoodputController's probe_step (default: its own)")

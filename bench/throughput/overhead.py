@@ -15,31 +15,11 @@ import numpy as np
 
 from beam_rl import components
 from beam_rl.model.location import tokenizer_for
-from beam_rl.config import RunConfig, config_from_dict
-from beam_rl.envs.base import Trajectory
 from beam_rl.rundir import RunDir
 from beam_rl.scoring.group import score_group
-from beam_rl.standin.generator import GenerationParams, InstantGenerator
-from beam_rl.types import Rollout, Turn
-from bench import procs
-
-ENV = "arithmetic"
-
-
-def bench_config(run_dir: str, urls: list[str], size: dict[str, Any], runner: str) -> RunConfig:
-    per_step, group = size["rollouts_per_step"], size["group_size"]
-    steps = size["pipeline_rollouts"] // per_step
-    groups = steps * per_step // group
-    return config_from_dict({
-        "run": {"dir": run_dir, "max_steps": steps},
-        "envs": [{"name": ENV, "group_size": group, "epochs": -(-groups // 200), "mode": "group"}],
-        "batch": {"rollouts_per_step": per_step},
-        "inference": {"urls": urls, "max_tokens": size["tokens"], "max_inflight": size["pipeline_permits"]},
-        # Instant completions are random ids: every group would be zero-advantage and dropped.
-        "filters": {"zero_advantage": {"mode": "monitor"}},
-        "runner": {"name": runner},
-    })
-
+from beam_rl.standin.generator import InstantGenerator
+from bench.common import procs
+from bench.common.pipeline import ENV, bench_config, instant_rollouts
 
 class _CommitWatcher(threading.Thread):
     """Follows the committed steps: the orchestrator's RSS as committed rollouts cross each mark, and
@@ -142,24 +122,6 @@ def pipeline_run(size: dict[str, Any], runner: str) -> dict[str, Any]:
         }
 
 
-def instant_rollouts(config: RunConfig, env: Any, generator: InstantGenerator, position: int,
-                     schedule: Any) -> list[Rollout]:
-    """One group's rollouts as an instant server would have produced them, scored by the environment."""
-    request = schedule.group(position)
-    prompt = env.render_prompt(request.row)
-    n = request.group_size
-    state = generator.start(GenerationParams(tuple(prompt), n=n, max_tokens=config.inference.max_tokens, seed=position))
-    now = time.time()
-    rollouts = []
-    for i, c in enumerate(state.choices):
-        turns = [Turn(c.token_ids, c.logprobs, c.finish_reason)]
-        rollouts.append(Rollout(
-            group_id=request.group_id, env_name=request.env_name, attempt=i, group_size=n, prompt_ids=list(prompt),
-            turns=turns, reward=env.reward(request.row, Trajectory(turns)), t_sent=now, t_finished=now,
-            epoch=request.epoch, index=request.index))
-    return rollouts
-
-
 def plain_loop(size: dict[str, Any]) -> dict[str, Any]:
     """The lower bound: render, generate instantly, reward, group, GRPO, pack, write Arrow, in one loop."""
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as run_dir:
@@ -213,26 +175,26 @@ def measure(size: dict[str, Any], runners: list[str]) -> dict[str, Any]:
 
 def main() -> None:
     """Figures 3-5 alone (the pipeline against the plain loop, commit latency, memory), e.g. a longer run that
-    shows whether memory keeps growing: `python -m bench.overhead --size full --runners flink-local
-    --pipeline-rollouts 40000 --warm-rollouts 20000 --out bench/memory-40k.json`."""
+    shows whether memory keeps growing: `python -m bench.throughput.overhead --size full --runners flink-local
+    --pipeline-rollouts 40000 --warm-rollouts 20000 --out bench/throughput/memory-40k.json`."""
     import argparse
     import json
 
-    from bench.run import SIZES
+    from bench.common.pipeline import SIZES
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--runners", default="direct,flink-local")
     parser.add_argument("--pipeline-rollouts", type=int, help="default: the size's")
     parser.add_argument("--warm-rollouts", type=int, help="the first RSS mark (default: the size's)")
-    parser.add_argument("--out", default="bench/overhead.json")
+    parser.add_argument("--out", default="bench/throughput/overhead.json")
     args = parser.parse_args()
     size = dict(SIZES[args.size])
     if args.pipeline_rollouts:
         size["pipeline_rollouts"] = args.pipeline_rollouts
     if args.warm_rollouts:
         size["rss_warm_rollouts"] = args.warm_rollouts
-    result = {"command": "python -m bench.overhead " + " ".join(f"--{k.replace('_', '-')} {v}"
+    result = {"command": "python -m bench.throughput.overhead " + " ".join(f"--{k.replace('_', '-')} {v}"
                                                                for k, v in vars(args).items() if v is not None),
               **measure(size, args.runners.split(","))}
     with open(args.out, "w") as f:

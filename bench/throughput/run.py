@@ -1,5 +1,5 @@
-"""Run every figure of the benchmark and write one JSON: `python -m bench.run [--size small|full]
-[--runners direct,flink-local] --out bench/results.json`."""
+"""Run every figure of the benchmark and write one JSON: `python -m bench.throughput.run [--size small|full]
+[--runners direct,flink-local] --out bench/throughput/results.json`."""
 
 from __future__ import annotations
 
@@ -11,22 +11,9 @@ import sys
 import time
 from typing import Any
 
-from bench import overhead, sink, utilization
+from bench.common.pipeline import SIZES
+from bench.throughput import overhead, sink, utilization
 
-# Simulated engine settings of figures 1-2 (see beam_rl/standin/simulated.py for the cost model).
-SIM_FULL = ("--sim-length-median", "64", "--sim-length-sigma", "1.0", "--sim-decode-base-s", "0.02",
-            "--sim-decode-s-per-seq", "1e-4", "--sim-prefill-s-per-token", "2e-5")
-SIM_SMALL = ("--sim-length-median", "24", "--sim-length-sigma", "1.0", "--sim-decode-base-s", "0.01",
-             "--sim-decode-s-per-seq", "1e-4", "--sim-prefill-s-per-token", "2e-5")
-
-SIZES: dict[str, dict[str, Any]] = {
-    "full": {"servers": 4, "max_num_seqs": 256, "rollouts": 20_000, "group_size": 8, "max_tokens": 256,
-             "sim_args": SIM_FULL, "tokens": 256, "rollouts_per_step": 256, "pipeline_rollouts": 20_000,
-             "pipeline_permits": 512, "pipeline_servers": 2, "rss_warm_rollouts": 2_000, "sink_rollouts": 4_096},
-    "small": {"servers": 2, "max_num_seqs": 32, "rollouts": 640, "group_size": 8, "max_tokens": 128,
-              "sim_args": SIM_SMALL, "tokens": 256, "rollouts_per_step": 128, "pipeline_rollouts": 1_024,
-              "pipeline_permits": 256, "pipeline_servers": 2, "rss_warm_rollouts": 256, "sink_rollouts": 512},
-}
 FIGURES = ("engine_utilization", "prefix_cache", "orchestration_overhead", "commit_latency", "memory", "sink")
 
 
@@ -52,7 +39,7 @@ def run(size_name: str, runners: list[str]) -> dict[str, Any]:
     policies = util["policies"]
     return {
         "size": size_name,
-        "command": " ".join(["python -m bench.run", *sys.argv[1:]]),
+        "command": " ".join(["python -m bench.throughput.run", *sys.argv[1:]]),
         "machine": machine(),
         "started_at": t0,
         "elapsed_s": round(time.time() - t0, 1),
@@ -74,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--runners", default="direct", help="comma-separated: direct, flink-local")
-    parser.add_argument("--out", default="bench/results.json")
+    parser.add_argument("--out", default="bench/throughput/results.json")
     args = parser.parse_args(argv)
     runners = [r for r in args.runners.split(",") if r]
     result = run(args.size, runners)

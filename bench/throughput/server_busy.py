@@ -1,7 +1,7 @@
 """How busy the pipeline keeps its inference servers: the share of the run's wall time each embedded
 server had at least one sequence running (`beam_rl:busy_seconds`), and rollouts/s end to end.
 
-    python -m bench.server_busy [--mode model|instant] [--prompts 32] [--group-size 8]
+    python -m bench.throughput.server_busy [--mode model|instant] [--prompts 32] [--group-size 8]
 """
 
 from __future__ import annotations

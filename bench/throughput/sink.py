@@ -13,7 +13,7 @@ from beam_rl.model.location import tokenizer_for
 from beam_rl.rundir import RunDir
 from beam_rl.scoring.group import score_group
 from beam_rl.standin.generator import InstantGenerator
-from bench.overhead import ENV, bench_config, instant_rollouts
+from bench.common.pipeline import ENV, bench_config, instant_rollouts
 
 
 def _plain_write(path: str, data: bytes) -> None:

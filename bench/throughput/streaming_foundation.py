@@ -1,7 +1,7 @@
 """Streaming-foundation figures per runner: bootstrap time (first and cached), pipeline start-up,
 element -> batch-file latency (p50/p99), and elements/s through the keyed stateful DoFn.
 
-    python -m bench.streaming_foundation [--runners direct,flink-local] [--count 20000]
+    python -m bench.throughput.streaming_foundation [--runners direct,flink-local] [--count 20000]
 
 "First" bootstrap builds into an empty $BEAM_RL_CACHE (Go and Maven download caches as they are).
 """
@@ -19,7 +19,7 @@ import numpy as np
 
 from runners import bootstrap
 from runners.options import pipeline_options
-from bench.streaming_demo import build_streaming_demo, read_batch_files
+from bench.throughput.streaming_demo import build_streaming_demo, read_batch_files
 
 
 def _bootstrap_seconds() -> dict[str, float]:

@@ -18,34 +18,11 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.dispatch import Dispatcher, DispatcherThread
-from beam_rl.envs.base import CompletionClient, Environment, SamplingParams, Trajectory
+from beam_rl.envs.base import SamplingParams
 from beam_rl.inference.client import InferenceClient
 from beam_rl.model.tokenizer import load_tokenizer
-from beam_rl.types import GroupRequest, Turn
-
-FULL = 0.95  # a server counts as full with >= 95% of max_num_seqs running
-
-
-class SyntheticEnv(Environment):
-    """Prompts are given token ids; the reward is a cheap function of the ids, so the benchmark
-    measures dispatch, not text scoring."""
-
-    name = "synthetic"
-
-    def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
-        return []
-
-    def render_prompt(self, row: dict[str, Any]) -> list[int]:
-        return list(row["prompt_ids"])
-
-    def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float:
-        return float(len(trajectory.turns[0].completion_ids) % 7)
-
-    async def run(self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int],
-                  sampling: SamplingParams) -> Trajectory:
-        (c,) = await client.complete(prompt_ids, sampling, n=1)
-        return Trajectory([Turn(c.token_ids, c.logprobs, c.finish_reason)])
-
+from beam_rl.types import GroupRequest
+from bench.common.engines import FULL, SyntheticEnv, full_share, make_groups, step_traces
 
 class RoundRobinDispatcher(Dispatcher):
     """Baseline: every rollout goes to the next server in turn, whatever group it belongs to."""
@@ -55,18 +32,6 @@ class RoundRobinDispatcher(Dispatcher):
     def _pin_server(self, group):  # noqa: ANN001 - Dispatcher's hook
         healthy = self.pool.healthy()
         return healthy[next(self._turn) % len(healthy)] if healthy else None
-
-
-def make_groups(count: int, group_size: int, seed: int, tag: str) -> list[GroupRequest]:
-    """Distinct random prompts of 64..256 tokens (no two groups share a prefix block)."""
-    tokenizer = load_tokenizer("tiny")
-    allowed = np.setdiff1d(np.arange(len(tokenizer)), np.array(sorted(tokenizer.all_special_ids)))
-    rng = np.random.default_rng(seed)
-    return [
-        GroupRequest(group_id=f"{tag}/{i}", epoch=0, index=i, env_name="synthetic", group_size=group_size,
-                     row={"prompt_ids": rng.choice(allowed, size=int(rng.integers(64, 257))).tolist()})
-        for i in range(count)
-    ]
 
 
 def _dispatcher_thread(urls: list[str], cls: type[Dispatcher], permits: int, max_tokens: int) -> DispatcherThread:
@@ -107,32 +72,9 @@ async def _scrape(urls: list[str]) -> list[dict[str, float]]:
     return out
 
 
-async def _traces(urls: list[str], since: float) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(timeout=60) as client:
-        responses = await asyncio.gather(*(client.get(f"{u}/simulated/trace", params={"since": since}) for u in urls))
-    return [r.json() for r in responses]
-
-
 async def _reset_caches(urls: list[str]) -> None:
     async with httpx.AsyncClient(timeout=30) as client:
         await asyncio.gather(*(client.post(f"{u}/reset_prefix_cache") for u in urls))
-
-
-def full_share(trace: dict[str, Any], start: float, end: float) -> float:
-    """Share of [start, end) during which the engine ran >= FULL * max_num_seqs sequences.
-
-    A step covers [t, min(next step's t, t + 2 * its planned duration)): an idle engine takes no
-    steps, and a step that ran more than twice late counts as not full beyond its planned span x2.
-    """
-    t = np.asarray(trace["t"], dtype=float)
-    if t.size == 0 or end <= start:
-        return 0.0
-    planned = np.asarray(trace["duration"], dtype=float)
-    running = np.asarray(trace["running"], dtype=float)
-    stop = np.minimum(np.append(t[1:], np.inf), t + 2 * planned)
-    full = running >= FULL * trace["max_num_seqs"]
-    covered = np.clip(np.minimum(stop, end) - np.maximum(t, start), 0, None)
-    return float(covered[full].sum() / (end - start))
 
 
 def run_policy(urls: list[str], name: str, groups: list[GroupRequest], permits: int, max_tokens: int,
@@ -147,7 +89,7 @@ def run_policy(urls: list[str], name: str, groups: list[GroupRequest], permits: 
     after = asyncio.run(_scrape(urls))
     # Steady state: between the 10th and the 90th percentile of rollout completions.
     start, end = ends[len(ends) // 10], ends[(len(ends) * 9) // 10]
-    traces = asyncio.run(_traces(urls, t0))
+    traces = asyncio.run(step_traces(urls, t0))
     shares = [full_share(tr, start, end) for tr in traces]
     hits = sum(a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"] for a, b in zip(after, before))
     queries = sum(a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"] for a, b in zip(after, before))
@@ -174,7 +116,7 @@ def measure(size: dict[str, Any]) -> dict[str, Any]:
     # Permits: a queue of 25% beyond the engines' slots, so a finishing sequence's slot is refilled
     # by the server's own waiting queue at once, whichever group the next rollout belongs to.
     permits = int(servers * c * 1.25)
-    from bench.procs import servers as start_servers
+    from bench.common.procs import servers as start_servers
 
     results = {}
     with start_servers(servers, "simulated", c, sim) as (urls, _pids):
