@@ -350,7 +350,7 @@ class OffPolicySection(_Section):
     max_regenerations: int = Field(2, ge=0)
     # What happens to work new weights put past the bound while it generates: "regenerate" (above), or
     # "cancel_group": every group whose first rollout started too long ago is cancelled whole (the rule
-    # before regeneration, bench/goodput.py's baseline).
+    # before regeneration, bench/recovery/goodput.py's baseline).
     stale_rule: Literal["regenerate", "cancel_group"] = "regenerate"
 
 

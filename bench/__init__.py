@@ -1,1 +1,3 @@
-"""beam-rl's performance benchmark (issue 7): `python -m bench.run --size small|full`."""
+"""beam-rl's benchmarks, one folder per question (bench/README.md): `throughput` (how fast), `scale` (how big),
+`cost`, `rewards`, `learning` and `recovery` (what it costs), and `common`, what they share. Each script runs
+as `python -m bench.<family>.<name>` and writes its results beside itself."""

@@ -52,7 +52,7 @@ def embedded_flink_jvm_options(heap_mb: int) -> list[str]:
     """The JVM options of a job server that runs an embedded Flink (flink-local): a bounded heap, and the
     parallel collector. G1 takes each young generation from free regions anywhere in its committed heap,
     so a long run touches more and more of it: the JVM's resident memory grew 80 to 156 MB (5 runs) from
-    2,000 to 19,968 rollouts of `python -m bench.overhead --size full --runners flink-local`, where the
+    2,000 to 19,968 rollouts of `python -m bench.throughput.overhead --size full --runners flink-local`, where the
     parallel collector, which reuses one eden range, grew -4 to 49 MB (4 runs)."""
     return [f"-Xmx{heap_mb}m", "-XX:+UseParallelGC"]
 

@@ -49,7 +49,7 @@ class FileEntry(BaseModel):
     XXH3-128, not sha256: the checksum guards against torn and bit-flipped files, not against an attacker,
     and sha256 costs about as much as the write it guards. Hashing 64 MiB took 52-127 ms with sha256
     (hashlib, SHA-NI) and 7-21 ms with XXH3-128, next to 72-144 ms to write and fsync the same bytes
-    (bench/verify_cost.py, eight runs on a shared 2-core machine): sha256 would add 50-130% to writing
+    (bench/cost/verify_cost.py, eight runs on a shared 2-core machine): sha256 would add 50-130% to writing
     a step's files, and as much again to every verified read of them; XXH3-128 adds 9-16%.
     """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from bench import procs
+from bench.common import procs
 
 _before: set[int] = set()
 

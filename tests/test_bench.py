@@ -1,8 +1,11 @@
-"""The benchmark as a smoke test: `python -m bench.run --size small` completes on Prism and its JSON
-holds every figure (never asserting timings: only that each number was measured)."""
+"""The benchmarks as smoke tests: `python -m bench.throughput.run --size small` completes on Prism and its JSON
+holds every figure (never asserting timings: only that each number was measured), a few others at their smoke
+sizes; and bench/'s own shape: no import circle, no private name imported from another file."""
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import json
 import subprocess
 import sys
@@ -11,13 +14,49 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _bench_imports() -> list[tuple[str, str, list[str]]]:
+    """(importer, imported module, names taken) for every import of a bench module inside bench/, at any
+    depth (function-local imports included: they close a circle as soon as the function runs)."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for p in (ROOT / "bench").rglob("*.py")}
+    found = []
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        importer = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "bench":
+                for alias in node.names:  # `from a import b`: the submodule a.b when there is one
+                    sub = f"{node.module}.{alias.name}"
+                    found.append((importer, sub, []) if sub in modules else (importer, node.module, [alias.name]))
+            elif isinstance(node, ast.Import):
+                found += [(importer, a.name, []) for a in node.names if a.name.split(".")[0] == "bench"]
+    return found
+
+
+def test_bench_has_no_import_circle():
+    edges: dict[str, set[str]] = {}
+    for importer, module, _ in _bench_imports():
+        if module != importer:
+            edges.setdefault(importer, set()).add(module)
+    try:
+        list(graphlib.TopologicalSorter(edges).static_order())
+    except graphlib.CycleError as e:
+        raise AssertionError(f"an import circle in bench/: {' -> '.join(reversed(e.args[1]))}") from None
+
+
+def test_bench_imports_no_private_name_from_another_file():
+    private = [f"{importer} takes {name} from {module}" for importer, module, names in _bench_imports()
+               for name in names if name.startswith("_") and module != importer]
+    assert private == [], "make what bench/ files share public (bench/common/)"
+
+
 def test_small_benchmark_reports_every_figure(tmp_path):
     out = tmp_path / "results.json"
-    subprocess.run([sys.executable, "-m", "bench.run", "--size", "small", "--runners", "direct", "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "bench.throughput.run", "--size", "small", "--runners", "direct",
+                    "--out", str(out)],
                    cwd=ROOT, check=True, timeout=600, stdout=subprocess.DEVNULL)
     result = json.loads(out.read_text())
     figures = result["figures"]
-    from bench.run import FIGURES
+    from bench.throughput.run import FIGURES
 
     assert set(figures) == set(FIGURES)
     shares = figures["engine_utilization"]["full_share_mean"]
@@ -49,9 +88,9 @@ def test_small_benchmark_reports_every_figure(tmp_path):
 
 
 def test_goodput_benchmark_accounts_for_every_generated_token(tmp_path):
-    # bench/goodput.py at its smoke size: two servers, one killed every 1.5 s, weights published every step.
+    # bench/recovery/goodput.py at its smoke size: two servers, one killed every 1.5 s, weights published every step.
     out = tmp_path / "goodput.json"
-    subprocess.run([sys.executable, "-m", "bench.goodput", "--size", "small", "--configs", "cancel,keep",
+    subprocess.run([sys.executable, "-m", "bench.recovery.goodput", "--size", "small", "--configs", "cancel,keep",
                     "--out", str(out)], cwd=ROOT, check=True, timeout=300, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     (results,) = json.loads(out.read_text())["results"].values()
@@ -77,8 +116,8 @@ def test_goodput_benchmark_accounts_for_every_generated_token(tmp_path):
 
 
 def test_fleet_benchmark_times_a_join_against_the_load_alone():
-    # bench/fleet.py's join figure, one trial on the simulated engine (no timing asserted).
-    from bench.fleet import join_to_first_request
+    # bench/scale/fleet.py's join figure, one trial on the simulated engine (no timing asserted).
+    from bench.scale.fleet import join_to_first_request
 
     result = join_to_first_request("simulated", trials=1)
     (trial,) = result["trials"]
@@ -87,9 +126,9 @@ def test_fleet_benchmark_times_a_join_against_the_load_alone():
 
 
 def test_scale_benchmark_measures_one_shard_against_a_simulated_fleet():
-    # bench/scale.py at its smoke size: a fleet of 4 simulated servers in a process of its own, one shard
+    # bench/scale/scale.py at its smoke size: a fleet of 4 simulated servers in a process of its own, one shard
     # streaming and one not (figures present and sane, nothing timed).
-    from bench import scale
+    from bench.scale import scale
 
     result = scale.main(["--size", "small", "--parts", "sizes"])
     streaming, plain = result["sizes"]
@@ -106,9 +145,9 @@ def test_scale_benchmark_measures_one_shard_against_a_simulated_fleet():
 
 
 def test_packer_benchmark_commits_every_step_in_process_and_on_prism():
-    # bench/packer.py at 3 steps: the packer's and the writer's code alone, then the same two stages on
+    # bench/scale/packer.py at 3 steps: the packer's and the writer's code alone, then the same two stages on
     # Prism (figures present, nothing timed).
-    from bench import packer
+    from bench.scale import packer
 
     result = packer.main(["--steps", "3", "--runners", "direct"])
     for where in ("in_process", "direct"):

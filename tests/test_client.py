@@ -346,7 +346,7 @@ def test_the_load_read_from_the_lines_it_needs_is_the_load_of_the_whole_expositi
     from prometheus_client.parser import text_string_to_metric_families
 
     from beam_rl.inference.parsing import load_lines
-    from bench.load_parse import vllm_like_metrics
+    from bench.cost.load_parse import vllm_like_metrics
 
     text = vllm_like_metrics()
     assert parse_server_load(text) == ServerLoad(running=9.0, waiting=6.0, kv_cache_usage=0.5, prefix_cache_hits=120.0,

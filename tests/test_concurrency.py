@@ -256,13 +256,13 @@ def test_a_restarted_controller_starts_where_the_committed_windows_show_the_cap_
 
 
 def test_goodput_against_the_simulated_engine_holds_a_cap_near_the_best_fixed_cap(tmp_path):
-    """bench/concurrency.py --size small: one simulated server of 256 slots whose KV cache holds ~90 of the
+    """bench/throughput/concurrency.py --size small: one simulated server of 256 slots whose KV cache holds ~90 of the
     workload's sequences (beyond, it preempts and work goes stale), a policy step every 1.2 s. Told nothing,
     goodput starts at half the ceiling (128); in its second half (slow start behind it) it trains near the
     best of a sweep of fixed caps and holds a cap within a factor of 2 of the best one, well below the
     ceiling. Ratios within one run: 0.976 and 0.964 of the best fixed cap (128) in two runs here, holding 124, so 0.75
     leaves room for a shared machine."""
-    from bench.concurrency import SIZES, run_workload, sweep
+    from bench.throughput.concurrency import SIZES, run_workload, sweep
 
     weights = tmp_path / "weights"
     weights.mkdir()
@@ -277,17 +277,18 @@ def test_goodput_against_the_simulated_engine_holds_a_cap_near_the_best_fixed_ca
 
 
 def test_goodput_on_a_model_of_the_benchmarks_measured_curves_stays_near_the_best_cap():
-    """bench/concurrency_model.py: the benchmark's measured sweeps (bench/concurrency.json), each policy step's
-    rate drawn with the spread of one real measurement. Over 180 s including its start, the controller trains
+    """bench/throughput/concurrency_model.py: the benchmark's measured sweeps (bench/throughput/concurrency.json),
+    each policy step's rate drawn with the spread of one real measurement. Over 180 s including its start, the controller trains
     0.96 to 0.98 of the best cap there (seeded: the same every run); a controller that let one lucky
     measurement move it would wander off the peak."""
     import json
     from pathlib import Path
 
-    from bench.concurrency import WORKLOADS, sweep
-    from bench.concurrency_model import summary
+    from bench.throughput.concurrency import WORKLOADS, sweep
+    from bench.throughput.concurrency_model import summary
 
-    measured = json.loads((Path(__file__).parents[1] / "bench" / "concurrency.json").read_text())["workloads"]
+    results = Path(__file__).parents[1] / "bench" / "throughput" / "concurrency.json"
+    measured = json.loads(results.read_text())["workloads"]
     for name, result in measured.items():
         curve = sweep(result["results"])
         mean, p10 = summary(lambda: GoodputController(result["ceiling"]), curve, WORKLOADS[name], 20, 0.15)

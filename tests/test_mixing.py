@@ -18,7 +18,7 @@ from beam_rl.config import ConfigError, config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.source.mixing import EnvMix, EnvTarget, trained_by_env
 from beam_rl.source.schedule import EnvSchedule, PromptSchedule
-from bench.mixing import mixed_config
+from bench.learning.mixing import mixed_config
 from schemas.commit_record import CommitRecord
 from tests.run_checks import assert_each_group_and_offset_once, kill_after_step
 
@@ -101,15 +101,15 @@ def test_bad_ratios_are_named_by_key_at_load(envs, key):
 
 
 def _run(config: dict) -> subprocess.Popen:
-    """The run in a process of its own, to be killed (bench.mixing.run: a server answering 7 and 8 in turn,
+    """The run in a process of its own, to be killed (bench.learning.mixing.run: a server answering 7 and 8 in turn,
     a stand-in trainer publishing weights as each step commits)."""
-    code = "import json, sys; from bench.mixing import run; run(json.loads(sys.argv[1]))"
+    code = "import json, sys; from bench.learning.mixing import run; run(json.loads(sys.argv[1]))"
     return subprocess.Popen([sys.executable, "-c", code, json.dumps(config)], start_new_session=True)
 
 
 @pytest.mark.parametrize("shards", [1, 2])
 def test_two_environments_at_3_to_1_one_four_times_as_often_filtered_train_75_25_across_a_kill(tmp_path, shards):
-    # a: one group in ten filtered; b: four in ten, four times as often (bench.mixing.FILTERED_OF_10).
+    # a: one group in ten filtered; b: four in ten, four times as often (bench.learning.mixing.FILTERED_OF_10).
     # 32 rollouts a step: a group is 0.6 points of what trains.
     config = mixed_config(tmp_path / "run", tmp_path / "data", STEPS, {"a": 3.0, "b": 1.0}, shards=shards,
                           rollouts_per_step=32)

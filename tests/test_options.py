@@ -12,7 +12,8 @@ import pytest
 from apache_beam.options.pipeline_options import PortableOptions
 
 from beam_rl.config import config_from_dict
-from bench import overhead, procs
+from bench.common import procs
+from bench.throughput import overhead
 from runners.options import JOB_SERVER_TIMEOUT_S, RunnerSettings, pipeline_options
 from beam_rl.job.rollouts import runner_settings
 

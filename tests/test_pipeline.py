@@ -16,7 +16,7 @@ from beam_rl.rundir import RunDir
 from beam_rl.source import admission
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.model.tiny import tiny_model_dir
-from bench.goodput import PublishEveryStep
+from bench.common.trainer import PublishEveryStep
 from beam_rl.job.rollouts import run_rollouts, runner_settings, start_rollouts
 
 PROMPTS, GROUP_SIZE, ROLLOUTS_PER_STEP = 32, 8, 64

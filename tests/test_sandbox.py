@@ -27,7 +27,7 @@ from beam_rl.envs.sandbox import (
     SandboxUnavailable,
     run_python,
 )
-from bench.procs import cmdline
+from bench.common.procs import cmdline
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/setup.sh)")
 

@@ -15,7 +15,7 @@ import pytest
 from beam_rl.envs import sandbox
 from beam_rl.envs.sandbox import CAPS, SandboxLimits, SandboxResult, run_python, total_caps_mechanism
 from beam_rl.printable import printable
-from bench.procs import cmdline
+from bench.common.procs import cmdline
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/setup.sh)")
 

@@ -16,7 +16,7 @@ from apache_beam.runners.runner import PipelineState
 
 from runners import bootstrap
 from runners.options import RunnerSettings, pipeline_options
-from bench.streaming_demo import build_streaming_demo, read_batch_files
+from bench.throughput.streaming_demo import build_streaming_demo, read_batch_files
 
 COUNT, INTERVAL_S, GROUP_SIZE, GROUPS_PER_BATCH = 48, 0.1, 4, 3
 # A bound on waiting for the first batch file, so that a runner that does not stream fails instead of hanging.

@@ -4,7 +4,7 @@ Beam's Python SDK measures the byte size of output elements for its PCollection 
 a sample of them, and it restarts that sample (whose first 10 elements are always measured) at every
 call of a splittable DoFn. The dispatch source checkpoints every fraction of a second, so with the
 fallback coder most groups were pickled several times over only to be measured: 5.3 pickles per
-scored group and ~10% of the worker's CPU (bench/README.md). Here the estimate is computed from the
+scored group and ~10% of the worker's CPU (bench/history.md). Here the estimate is computed from the
 value's token counts instead.
 
 Values are registered by type; a PCollection gets this coder when its type hint names one of them

@@ -102,7 +102,7 @@ class PackBatches(beam.PTransform):
         return (scored_groups_and_end
                 # Up to a bundle's worth of groups per element: the packer's state is read and written
                 # once per element, and on Prism each element for the single key cost a bundle round
-                # trip (the runner's CPU per rollout fell ~3x; bench/README.md).
+                # trip (the runner's CPU per rollout fell ~3x; bench/history.md).
                 | "PerBundle" >> beam.ParDo(_PerBundle()).with_output_types(List[PackerItem])
                 | "OneKey" >> beam.Map(lambda x: (_PACKER_KEY, x)).with_output_types(Tuple[str, List[PackerItem]])
                 | beam.ParDo(self._fn).with_output_types(PackerOutput))

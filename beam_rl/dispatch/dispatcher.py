@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 EnvMode = Literal["rollout", "group"]
 ENV_MODES: tuple[str, ...] = ("rollout", "group")
 # What `handle_stale` does with work new weights made too stale: "regenerate" (`regenerate_stale`) or
-# "cancel_group" (`cancel_stale`, the rule before regeneration: bench/goodput.py's baseline).
+# "cancel_group" (`cancel_stale`, the rule before regeneration: bench/recovery/goodput.py's baseline).
 StaleRule = Literal["regenerate", "cancel_group"]
 STALE_RULES: tuple[str, ...] = ("regenerate", "cancel_group")
 
@@ -592,7 +592,7 @@ class Dispatcher:
 
     def cancel_stale(self, min_version: int) -> list[str]:
         """Cancel groups whose first rollout started on a policy version older than `min_version`, whole:
-        the behaviour `regenerate_stale` replaced, kept as the baseline bench/goodput.py measures it against
+        the behaviour `regenerate_stale` replaced, kept as the baseline bench/recovery/goodput.py measures it against
         (stale_rule "cancel_group")."""
         stale = [
             g for g in self._groups.values()

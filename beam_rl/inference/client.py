@@ -173,7 +173,7 @@ class InferenceClient:
         self._ssl: ssl.SSLContext | None = (
             ssl.create_default_context(cafile=str(ca_bundle)) if ca_bundle is not None else None)
         # aiohttp rather than httpx: with hundreds of requests in flight, httpx's pool bookkeeping
-        # (linear in open connections per request) was most of the dispatcher's CPU (bench/README.md).
+        # (linear in open connections per request) was most of the dispatcher's CPU (bench/history.md).
         # One per event loop that talks to the server (made on first use, on that loop): the requests' loop,
         # and the loop of its own a paused update runs on (weight_updates.py).
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
@@ -318,7 +318,7 @@ class InferenceClient:
             "max_tokens": sampling.max_tokens,  # vLLM's default is 16: always say it
             "temperature": sampling.temperature,
             # The sampled tokens' logprobs only: 1 would add an alternative per token to the answer,
-            # which the dispatcher then parses (its JSON is 36% smaller with 0; bench/README.md).
+            # which the dispatcher then parses (its JSON is 36% smaller with 0; bench/history.md).
             "logprobs": 0,
             "skip_special_tokens": False,
             "stop_token_ids": list(sampling.stop_token_ids),

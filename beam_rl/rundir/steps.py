@@ -184,7 +184,7 @@ class StepStore(RunLayout):
 
         Always checks the size (catches a torn file for free); with `verify`, also the XXH3-128
         checksum, hashed straight from the mapping: the pages it faults in are the ones Arrow then reads,
-        so verifying never reads the file twice. Measured by bench/verify_cost.py on a 64 MiB rank file
+        so verifying never reads the file twice. Measured by bench/cost/verify_cost.py on a 64 MiB rank file
         (medians of 21 interleaved rounds; ranges over three runs on a shared 2-core machine): in the
         page cache, mapping and hashing it took 16-21 ms against 0.1 ms to map it unverified, and
         verifying added 7-12 ms to a `StepReader.read_step` of 55-75 ms; read cold and then consumed

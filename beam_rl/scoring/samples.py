@@ -90,7 +90,7 @@ def without_token_arrays(records: Sequence[RolloutRecord], rollout_ids: set[str]
 def samples_to_columns(samples: list[Sample]) -> tuple[Any, ...] | None:
     """Samples as columns, to pickle: one array per per-token field (the samples' arrays end to
     end), their lengths, and their other fields as tuples. As one array per field rather than one per
-    field and sample, a group of 8 samples pickled ~2x faster and unpickled ~1.5x faster (bench/README.md)."""
+    field and sample, a group of 8 samples pickled ~2x faster and unpickled ~1.5x faster (bench/history.md)."""
     if not samples:
         return None
     columns = tuple(np.concatenate([getattr(s, name) for s in samples]) for name in _PER_TOKEN)

@@ -84,7 +84,7 @@ def staleness_at_training(state: AdmissionState, limits: AdmissionLimits) -> int
     behind some admitted after it (a group is as slow as its slowest rollout): `margin_rollouts` are kept for
     that, but for the step being filled while the trainer has nothing else to train.
 
-    Admitting past the bound only buys work the stale filter will throw away (bench/goodput.py measured
+    Admitting past the bound only buys work the stale filter will throw away (bench/recovery/goodput.py measured
     a quarter of all tokens lost that way when the pipeline, not the engines, set the pace)."""
     ahead = int(state.rollouts_ahead * state.room_share)
     # Not for the step being filled while the trainer waits for it: nothing else would bring that step.

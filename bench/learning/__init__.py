@@ -1,0 +1,1 @@
+"""What the training signal gets: environments mixed by target share, and the curriculum on the tiny run."""

@@ -1,0 +1,1 @@
+"""What failures and weight updates cost: goodput under updates and server deaths, tokens lost per killed worker."""

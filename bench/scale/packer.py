@@ -1,0 +1,104 @@
+"""The packer's ceiling: how many steps and rollouts a second the single-key packer and the step writer
+number and commit, with nothing upstream to wait for (issue 30: the packer numbers every step on one key).
+
+    python -m bench.scale.packer [--steps 40] [--runners direct,flink-local] [--out bench/scale/packer.json]
+
+Scored groups of 8 rollouts of 256 tokens (32 prompt + 224 completion; bench/scale/pack_state.py makes them), 256
+rollouts a step, are made up front and fed to the same two stages a run ends with (`PackBatches`, then
+`WriteTrainBatches`: Arrow files, fsyncs, the commit record) on each runner, from a bounded source that has
+them all at once. The rate is the rollouts of steps 2..N over the time from step 1's commit to step N's
+(the commit records' `committed_at`): runner start-up and the first bundle are left out. `in_process` runs
+the packer's and the writer's own code (`_PackFn.process`, `_WriteStepFn.process`, state pickled as a
+runner stores it) in one loop, without Beam, fed lists of `BATCH_GROUPS` groups as a backlog reaches the
+packer: what the code costs, against which each runner's figure shows what running it as a keyed stateful
+stage adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import apache_beam as beam
+import numpy as np
+
+from beam_rl.config import RunConfig, config_from_dict
+from beam_rl.rundir import RunDir
+from bench.scale.pack_state import GROUP_SIZE, StoredBag, StoredValue, scored_group
+from runners.job_server import start_job_server
+from runners.options import RunnerSettings, pipeline_options
+from transforms.pack import BATCH_GROUPS, PackBatches, _PackFn
+from transforms.write import WriteTrainBatches, _WriteStepFn
+
+ROLLOUTS_PER_STEP = 256
+
+
+def _config(run_dir: str, steps: int) -> RunConfig:
+    return config_from_dict({
+        "run": {"dir": run_dir, "max_steps": steps},
+        "envs": [{"name": "reverse_text", "group_size": GROUP_SIZE}],
+        "batch": {"rollouts_per_step": ROLLOUTS_PER_STEP},
+    })
+
+
+def _rate(run_dir: RunDir) -> dict:
+    steps = run_dir.committed_steps()
+    first, last = run_dir.read_commit(steps[0]).committed_at, run_dir.read_commit(steps[-1]).committed_at
+    rollouts = (len(steps) - 1) * ROLLOUTS_PER_STEP
+    return {"steps": len(steps), "seconds": round(last - first, 3),
+            "steps_per_s": round((len(steps) - 1) / (last - first), 2),
+            "rollouts_per_s": round(rollouts / (last - first), 1)}
+
+
+def in_process(groups: list, steps: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-packer-") as tmp:
+        pack, write = _PackFn(_config(tmp, steps), 1, check_staleness=False, run_dir=tmp), _WriteStepFn(tmp)
+        pack.setup()
+        write.setup()
+        state, pending = StoredValue(), StoredBag()
+        for start in range(0, len(groups), BATCH_GROUPS):  # as a backlog reaches the packer: full lists
+            for batch in pack.process(("packer", groups[start:start + BATCH_GROUPS]), state=state, pending=pending):
+                list(write.process(batch))
+        return _rate(RunDir(tmp))
+
+
+def on_runner(groups: list, steps: int, runner: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-packer-") as tmp:
+        server = start_job_server("[local]", Path(tmp) / "job-server.log", 1024) if runner == "flink-local" else None
+        try:
+            settings = RunnerSettings(name=runner, job_endpoint=server.endpoint if server else None)
+            with beam.Pipeline(options=pipeline_options(settings)) as p:
+                _ = (p | beam.Create(groups, reshuffle=False)
+                     | PackBatches(_config(tmp, steps), 1, False, tmp)
+                     | WriteTrainBatches(tmp))
+        finally:
+            if server is not None:
+                server.stop()
+        return _rate(RunDir(tmp))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--runners", default="direct,flink-local")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    groups = [scored_group(i, rng, flat=False) for i in range(args.steps * ROLLOUTS_PER_STEP // GROUP_SIZE)]
+    results = {"in_process": in_process(groups, args.steps)}
+    print(f"in_process: {results['in_process']}", flush=True)
+    for runner in args.runners.split(","):
+        results[runner] = on_runner(groups, args.steps, runner)
+        print(f"{runner}: {results[runner]}", flush=True)
+    out = {"command": f"python -m bench.scale.packer --steps {args.steps} --runners {args.runners}",
+           "rollouts_per_step": ROLLOUTS_PER_STEP, "group_size": GROUP_SIZE, "tokens_per_rollout": 256,
+           "results": results}
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""One dispatch shard against a simulated fleet of 10, 100 and 1,000 servers (issue 30): what the shard's own
+process spends per streamed event and per rollout, and how full it keeps the engines; then the event rate
+past which it no longer keeps them full.
+
+    python -m bench.scale.scale --out bench/scale/scale.json [--size small|full] [--parts sizes,ceiling,compare,profile]
+
+- The dispatcher is the real one (`components.dispatcher_thread`, what a shard runs), in this process; the
+  fleet is `beam_rl.standin.fleet` in processes of its own, so none of its CPU is counted here.
+- Every fleet runs the engine's default cost model, time-scaled so that the fleet sends about the same
+  events per second whatever its size: the sizes differ in servers and streams open, not in load.
+- Measured over a window after a warm-up: this process's CPU (getrusage) and the dispatcher thread's
+  (/proc), the events its streams parsed, the rollouts it finished; each engine's slots occupied over the
+  window, from the engine's own step trace; the fleet processes' CPU (to show the fleet kept up).
+- `profile`: the largest fleet streaming, the dispatcher thread under cProfile.
+- `compare`: the dispatcher before issue 30's two changes (open groups first walked every open group; the
+  collector at CPython's default thresholds) against each in turn, on one fleet, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import gc
+import json
+import pathlib
+import pstats
+import resource
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import numpy as np
+
+from beam_rl import components
+from beam_rl.config import config_from_dict
+from beam_rl.dispatch import Dispatcher, DispatcherThread
+from beam_rl.dispatch.heap import settle_heap
+from beam_rl.dispatch.ledger import OpenGroup
+from beam_rl.inference import client as inference_client
+from beam_rl.inference.sse import EventData
+from beam_rl.standin.fleet import start_fleet
+from beam_rl.standin.simulated import SimulatedParams
+from beam_rl.model.tokenizer import load_tokenizer
+from beam_rl.types import GroupRequest
+from bench.common.engines import SyntheticEnv, occupied_share, step_traces
+from bench.common.procs import cpu_s
+
+GROUP_SIZE = 4
+# Permits per slot: a finished sequence's slot is refilled from the server's own queue at once. One request per
+# rollout (env mode "rollout"), so that a permit is a sequence (a group request holds its n permits until its
+# longest choice ends: with these long tails that left a third of the slots empty). 8 slots x 1.5 = 12 permits a
+# server, three groups of 4, so that group affinity spreads the first fill evenly (10 left half the servers a
+# group short, and a thousand servers' slow steps take minutes to even that out).
+QUEUE = 1.5
+# The engines' lengths: log-normal with a long tail (p99 ~ 10x the median, capped at max_tokens).
+LENGTH_MEDIAN, LENGTH_SIGMA, MAX_TOKENS = 32, 1.0, 2048
+
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {"servers": (10, 100, 1000), "slots": 8, "tokens_per_s": 3000, "warm_s": 10.0, "window_s": 20.0,
+             "ceiling_servers": 100, "ceiling_window_s": 10.0,
+             "ceiling_tokens_per_s": {"streaming": (2000, 4000, 6000, 8000), "non_streaming": (4000, 8000, 16000, 32000)},
+             "compare_window_s": 15.0, "fleet_processes": 2},
+    "small": {"servers": (4,), "slots": 8, "tokens_per_s": 500, "warm_s": 2.0, "window_s": 4.0,
+              "ceiling_servers": 4, "ceiling_tokens_per_s": {"streaming": (500,), "non_streaming": (500,)},
+              "ceiling_window_s": 3.0,
+              "compare_window_s": 3.0, "fleet_processes": 1},
+}
+KEPT_FULL = 0.98  # the ceiling: the highest rate at which the engines' slots stay this occupied
+ROUTES = {"streaming": ("completions", True), "non_streaming": ("generate", False)}
+
+
+def step_s(slots: int) -> float:
+    """An engine step with every slot running, unscaled (the engine's default cost model, no prefill)."""
+    p = SimulatedParams()
+    return p.decode_base_s + p.decode_s_per_seq * slots
+
+
+def time_scale(servers: int, slots: int, tokens_per_s: float) -> float:
+    """The time scale at which `servers` full engines of `slots` sample `tokens_per_s` (one per sequence a step,
+    streamed as one event each)."""
+    return servers * slots / (tokens_per_s * step_s(slots))
+
+
+class _CountedEvents(EventData):
+    """EventData counting the events every stream of this process parsed (one class attribute, read by the
+    window; one Python call per socket read, on both sides of any comparison)."""
+
+    parsed = 0
+
+    def feed(self, block: bytes) -> list[bytes]:
+        found = super().feed(block)
+        _CountedEvents.parsed += len(found)
+        return found
+
+
+class _Feeder:
+    """Keeps `depth` groups waiting in the dispatcher, from prompts made once (so this thread costs little)."""
+
+    def __init__(self, host: DispatcherThread, depth: int) -> None:
+        self.host, self.depth, self.sent, self.finished, self.failed = host, depth, 0, 0, 0
+        tokenizer = load_tokenizer("tiny")
+        allowed = np.setdiff1d(np.arange(len(tokenizer)), np.array(sorted(tokenizer.all_special_ids)))
+        rng = np.random.default_rng(0)
+        self.prompts = [rng.choice(allowed, size=int(rng.integers(64, 257))).tolist() for _ in range(512)]
+
+    def pump(self, wait_s: float) -> None:
+        for rollout in self.host.poll(wait_s):
+            self.finished += rollout.ok
+            self.failed += not rollout.ok
+        missing = self.depth - self.host.pending_groups()
+        if missing > 0:
+            self.host.add_groups([
+                GroupRequest(group_id=f"g{i}", epoch=0, index=i, env_name="synthetic", group_size=GROUP_SIZE,
+                             row={"prompt_ids": self.prompts[i % len(self.prompts)]})
+                for i in range(self.sent, self.sent + missing)])
+            self.sent += missing
+
+
+def _dispatcher_tid() -> int:
+    return next(t.native_id for t in threading.enumerate() if t.name == "beam-rl-dispatcher" and t.native_id)
+
+
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@contextlib.contextmanager
+def _instruments() -> Iterator[None]:
+    """Meanwhile every stream of this process parses with _CountedEvents and the collector is timed; after,
+    the collector is as it was (each shard settles the heap as its worker would: a test calls this too)."""
+    plain, thresholds = inference_client.EventData, gc.get_threshold()
+    inference_client.EventData = _CountedEvents
+    gc.callbacks.append(_GC.callback)
+    try:
+        yield
+    finally:
+        inference_client.EventData = plain
+        gc.callbacks.remove(_GC.callback)
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+
+
+def _snapshot(host: DispatcherThread, feeder: _Feeder, tid: int, fleet_pids: list[int]) -> dict[str, float]:
+    _, servers = host.counters_and_servers()
+    return {"t": time.time(), "process_cpu_s": _process_cpu_s(), "thread_cpu_s": cpu_s([tid]),
+            "fleet_cpu_s": cpu_s(fleet_pids), "events": _CountedEvents.parsed, "rollouts": feeder.finished,
+            "tokens": sum(s["tokens_received"] for s in servers), "gc_s": _GC.seconds, "gc_collections": _GC.count,
+            "gc_full_s": _GC.full_seconds, "gc_full_collections": _GC.full_count}
+
+
+class _GCTime:
+    """Wall time this process spends in the garbage collector, in any thread (its `callback` in gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.count, self._began = 0.0, 0, 0.0
+        self.full_seconds, self.full_count = 0.0, 0  # of them, the collections of the oldest generation
+
+    def callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        took = time.perf_counter() - self._began
+        self.seconds += took
+        self.count += 1
+        if info["generation"] == 2:
+            self.full_seconds += took
+            self.full_count += 1
+
+
+_GC = _GCTime()
+
+
+def _profile_rows(profiler: cProfile.Profile, top: int = 25) -> list[dict[str, Any]]:
+    """The functions with the most own time in the dispatcher thread over the window."""
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [{"function": f"{pathlib.Path(file).name}:{line}({name})", "calls": calls, "own_s": round(own, 3),
+             "cumulative_s": round(cumulative, 3)} for (file, line, name), (_, calls, own, cumulative, _) in rows]
+
+
+def drive(urls: list[str], fleet_pids: list[int], route: str, stream: bool, slots: int, warm_s: float,
+          window_s: float, profile: bool = False, heap: Callable[[], None] = settle_heap) -> dict[str, Any]:
+    """One shard on `urls` for warm_s + window_s; the window's figures (with `profile`, and the dispatcher
+    thread's cProfile over the window: its CPU figures then include the profiler's own cost)."""
+    permits = int(len(urls) * slots * QUEUE)
+    config = config_from_dict({
+        # The simulated engine's max_model_len: prompts of up to 256 tokens and the tail to MAX_TOKENS.
+        "model": {"max_context": 4096}, "batch": {"seq_len": 4096},
+        # SyntheticEnv's rows (the kind only names a registered environment for the config's checks).
+        "envs": [{"name": "synthetic", "kind": "reverse_text", "group_size": GROUP_SIZE, "mode": "rollout"}],
+        "inference": {"max_inflight": permits, "max_tokens": MAX_TOKENS, "request_timeout_s": 3600.0,
+                      "stream": stream, "route": route},
+    })
+    env = SyntheticEnv(load_tokenizer("tiny"))
+    with components.dispatcher_thread(config, urls, {"synthetic": env}, lambda: 1, permits) as host:
+        feeder = _Feeder(host, depth=permits // GROUP_SIZE + 1)
+        heap()  # as a dispatch worker does once its source is built (transforms/dispatch.py)
+        tid = _dispatcher_tid()
+        # Warm: every permit in flight (thousands of connections to open), then warm_s more.
+        deadline = time.time() + 300
+        while host.counters()["inflight"] < permits and time.time() < deadline:
+            feeder.pump(0.05)
+        started = time.time()
+        while time.time() < started + warm_s:
+            feeder.pump(0.05)
+        profiler = cProfile.Profile(time.thread_time)  # CPU, not wall: the loop waiting in epoll is not work
+        if profile:
+            host._call(profiler.enable)  # on the dispatcher's own thread, where its loop runs
+        first = _snapshot(host, feeder, tid, fleet_pids)
+        while time.time() < first["t"] + window_s:
+            feeder.pump(0.05)
+        last = _snapshot(host, feeder, tid, fleet_pids)
+        if profile:
+            host._call(profiler.disable)
+        failed = feeder.failed
+    traces = asyncio.run(step_traces(urls, first["t"]))
+    occupied = np.array([occupied_share(trace, first["t"], last["t"]) for trace in traces])
+    d = {k: last[k] - first[k] for k in first}
+    events, rollouts = d["events"], d["rollouts"]
+    return {
+        "route": route, "stream": stream, "servers": len(urls), "slots": slots, "permits": permits,
+        "window_s": round(d["t"], 2),
+        "slots_occupied_mean": round(float(occupied.mean()), 4),
+        "slots_occupied_min": round(float(occupied.min()), 4),
+        "events": int(events), "events_per_s": round(events / d["t"], 1),
+        "tokens_returned": int(d["tokens"]),  # those of the requests that ended in the window
+        "tokens_returned_per_s": round(d["tokens"] / d["t"], 1),
+        "gc_s": round(d["gc_s"], 3), "gc_collections": int(d["gc_collections"]),
+        "gc_full_s": round(d["gc_full_s"], 3), "gc_full_collections": int(d["gc_full_collections"]),
+        "rollouts": int(rollouts), "rollouts_per_s": round(rollouts / d["t"], 1), "rollouts_failed": failed,
+        "process_cpu_s": round(d["process_cpu_s"], 2), "dispatcher_thread_cpu_s": round(d["thread_cpu_s"], 2),
+        "process_cpu_share": round(d["process_cpu_s"] / d["t"], 3),
+        "process_cpu_us_per_event": round(1e6 * d["process_cpu_s"] / events, 2) if events else None,
+        "thread_cpu_us_per_event": round(1e6 * d["thread_cpu_s"] / events, 2) if events else None,
+        "process_cpu_ms_per_rollout": round(1e3 * d["process_cpu_s"] / rollouts, 3) if rollouts else None,
+        "fleet_cpu_share": round(d["fleet_cpu_s"] / d["t"], 3),
+        **({"profile": _profile_rows(profiler)} if profile else {}),
+    }
+
+
+def one_fleet(servers: int, slots: int, tokens_per_s: float, kind: str, size: dict[str, Any],
+              window_s: float) -> dict[str, Any]:
+    """A fresh fleet of `servers`, time-scaled to `tokens_per_s`, driven by one fresh shard."""
+    scale = time_scale(servers, slots, tokens_per_s)
+    route, stream = ROUTES[kind]
+    args = ["--max-num-seqs", str(slots), "--served-model-name", "tiny", "--sim-time-scale", f"{scale:.6g}",
+            "--sim-length-median", str(LENGTH_MEDIAN), "--sim-length-sigma", str(LENGTH_SIGMA)]
+    with start_fleet(servers, args, size["fleet_processes"]) as (urls, pids):
+        result = drive(urls, pids, route, stream, slots, size["warm_s"], window_s)
+    result.update(kind=kind, time_scale=round(scale, 4), step_s_scaled=round(scale * step_s(slots), 4),
+                  target_tokens_per_s=tokens_per_s)
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def sizes(size: dict[str, Any]) -> list[dict[str, Any]]:
+    return [one_fleet(n, size["slots"], size["tokens_per_s"], kind, size, size["window_s"])
+            for kind in ROUTES for n in size["servers"]]
+
+
+def ceiling(size: dict[str, Any]) -> dict[str, Any]:
+    """One fleet size, its engines stepped ever faster: per route, the highest rate still >= 0.98 occupied."""
+    out: dict[str, Any] = {}
+    for kind in size["ceiling_tokens_per_s"]:
+        rows = [one_fleet(size["ceiling_servers"], size["slots"], rate, kind, size, size["ceiling_window_s"])
+                for rate in size["ceiling_tokens_per_s"][kind]]
+        kept = [r for r in rows if r["slots_occupied_mean"] >= KEPT_FULL]
+        out[kind] = {"rows": rows, "highest_kept": max(kept, key=lambda r: r["target_tokens_per_s"]) if kept else None}
+    return out
+
+
+class _ScanningDispatcher(Dispatcher):
+    """The rule open groups first as it was before issue 30, for the side-by-side measurement only: a walk over
+    every open group, in admission order, to the first with an attempt still to start."""
+
+    def _oldest_startable(self) -> OpenGroup | None:
+        return next((g for g in self._groups.values() if g.rollouts_to_schedule > 0), None)
+
+
+@contextlib.contextmanager
+def _dispatcher_class(cls: type[Dispatcher]) -> Iterator[None]:
+    plain = components.Dispatcher
+    components.Dispatcher = cls
+    try:
+        yield
+    finally:
+        components.Dispatcher = plain
+
+
+def profile(size: dict[str, Any]) -> dict[str, Any]:
+    """The largest fleet, streaming, with the dispatcher thread under cProfile (CPU time) over the window: where a
+    shard's CPU goes (the profiler's own cost inflates every figure)."""
+    servers, slots = max(size["servers"]), size["slots"]
+    scale = time_scale(servers, slots, size["tokens_per_s"])
+    args = ["--max-num-seqs", str(slots), "--served-model-name", "tiny", "--sim-time-scale", f"{scale:.6g}",
+            "--sim-length-median", str(LENGTH_MEDIAN), "--sim-length-sigma", str(LENGTH_SIGMA)]
+    with start_fleet(servers, args, size["fleet_processes"]) as (urls, pids):
+        return drive(urls, pids, "completions", True, slots, size["warm_s"] / 2, size["compare_window_s"], profile=True)
+
+
+def _freeze_only() -> None:
+    """The dispatch worker's heap before issue 30: frozen once built, CPython's default thresholds."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(700, 10, 10)
+
+
+# Side by side: before issue 30, the open-groups heap alone, and both changes (the tree as committed).
+VARIANTS: dict[str, tuple[type[Dispatcher], Callable[[], None]]] = {
+    "before": (_ScanningDispatcher, _freeze_only),
+    "groups_heap": (Dispatcher, _freeze_only),
+    "groups_heap_and_gc": (Dispatcher, settle_heap),
+}
+
+
+def compare(size: dict[str, Any]) -> dict[str, Any]:
+    """VARIANTS on the largest fleet, each route, one after the other, each on a fresh fleet (a fleet that served
+    a dispatcher before is still unwinding its thousands of closed streams)."""
+    servers, slots = max(size["servers"]), size["slots"]
+    scale = time_scale(servers, slots, size["tokens_per_s"])
+    args = ["--max-num-seqs", str(slots), "--served-model-name", "tiny", "--sim-time-scale", f"{scale:.6g}",
+            "--sim-length-median", str(LENGTH_MEDIAN), "--sim-length-sigma", str(LENGTH_SIGMA)]
+    out: dict[str, Any] = {"servers": servers, "slots": slots, "time_scale": round(scale, 4)}
+    for kind, (route, stream) in ROUTES.items():
+        out[kind] = {}
+        for name, (cls, heap) in VARIANTS.items():
+            with start_fleet(servers, args, size["fleet_processes"]) as (urls, pids), _dispatcher_class(cls):
+                row = drive(urls, pids, route, stream, slots, size["warm_s"] / 2, size["compare_window_s"], heap=heap)
+            print(json.dumps({"compare": name, "kind": kind, **row}), flush=True)
+            out[kind][name] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--parts", default="sizes,ceiling", help="comma-separated: sizes, ceiling, compare, profile")
+    parser.add_argument("--ceiling-tokens-per-s", default=None,
+                        help="comma-separated rates for the ceiling, in place of the size's (streaming only)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    size = SIZES[args.size]
+    if args.ceiling_tokens_per_s:
+        size = {**size, "ceiling_tokens_per_s": {"streaming": tuple(int(r) for r in args.ceiling_tokens_per_s.split(","))}}
+    parts = [p for p in args.parts.split(",") if p]
+    result: dict[str, Any] = {
+        "command": " ".join(["python -m bench.scale.scale", *(argv if argv is not None else sys.argv[1:])]),
+        "size": args.size, "params": size, "length_median": LENGTH_MEDIAN, "length_sigma": LENGTH_SIGMA,
+        "max_tokens": MAX_TOKENS, "group_size": GROUP_SIZE, "unscaled_step_s": step_s(size["slots"]),
+    }
+    with _instruments():
+        for part in parts:
+            result[part] = {"sizes": sizes, "ceiling": ceiling, "compare": compare, "profile": profile}[part](size)
+            if args.out:  # after every part: a part takes minutes
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
