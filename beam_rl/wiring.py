@@ -244,7 +244,7 @@ class DispatchParts:
         return SourceParts(
             envs=self.envs, schedule=self.schedule, run_dir=run_dir, commits=commits,
             curriculum=curriculum, mix=mix, fleet_changes=fleet.changed if fleet is not None else None,
-            servers=servers, permits=permits,
+            permits=permits,
             limits=limits_for(config.batch.rollouts_per_step, min(e.group_size for e in config.envs), permits,
                               config.off_policy.max_async_level, spec.with_trainer, shard.count,
                               max_off_policy_steps=config.off_policy.max_off_policy_steps),

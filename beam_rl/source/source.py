@@ -89,7 +89,6 @@ class SourceParts:
     curriculum: Curriculum | None  # None: no curriculum; else following the committed windows already
     mix: EnvMix | None  # None: one stream, environments taking turns; else following the committed windows
     fleet_changes: Callable[[float], list[str] | None] | None  # a living fleet: the shard's servers when changed
-    servers: list[str]  # the shard's servers at start
     permits: int  # this shard's share of inference.max_inflight
     limits: AdmissionLimits
     evals: EvalRounds
