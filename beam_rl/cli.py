@@ -4,7 +4,6 @@ run directory."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
@@ -181,6 +180,7 @@ def _run_model_name(run_dir: RunDir) -> str | None:
 def _cmd_replay(args: argparse.Namespace) -> int:
     """Replay committed steps from their windows and compare with the committed files; exit status 1 naming
     each differing step's first difference, 2 when a step cannot be replayed."""
+    from beam_rl import wiring
     from beam_rl.observe.replay import ReplayError, replay_steps
 
     run_dir = RunDir(args.run_dir)
@@ -193,7 +193,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     staleness = {"on": True, "off": False, "auto": None}[args.staleness]
     identical = 0
     try:
-        for result in replay_steps(run_dir, steps, config, staleness):
+        for result in replay_steps(run_dir, steps, wiring.replay_parts(run_dir, config, staleness)):
             if result.identical:
                 identical += 1
                 files = ", ".join(result.identical_files) or "no rank file"
@@ -215,16 +215,26 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def preflight(config: RunConfig, source: str) -> RunDir:
-    """What can be checked before a server starts or the run directory is touched: the model directory
-    and its tokenizer, every env's dataset (the first bad row fails, named by file, line and field,
-    unless run.bad_rows = "skip"), then whether the run directory is writable and its newest published
-    weights fit the model. Skipped rows are reported and recorded in metrics.jsonl as {"dataset": {...}}."""
-    check_model(config, source)
-    loaded = _load_datasets(config, source)
+    """What can be checked before a server starts or the run directory is touched (beam_rl/job/preflight.py):
+    the model directory and its tokenizer, every env's dataset (the first bad row fails, named by file, line
+    and field, unless run.bad_rows = "skip"), then whether the run directory is writable and its newest
+    published weights fit the model. Skipped rows are reported and recorded in metrics.jsonl as
+    {"dataset": {...}}."""
+    from beam_rl.job.preflight import (
+        check_run_records,
+        load_datasets,
+        model_problems,
+        published_weights_problems,
+        refuse,
+    )
+
+    refuse(model_problems(config), source)
+    loaded, problems = load_datasets(config)
+    refuse(problems, source)
     run_dir = RunDir(config.run.dir)
     run_dir.check_writable()
     check_run_records(run_dir)
-    check_published_weights(run_dir, config)
+    refuse(published_weights_problems(run_dir, config), source)
     for name, split, rows, skipped in loaded:
         if not skipped:
             continue
@@ -235,143 +245,6 @@ def preflight(config: RunConfig, source: str) -> RunDir:
             "errors": [str(err) for err in skipped[:100]],  # enough to fix the file, bounded
         }})
     return run_dir
-
-
-def check_model(config: RunConfig, source: str) -> None:
-    """model.name is "tiny" or a local Hugging Face directory with a model config, a tokenizer that loads,
-    and (where a server or the trainer here loads it) safetensors weights; ConfigError at model.name."""
-    from beam_rl.model import location
-    from beam_rl.rundir.checkpoint_shapes import CheckpointError, tensor_shapes
-
-    if config.model.name == "tiny":
-        check_context(config, source)
-        check_lora_targets(config, source)
-        return
-    path = Path(config.model.name).expanduser()
-
-    def problem() -> str | None:
-        if not path.is_dir():
-            return (f"{path} is not a directory: give \"tiny\" or a local Hugging Face model directory "
-                    "(nothing is downloaded)")
-        try:
-            int(json.loads((path / "config.json").read_bytes())["vocab_size"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            return f"{path / 'config.json'}: not a model config with a vocab_size ({type(err).__name__}: {err})"
-        try:
-            from transformers import AutoConfig
-
-            AutoConfig.from_pretrained(str(path), local_files_only=True)
-        except Exception as err:  # an unknown model_type, a config its class refuses
-            return (f"{path / 'config.json'}: transformers cannot load this model "
-                    f"({type(err).__name__}: {str(err).splitlines()[0]})")
-        try:
-            location.tokenizer_for(config.model.name)
-        except Exception as err:  # transformers raises many kinds for a directory it cannot use
-            return f"{path}: its tokenizer does not load ({type(err).__name__}: {str(err).splitlines()[0]})"
-        if not config.inference.urls or config.trainer.kind == "reference":
-            try:
-                tensor_shapes(path)
-            except CheckpointError as err:
-                return f"{err} (the embedded servers and the reference trainer load the model's weights)"
-        return None
-
-    found = problem()
-    if found:
-        raise ConfigError(source, [("model.name", found)])
-    check_context(config, source)
-    check_lora_targets(config, source)
-
-
-def check_context(config: RunConfig, source: str) -> None:
-    """model.max_context and inference.max_tokens fit the model's own context (its config.json's
-    max_position_embeddings, where it says): a server would refuse every longer request. ConfigError naming
-    each key over it."""
-    from beam_rl.model import location
-
-    path = location.model_dir(config) / "config.json"
-    context = json.loads(path.read_bytes()).get("max_position_embeddings")
-    if not isinstance(context, int):
-        return
-    problems = [(key, f"{value} is above the model's context: max_position_embeddings = {context} in {path}")
-                for key, value in (("model.max_context", config.model.max_context),
-                                   ("inference.max_tokens", config.inference.max_tokens)) if value > context]
-    if problems:
-        raise ConfigError(source, problems)
-
-
-def check_lora_targets(config: RunConfig, source: str) -> None:
-    """Every module trainer.lora.target_modules names is a weight matrix of the model; ConfigError naming it."""
-    from beam_rl.model import location
-    from beam_rl.rundir.checkpoint_shapes import CheckpointError, matrix_module_names
-
-    lora = config.trainer.lora
-    if lora is None:
-        return
-    try:
-        modules = matrix_module_names(location.model_dir(config))
-    except CheckpointError:
-        return  # no weights here: nothing trains a LoRA adapter in this process, and check_model said so
-    missing = [name for name in lora.target_modules if name not in modules]
-    if missing:
-        raise ConfigError(source, [("trainer.lora.target_modules",
-                                    f"{missing} name no weight matrix of {config.model.name} "
-                                    f"(it has {sorted(modules)})")])
-
-
-def check_run_records(run_dir: RunDir) -> None:
-    """Before a run resumes: every commit record and every complete line of metrics.jsonl reads (the
-    source resumes from the records; the observer and the trainer read the metrics), and every file of
-    the steps no published weights have trained yet matches its record (the trainer reads them next).
-    RunDirError or CommitRecordError naming the first damaged file otherwise, before anything starts."""
-    run_dir.read_metrics()  # a torn last line is no error: the job drops it before appending (repair_metrics)
-    trained = run_dir.latest_stable_weights()
-    for step in run_dir.committed_steps():
-        record = run_dir.read_commit(step)
-        if trained is None or step > trained[0]:
-            run_dir.verify_step(record)
-
-
-def check_published_weights(run_dir: RunDir, config: RunConfig) -> None:
-    """The newest weights the trainer published (STABLE) fit the model: every server loads them before
-    any group starts, and the trainer resumes from them. RunDirError naming the directory otherwise."""
-    from beam_rl.model import location
-    from beam_rl.rundir.checkpoint_shapes import CheckpointError, validate_checkpoint
-
-    latest = run_dir.latest_stable_weights()
-    if latest is None:
-        return
-    step, path = latest
-    try:
-        validate_checkpoint(path, location.model_dir(config), lora=config.trainer.lora is not None)
-    except CheckpointError as err:
-        raise RunDirError(f"the newest published weights, step {step}, cannot be loaded: {err}. Remove {path} "
-                          "and the run resumes from the weights published before them") from None
-
-
-def _load_datasets(config: RunConfig, source: str) -> list[tuple[str, str, int, list[DatasetError]]]:
-    """(env, split, rows kept, rows skipped) for every split the run will read."""
-    from beam_rl import components
-    from beam_rl.envs.plugins import PluginError
-
-    loaded = []
-    for i, env in enumerate(config.envs):
-        kind_key = f"envs[{i}].kind" if env.kind else f"envs[{i}].name"
-        try:
-            built = components.build_envs(config.model_copy(update={"envs": [env]}))[env.name]
-        except DatasetError:
-            raise
-        except KeyError as err:  # an environment name nobody registered
-            raise ConfigError(source, [(kind_key, str(err.args[0]))]) from None
-        except (PluginError, ImportError) as err:  # a plug-in (or a library it needs) that is not usable here
-            raise ConfigError(source, [(kind_key, str(err))]) from err
-        except (TypeError, ValueError) as err:  # constructor arguments it does not take or accept
-            raise ConfigError(source, [(f"envs[{i}].args", str(err))]) from None
-        # The held-out split too when evaluation is on: the source reads it mid-run.
-        splits = [env.split] + (["eval"] if config.eval.every_steps else [])
-        for split in splits:
-            rows = built.load_rows(split)
-            loaded.append((env.name, split, len(rows), list(getattr(built, "skipped_rows", {}).get(split, []))))
-    return loaded
 
 
 def _pipeline_stopped(err: BaseException, run_dir: RunDir, since: float, again: str) -> int:
@@ -474,8 +347,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run_dir = RunDir(args.run_dir)
     config = load_config(args.config) if args.config else config_from_dict(
         run_dir.read_config(), source=str(run_dir.config_path))
-    check_model(config, args.config or str(run_dir.config_path))
-    check_published_weights(run_dir, config)
+    from beam_rl.job.preflight import model_problems, published_weights_problems, refuse
+
+    source = args.config or str(run_dir.config_path)
+    refuse(model_problems(config) + published_weights_problems(run_dir, config), source)
     import torch
 
     nproc = args.nproc if args.nproc is not None else config.trainer.nproc

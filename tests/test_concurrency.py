@@ -210,11 +210,11 @@ def test_the_dispatcher_holds_the_cap_its_controller_sets(tok, start_embedded):
 
 
 def test_goodput_mode_from_the_config_slow_starts_the_shards_dispatcher(start_embedded):
-    """dispatch.concurrency.mode = "goodput" through components.dispatcher_thread (what a shard runs): the
+    """dispatch.concurrency.mode = "goodput" through wiring.dispatcher_thread (what a shard runs): the
     cap starts at dispatch.concurrency.start and grows while the trained rate rises, against a simulated
     engine with slots to spare (how far it grows depends on when this machine's CPU, not the engine,
     stops the rate from rising)."""
-    from beam_rl import components
+    from beam_rl import wiring
     from beam_rl.standin.simulated import SimulatedParams
 
     server = start_embedded(None, mode="simulated", max_num_seqs=256, served_model_name="tiny",
@@ -222,10 +222,10 @@ def test_goodput_mode_from_the_config_slow_starts_the_shards_dispatcher(start_em
     config = config_from_dict({"envs": [{"name": "reverse_text", "group_size": 4}],
                                "inference": {"urls": [server.url], "max_inflight": 64, "max_tokens": 32},
                                "dispatch": {"concurrency": {"mode": "goodput", "start": 8}}})
-    envs = components.build_envs(config)
-    schedule = components.build_schedule(config, envs)
+    envs = wiring.build_envs(config)
+    schedule = wiring.build_schedule(config, envs)
     caps = []
-    with components.dispatcher_thread(config, [server.url], envs, lambda: 0) as thread:
+    with wiring.dispatcher_thread(config, [server.url], envs, lambda: 0) as thread:
         thread.add_groups([schedule.group(p) for p in range(len(schedule))][:200])
         done = 0
         while done < 600:

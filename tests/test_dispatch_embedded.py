@@ -71,7 +71,7 @@ def dispatcher_thread(
     route: str = "completions",
     drain_timeout_s: float = 60.0,
 ) -> DispatcherThread:
-    """Built like `beam_rl.components.dispatcher_thread`: clients are made on the dispatcher's loop.
+    """Built like `beam_rl.wiring.dispatcher_thread`: clients are made on the dispatcher's loop.
     By default a failed server's rollouts are not re-dispatched, so each fault surfaces on its rollout."""
     stop = tuple(env.stop_token_ids())
     sampling = {env.name: SamplingParams(max_tokens=max_tokens, temperature=1.0, stop_token_ids=stop)}

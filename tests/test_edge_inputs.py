@@ -14,7 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from beam_rl.components import inference_client
+from beam_rl.wiring import inference_client
 from beam_rl.model.location import vocab_size
 from beam_rl.config import RunConfig, config_from_dict
 from beam_rl.dispatch import Dispatcher

@@ -1,7 +1,7 @@
 """The layering, checked from the import graph of the source (docs/design.md, "Architecture").
 
 Dependencies point one way: the CLI -> the job layer (beam_rl/job) -> the Beam steps (transforms) and the
-runner tooling (runners) -> the wiring (beam_rl/components.py) -> the domain (the rest of beam_rl) ->
+runner tooling (runners) -> the wiring (beam_rl/wiring.py) -> the domain (the rest of beam_rl) ->
 schemas. The graph is read from the
 source with `ast`, not by importing it, so every import counts: module-level ones, function-local ones
 (which only hide a dependency until the function runs) and `if TYPE_CHECKING:` ones (which only hide it
@@ -26,11 +26,8 @@ PACKAGES = ("beam_rl", "transforms", "runners", "schemas")
 
 CLI = "beam_rl.cli"
 JOB = "beam_rl.job"  # starting, following and stopping a run: the one part of beam_rl that assembles Beam
-WIRING = "beam_rl.components"  # builds every part from the config; the Beam steps and the job call it
+WIRING = "beam_rl.wiring"  # builds every part from the config; the Beam steps and the job call it
 ABOVE_THE_DOMAIN = (CLI, JOB, WIRING)
-# Domain modules that still build their parts from the wiring, instead of being handed them: the list only
-# shrinks (the test fails on a module that no longer needs its entry).
-DOMAIN_MODULES_STILL_WIRING_THEMSELVES = frozenset({"beam_rl.observe.replay"})
 
 # The cycles that remain, each as the set of modules of its strongly connected component. The test fails
 # on a new cycle, on one that grows, and on one that is gone, so that these lists shrink with each fix
@@ -232,11 +229,8 @@ def test_schemas_import_nothing_of_the_package(imports):
 
 
 def test_the_domain_imports_neither_beam_nor_anything_above_it(imports):
-    found = _domain_violations(imports, ("apache_beam", "transforms", "runners", *ABOVE_THE_DOMAIN))
-    excused = {v for v in found if v.split(" ")[0] in DOMAIN_MODULES_STILL_WIRING_THEMSELVES
-               and f" -> {WIRING} " in v}
-    assert sorted(set(found) - excused) == []
-    assert {v.split(" ")[0] for v in excused} == DOMAIN_MODULES_STILL_WIRING_THEMSELVES
+    # The wiring hands every domain module its parts: none builds them from the config through it.
+    assert _domain_violations(imports, ("apache_beam", "transforms", "runners", *ABOVE_THE_DOMAIN)) == []
 
 
 def test_the_wiring_imports_only_the_domain(imports):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import pickle
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import config_from_dict
 from beam_rl.packing.batches import InputExhausted
 from beam_rl.scoring.advantages import get_algorithm
@@ -99,7 +99,7 @@ def _summary(batches):
 
 def _in_memory(run_dir, chunks: tuple[int, ...]):
     """What one BatchBuilder that never leaves memory cuts from the same elements."""
-    builder = components.batch_builder(_packer(run_dir)._config, 1, True)
+    builder = wiring.batch_builder(_packer(run_dir)._config, 1, True)
     groups, out, i = _elements()[:-1], [], 0
     while groups:
         size = chunks[i % len(chunks)]

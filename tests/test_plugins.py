@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.cli import preflight
 from beam_rl.config import ConfigError, config_from_dict
 from beam_rl.envs import make_env
@@ -130,7 +130,7 @@ def test_name_alone_is_a_built_in_kind_and_kind_lets_one_class_run_under_two_nam
         "envs": [{"name": "arithmetic", "group_size": 8},
                  {"name": "hard_sums", "kind": "arithmetic", "group_size": 8, "args": {"max_level": 2}}],
     })
-    envs = components.build_envs(config)
+    envs = wiring.build_envs(config)
     assert [type(e) for e in envs.values()] == [Arithmetic, Arithmetic]
     assert (envs["arithmetic"].name, envs["hard_sums"].name) == ("arithmetic", "hard_sums")
     assert envs["hard_sums"].max_level == 2

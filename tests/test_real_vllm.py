@@ -24,7 +24,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.cache import cache_root
 from beam_rl.config import config_from_dict
 from beam_rl.dispatch import Dispatcher, ServerPool
@@ -175,7 +175,7 @@ def _split(row: dict) -> tuple[list[int], list[int], list[float]]:
 
 def _complete(url: str, prompt: list[int], n: int, seed: int, config, route: str = "completions",
               stream: bool = False) -> list:
-    sampling = components.sampling_params(config, components.build_envs(config))["reverse_text"]
+    sampling = wiring.sampling_params(config, wiring.build_envs(config))["reverse_text"]
 
     async def call():
         async with InferenceClient(url, model="tiny", timeout_s=120, route=route, stream=stream) as client:
@@ -198,7 +198,7 @@ def test_vllm_logprobs_are_the_tiny_models_after_temperature(vllm):
     # The server's logprobs of its own samples, recomputed with transformers from the same weights:
     # equal to log_softmax(logits / T), and measurably not the raw log_softmax(logits).
     config = _config("/tmp/unused", [vllm[0].url])
-    prompt = components.build_envs(config)["reverse_text"].render_prompt({"text": "hello world"})
+    prompt = wiring.build_envs(config)["reverse_text"].render_prompt({"text": "hello world"})
     completions = _complete(vllm[0].url, prompt, n=4, seed=123, config=config)
     assert len(completions) == 4
     model = load_tiny_model(tiny_model_dir())
@@ -330,7 +330,7 @@ def _prefix_hit_rate(vllm, tmp_path, monkeypatch, affinity: bool) -> float:
         server.post("/reset_prefix_cache")
     before = [s.prefix_cache_counters() for s in vllm]
     if not affinity:
-        monkeypatch.setattr(components, "Dispatcher", _NoAffinityDispatcher)
+        monkeypatch.setattr(wiring, "Dispatcher", _NoAffinityDispatcher)
     # rollout mode: one request per attempt, so a group's 8 prompts can land on either server.
     config = _config(tmp_path / "run", [s.url for s in vllm], max_steps=2, mode="rollout", group_size=8,
                      limit=16, rollouts_per_step=64, max_inflight=16, max_tokens=4,

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.job.preflight import check_servers
 from beam_rl.config import config_from_dict
 from beam_rl.inference.client import InferenceAuthError, InferenceClient
@@ -82,7 +82,7 @@ def new_weights(tmp_path_factory):
 
 def _prompt() -> list[int]:
     config = config_from_dict({"envs": [{"name": "reverse_text"}]})
-    return components.build_envs(config)["reverse_text"].render_prompt({"text": "the policy version of a token"})
+    return wiring.build_envs(config)["reverse_text"].render_prompt({"text": "the policy version of a token"})
 
 
 SAMPLING = SamplingParams(max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=11)

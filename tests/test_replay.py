@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 from test_cli import RED, coloured, run_cli
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import config_from_dict, load_config
 from beam_rl.observe.replay import ReplayError, _fresh_start, first_table_difference, replay_steps
 from beam_rl.rundir import RunDir
@@ -95,7 +95,7 @@ def test_every_step_of_a_rollouts_run_replays_bit_for_bit(rollouts_run):
     steps = run.committed_steps()
     assert len(steps) >= 2 and not run.config_path.exists()
     assert run.input_exhausted_path.is_file()  # the last step is the packer's final, partial batch
-    results = list(replay_steps(run, steps, config))  # no config.json: staleness off, as the run
+    results = list(replay_steps(run, steps, wiring.replay_parts(run, config)))  # no config.json: staleness off, as the run
     assert [r.step for r in results] == steps
     for result in results:
         assert result.identical, [str(d) for d in result.differences]
@@ -168,7 +168,7 @@ def test_a_changed_grpo_epsilon_is_named_at_its_first_difference(job_run, tmp_pa
 def test_another_algorithm_differs_in_the_advantages_of_the_first_step(rollouts_run):
     config, run = rollouts_run
     rloo = config.model_copy(update={"envs": [config.envs[0].model_copy(update={"algorithm": "rloo"})]})
-    [result] = replay_steps(run, [1], rloo)
+    [result] = replay_steps(run, [1], wiring.replay_parts(run, rloo))
     first = result.differences[0]
     assert (first.file, first.column) == ("rollouts/step_1/rank_0.arrow", "advantages")
     assert first.committed != first.replayed
@@ -194,7 +194,7 @@ def test_a_corrupted_value_in_a_rank_file_is_named(rollouts_run, tmp_path, monke
     data[offset:offset + 4] = np.float32(12.5).tobytes()
     path.write_bytes(bytes(data))  # same size: only the checksum tells it from the committed file
 
-    [result] = replay_steps(copy, [2], config)
+    [result] = replay_steps(copy, [2], wiring.replay_parts(copy, config))
     first = result.differences[0]
     assert (first.file, first.row, first.column) == ("rollouts/step_2/rank_0.arrow", 3, "advantages")
     assert f"token {token}" in first.where
@@ -229,7 +229,7 @@ def test_a_bad_step_or_a_run_without_a_config_is_one_red_line(rollouts_run, job_
     assert status == 2 and coloured(lines, RED) == [f"{run.path}: step 99 is not committed (committed steps: 1..6)"]
     _, bare = rollouts_run
     with pytest.raises(ReplayError, match="no config.json"):
-        list(replay_steps(bare, [1]))
+        list(replay_steps(bare, [1], wiring.replay_parts(bare)))
     status, lines = run_cli(monkeypatch, "replay", str(bare.path), "--step", "1")
     assert status == 2 and "give the run's config (--config)" in coloured(lines, RED)[0]
 
@@ -241,13 +241,13 @@ def _sink_step(run_dir, *groups: list[float], algorithm: str = "grpo", ranks: in
                                "batch": {"rollouts_per_step": 8 * len(groups), "trainer_ranks": ranks}})
     run = RunDir(run_dir)
     run.write_config(config.model_dump(mode="json"))
-    builder, batches = components.batch_builder(config, 1), []
+    builder, batches = wiring.batch_builder(config, 1), []
     for g, rewards in enumerate(groups):
         rollouts = [Rollout(f"arithmetic_easy/e0-i{g}", "arithmetic_easy", i, 8, prompt_ids=[1, 5, 6][:1 + i % 3],
                             reward=reward, turns=[Turn([7, 8, 2], [-0.5, -0.25, -1.0], "stop", policy_versions=[0] * 3)])
                     for i, reward in enumerate(rewards)]
-        scored = score_group(rollouts, components.algorithms(config)[ENV["name"]],
-                             components.pre_batch_filters(config), config.inference.temperature, min_scored=2)
+        scored = score_group(rollouts, wiring.algorithms(config)[ENV["name"]],
+                             wiring.pre_batch_filters(config), config.inference.temperature, min_scored=2)
         batches += builder.add(scored)
     [batch] = batches
     run.write_step(batch)
@@ -259,12 +259,12 @@ def test_batch_whitening_and_packing_over_ranks_replay_bit_for_bit(tmp_path):
     over two ranks."""
     run = _sink_step(tmp_path / "run", [1.0, 0.5, 0, 0, 0, 0, 0, 0], [0, 0.25, 0.75, 1, 0, 0, 0.5, 0],
                      algorithm="reinforce_plus_plus_baseline", ranks=2)
-    [result] = replay_steps(run, [1])
+    [result] = replay_steps(run, [1], wiring.replay_parts(run))
     assert result.identical, [str(d) for d in result.differences]
     assert result.identical_files == ["rank_0.arrow", "rank_1.arrow"]
     assert run.read_commit(1).counts.micro_batches == [1, 1]  # both ranks hold samples
     # Dr.GRPO is REINFORCE++-baseline's group step without the whitening: replayed with it, advantages differ.
-    [result] = replay_steps(run, [1], config_from_dict({**run.read_config(), "envs": [{**ENV, "algorithm": "dr_grpo"}]}))
+    [result] = replay_steps(run, [1], wiring.replay_parts(run, config_from_dict({**run.read_config(), "envs": [{**ENV, "algorithm": "dr_grpo"}]})))
     assert result.differences[0].column == "advantages"
 
 
@@ -286,7 +286,7 @@ def test_rewards_float32_cannot_hold_replay_bit_for_bit(tmp_path):
     0.1 there, and every advantage computed from it replays bit for bit."""
     run = _sink_step(tmp_path / "run", [1.0, 0.1, 0.3, 0, 0, 0, 0, 0], [0.7, 0.1, 0.2, 0, 0, 0, 0, 0])
     assert run.read_window(1).column("reward").to_pylist()[:3] == [1.0, 0.1, 0.3]
-    [result] = replay_steps(run, [1])
+    [result] = replay_steps(run, [1], wiring.replay_parts(run))
     assert result.identical and not result.notes, [str(d) for d in result.differences]
 
 
@@ -297,7 +297,7 @@ def test_a_schema_version_2_step_replays_with_its_float32_rewards_named_as_the_l
     run = _sink_step(tmp_path / "rounded", [1.0, 0.1, 0, 0, 0, 0, 0, 0])
     _as_schema_version_2(run)
     assert run.read_window(1).column("reward").type == pa.float32()
-    [result] = replay_steps(run, [1])
+    [result] = replay_steps(run, [1], wiring.replay_parts(run))
     first = result.differences[0]
     assert (first.file, first.column) == ("rollouts/step_1/rank_0.arrow", "advantages")
     assert first.where.startswith("rollout arithmetic_easy/e0-i0/1,")  # the one rewarded 0.1
@@ -307,7 +307,7 @@ def test_a_schema_version_2_step_replays_with_its_float32_rewards_named_as_the_l
                             "them can differ in the last bit"]
     exact = _sink_step(tmp_path / "exact", [1.0, 0.5, 0, 0, 0, 0, 0, 0])  # rewards float32 holds: identical
     _as_schema_version_2(exact)
-    [result] = replay_steps(exact, [1])
+    [result] = replay_steps(exact, [1], wiring.replay_parts(exact))
     assert result.identical, [str(d) for d in result.differences]
 
 

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import EvalSection, config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.source import DispatchRange, InFlight, RolloutSource, Shard, SourceSpec
@@ -191,7 +191,7 @@ def _source(tmp_path, url: str, restored: DispatchRange, max_tokens: int = 4) ->
     })
     spec = SourceSpec(config=config, server_urls=(url,), run_dir=str(tmp_path), run_id=uuid.uuid4().hex,
                       with_trainer=False, schedule_groups=6)
-    return RolloutSource(spec, Shard(), restored, components.source_parts(config))
+    return wiring.dispatch_parts(spec).source(Shard(), restored)
 
 
 def _drain(source: RolloutSource, expected: int) -> list:

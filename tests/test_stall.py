@@ -18,7 +18,7 @@ from rich.console import Console
 from test_observe_prometheus import scrape, value
 
 from beam_rl import cli
-from beam_rl.job.preflight import check_servers
+from beam_rl.job.preflight import check_servers, model_problems, refuse
 from beam_rl.config import ConfigError, RunSection, config_from_dict, load_config
 from beam_rl.envs import make_env
 from beam_rl.envs.agent import AgentError
@@ -161,11 +161,11 @@ def _tiny_config(max_context: int, **inference) -> dict:
 def test_a_max_context_above_the_models_is_an_error_naming_the_key_before_anything_starts():
     config = config_from_dict(_tiny_config(2048, max_tokens=1500))
     with pytest.raises(ConfigError) as caught:
-        cli.check_model(config, "run.toml")
+        refuse(model_problems(config), "run.toml")
     where = f"max_position_embeddings = 1024 in {tiny_model_dir(0) / 'config.json'}"
     assert caught.value.problems == [("model.max_context", f"2048 is above the model's context: {where}"),
                                      ("inference.max_tokens", f"1500 is above the model's context: {where}")]
-    cli.check_model(config_from_dict(_tiny_config(1024)), "run.toml")  # the whole context is fine
+    refuse(model_problems(config_from_dict(_tiny_config(1024))), "run.toml")  # the whole context is fine
 
 
 def test_a_server_whose_context_is_below_max_context_is_refused_at_start_up():

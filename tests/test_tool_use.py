@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import config_from_dict
 from beam_rl.envs import make_env
 from beam_rl.envs.base import Completion, SamplingParams, chat_prompt_ids
@@ -239,7 +239,7 @@ def test_a_model_directorys_template_renders_the_same_conversation_token_for_tok
     config = config_from_dict({"model": {"name": str(tmp_path / "model"), "max_context": 2048},
                                "batch": {"seq_len": 2048},
                                "envs": [{"name": "tools", "kind": "tool_arithmetic", "mode": "rollout"}]})
-    env = components.build_envs(config)["tools"]
+    env = wiring.build_envs(config)["tools"]
     assert env.tokenizer is not tok and env.tokenizer.chat_template == tok.chat_template
     prompt, trajectory = play(env, ScriptedClient(env.tokenizer, CALC, "25161714801"))
     ours = prompt + [t for turn in trajectory.turns for t in turn.env_ids + turn.completion_ids]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import config_from_dict
 from beam_rl.dispatch.weight_sync import WeightSync
 from beam_rl.rundir import RunDir
@@ -41,7 +41,7 @@ def _source(tmp_path, url, **off_policy) -> RolloutSource:
         "off_policy": off_policy or {"max_async_level": 1, "max_off_policy_steps": 1},
     })
     spec = SourceSpec(config=config, server_urls=(url,), run_dir=str(tmp_path), run_id=uuid.uuid4().hex)
-    return RolloutSource(spec, Shard(), DispatchRange(0, 9), components.source_parts(config))
+    return wiring.dispatch_parts(spec).source(Shard(), DispatchRange(0, 9))
 
 
 def _drain(source: RolloutSource, expected: int, timeout_s: float = 60.0):
@@ -145,11 +145,11 @@ def test_the_dispatch_worker_checks_a_checkpoint_without_importing_torch(tmp_pat
     code = (
         "import sys\n"
         "import transforms.dispatch, transforms.score, transforms.pack\n"
-        "from beam_rl import components\n"
+        "from beam_rl import wiring\n"
         "from beam_rl.rundir.checkpoint_shapes import CheckpointError\n"
         "from beam_rl.config import config_from_dict\n"
         "from beam_rl.model.tiny import tiny_model_dir\n"
-        "check = components.checkpoint_validator(config_from_dict({'envs': [{'name': 'reverse_text'}]}))\n"
+        "check = wiring.checkpoint_validator(config_from_dict({'envs': [{'name': 'reverse_text'}]}))\n"
         "check(tiny_model_dir())\n"
         f"try:\n    check({str(tmp_path)!r})\nexcept CheckpointError:\n    pass\nelse:\n    raise SystemExit('no error')\n"
         "print('torch' in sys.modules)\n"

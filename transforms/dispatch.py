@@ -21,7 +21,7 @@ from apache_beam.typehints.native_type_compatibility import convert_to_beam_type
 from apache_beam.utils import shared
 from apache_beam.utils.timestamp import Duration, Timestamp
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.dispatch.heap import settle_heap
 from beam_rl.source import DispatchRange, EndOfInput, RolloutSource, Shard, SourceSpec
 from beam_rl.types import Rollout
@@ -111,18 +111,17 @@ class _WorkerSources:
         self._lock = threading.Lock()
         self._by_shard: dict[int, RolloutSource] = {}
 
-    def get(self, spec: SourceSpec, shard: int, restriction: DispatchRange) -> RolloutSource:
+    def get(self, parts: wiring.DispatchParts, shard: int, restriction: DispatchRange) -> RolloutSource:
         """The shard's source, rebuilt from `restriction` when there is none, when it is closed, or when
         it is ahead of the restriction: one it did not save means the runner restored an older checkpoint
-        while this process lived on. A closed one was abandoned (components.ABANDONED_SOURCE_S)."""
+        while this process lived on. A closed one was abandoned (wiring.ABANDONED_SOURCE_S)."""
         with self._lock:
             source = self._by_shard.get(shard)
             if source is not None and (source.token != restriction.in_flight.token or source.closed):
                 source.close()
                 source = None
             if source is None:
-                source = self._by_shard[shard] = RolloutSource(spec, Shard(shard, spec.shards), restriction,
-                                                                components.source_parts(spec.config))
+                source = self._by_shard[shard] = parts.source(Shard(shard, parts.spec.shards), restriction)
                 settle_heap()
             return source
 
@@ -173,6 +172,7 @@ class _DispatchFn(beam.DoFn):
 
     def setup(self) -> None:
         self._sources: _WorkerSources = self._shared.acquire(_WorkerSources)  # held: kept alive across bundles
+        self._parts = wiring.dispatch_parts(self._spec)
         self._keys = _GroupKeys(self._spec.config.runner.name, self._spec.config.runner.parallelism)
 
     def teardown(self) -> None:
@@ -183,7 +183,7 @@ class _DispatchFn(beam.DoFn):
                 watermark=beam.DoFn.WatermarkEstimatorParam(WatermarkFromStart())):
         _, (shard, _) = element
         restriction = tracker.current_restriction()
-        source = self._sources.get(self._spec, shard, restriction)
+        source = self._sources.get(self._parts, shard, restriction)
         # What this call saves is valid only for its successor: a later replay of the restriction it
         # got (a restore) is then told apart from normal progress.
         source.token = uuid.uuid4().hex

@@ -8,7 +8,7 @@ from typing import List, Tuple
 import apache_beam as beam
 from apache_beam.transforms import userstate
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import RunConfig
 from beam_rl.rundir import RunDir
 from beam_rl.scoring.evaluation import summarize_round
@@ -24,14 +24,13 @@ class _CollectRound(beam.DoFn):
         self._run_dir = run_dir
 
     def setup(self) -> None:
-        envs = components.build_envs(self._config)
-        self._prompts = len(components.eval_schedule(self._config, envs))
+        self._parts = wiring.eval_parts(self._config)
         self._dir = RunDir(self._run_dir)
 
     def process(self, keyed: Tuple[int, List[RolloutRecord]], groups=beam.DoFn.StateParam(GROUPS)):
         after_step, group = keyed
         arrived = [*groups.read(), group]
-        if len(arrived) < self._prompts:
+        if len(arrived) < self._parts.prompts_per_round:
             groups.add(group)
             return
         groups.clear()

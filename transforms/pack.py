@@ -19,7 +19,7 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.timestamp import Timestamp
 from apache_beam.utils.windowed_value import WindowedValue
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import RunConfig
 from beam_rl.packing.batches import BatchBuilder
 from beam_rl.packing.state import Packer, PackerState, PackerWrites
@@ -46,6 +46,7 @@ class _PackFn(beam.DoFn):
 
     def setup(self) -> None:
         self._dir = RunDir(self._run_dir)
+        self._parts = wiring.packing_parts(self._config, self._check_staleness)
 
     def process(self, keyed: Tuple[str, Any], state=beam.DoFn.StateParam(STATE),
                 pending=beam.DoFn.StateParam(PENDING)):
@@ -58,7 +59,7 @@ class _PackFn(beam.DoFn):
         yield from out
 
     def _new_builder(self) -> BatchBuilder:
-        return components.batch_builder(self._config, self._first_step, self._check_staleness)
+        return self._parts.batch_builder(self._first_step)
 
     @staticmethod
     def _write(writes: PackerWrites, state, pending) -> None:

@@ -11,12 +11,12 @@ import apache_beam as beam
 from apache_beam.utils.shared import Shared
 from apache_beam.utils.windowed_value import WindowedValue
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import RunConfig
 from beam_rl.envs.plugins import PluginFailure
 from beam_rl.processes import worker_id
 from beam_rl.rundir.failures import record_failure
-from beam_rl.scoring.group import TOO_FEW_SCORED, ScoredGroup, score_group
+from beam_rl.scoring.group import TOO_FEW_SCORED, ScoredGroup
 from beam_rl.scoring.rewards import GroupRewards, Rewarder, RewardFailed, RewardLoop, wait_for_any
 from beam_rl.types import RolloutRecord, RolloutStatus
 from transforms import coders  # noqa: F401  (registers the coder of ScoredGroup)
@@ -37,14 +37,10 @@ class _ScoreFn(beam.DoFn):
         self._reward_loop = Shared()  # one per worker process, whichever DoFn instances run there
 
     def setup(self) -> None:
-        self._envs = components.build_envs(self._config)
-        self._algorithms = components.algorithms(self._config)
-        self._filters = components.pre_batch_filters(self._config)
-        self._temperature = self._config.inference.temperature
-        self._min_scored = {e.name: e.min_scored for e in self._config.envs}
+        self._parts = wiring.scoring_parts(self._config)
         self._worker = worker_id()
         self._loop = self._reward_loop.acquire(RewardLoop)
-        self._rewarder = Rewarder.from_config(self._config, self._envs, self._loop)
+        self._rewarder = Rewarder.from_config(self._config, self._parts.envs, self._loop)
         self._rewarding: list[tuple[GroupRewards, WindowedValue]] = []
         self._groups_per_bundle = beam.metrics.Metrics.distribution(_METRICS, "reward_groups_per_bundle")
         self._bundle_groups = 0
@@ -110,8 +106,7 @@ class _ScoreFn(beam.DoFn):
         if rollouts[0].is_eval:
             yield beam.pvalue.TaggedOutput(EVALUATION, (rollouts[0].eval_round, [r.record() for r in rollouts]))
             return
-        scored = score_group(rollouts, self._algorithms[env_name], self._filters, self._temperature,
-                             min_scored=self._min_scored[env_name])
+        scored = self._parts.scoring.score(rollouts)
         if scored.counts.enforced.get(TOO_FEW_SCORED):
             beam.metrics.Metrics.counter(_METRICS, f"groups_too_few_scored_{env_name}").inc()
         for reason, count in scored.counts.enforced.items():

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.model.location import tokenizer_for
 from beam_rl.config import RunConfig
 from beam_rl.fleet.assignment import Fleet, deal
@@ -49,7 +49,7 @@ def joining_problem(config: RunConfig, url: str) -> str | None:
     """Why the server at `url` cannot join the run (unreachable, another model, another tokenizer), or None."""
 
     async def check() -> str | None:
-        async with components.inference_client(config, url, components.api_key(config)) as client:
+        async with wiring.inference_client(config, url, wiring.api_key(config)) as client:
             try:
                 if not await client.health():
                     return f"{url} does not answer /health yet"

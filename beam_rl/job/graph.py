@@ -12,7 +12,7 @@ import uuid
 
 import apache_beam as beam
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import RunConfig
 from beam_rl.rundir import RunDir
 from beam_rl.source import SourceSpec
@@ -40,7 +40,7 @@ def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PC
 
 
 def source_spec(config: RunConfig, server_urls: list[str], directory: RunDir, with_trainer: bool) -> SourceSpec:
-    schedule = components.build_schedule(config, components.build_envs(config))
+    schedule = wiring.build_schedule(config, wiring.build_envs(config))
     return SourceSpec(config=config, server_urls=tuple(server_urls), run_dir=str(directory.path),
                       run_id=uuid.uuid4().hex, first_step=directory.next_step(), with_trainer=with_trainer,
                       schedule_groups=len(schedule), schedule_streams=schedule.stream_lengths)

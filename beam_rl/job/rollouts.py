@@ -13,7 +13,6 @@ import apache_beam as beam
 import grpc
 from apache_beam.runners.runner import PipelineState
 
-from beam_rl import components
 from beam_rl.job.preflight import check_servers
 from beam_rl.config import RunConfig
 from beam_rl.job.fleet_keeper import FleetKeeper, initial_fleet

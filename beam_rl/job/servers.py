@@ -8,7 +8,7 @@ import logging
 import subprocess
 from collections.abc import Iterator
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.model.location import model_dir
 from beam_rl.config import RunConfig
 from beam_rl.processes import stop_processes
@@ -26,7 +26,7 @@ def inference_servers(config: RunConfig) -> Iterator[list[str]]:
         yield list(inf.urls)
         return
     model = model_dir(config)
-    key = components.api_key(config)  # the run's key guards its embedded servers' API and control routes
+    key = wiring.api_key(config)  # the run's key guards its embedded servers' API and control routes
     procs: list[subprocess.Popen] = []
     try:
         # All started before any is waited for: each spends seconds importing torch and loading the model.

@@ -9,19 +9,18 @@ previous cut, in the order it took them, each group's rollouts together (BatchBu
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from beam_rl import components
 from beam_rl.config import RunConfig, config_from_dict
 from beam_rl.packing.batches import BatchBuilder
 from beam_rl.rundir import WINDOW_FILE, CommitRecord, RunDir, rank_file_name
 from beam_rl.rundir.arrow import samples_to_table
-from beam_rl.scoring.group import score_group
+from beam_rl.scoring.group import GroupScoring
 from beam_rl.types import Rollout, RolloutStatus, TrainBatch, Turn
 from schemas.commit_record import checksum
 from schemas.fields import ROLLOUT_FIELDS
@@ -69,6 +68,16 @@ class StepReplay:
         return not self.differences
 
 
+@dataclass(frozen=True)
+class ReplayParts:
+    """What a replay runs with, built by the wiring (beam_rl/wiring.py:replay_parts): the run's config, how
+    it scored a group, and how its packer starts at a step (checking staleness as the run did)."""
+
+    config: RunConfig
+    scoring: GroupScoring
+    batch_builder: Callable[[int], BatchBuilder]  # (the step it cuts next) -> a builder holding no group
+
+
 def run_config(run_dir: RunDir, config: RunConfig | None = None) -> RunConfig:
     """The config a run ran with: `config` when given, else the run directory's config.json."""
     if config is not None:
@@ -86,8 +95,7 @@ def staleness_checked(run_dir: RunDir) -> bool:
     return run_dir.config_path.is_file()
 
 
-def replay_steps(run_dir: RunDir, steps: Iterable[int], config: RunConfig | None = None,
-                 check_staleness: bool | None = None) -> Iterator[StepReplay]:
+def replay_steps(run_dir: RunDir, steps: Iterable[int], parts: ReplayParts) -> Iterator[StepReplay]:
     """Replay `steps` (committed ones) in order. The packer's state before the first is rebuilt from the
     latest step whose incoming state is provably empty (`_fresh_start`), replaying from there."""
     wanted = sorted(set(steps))
@@ -98,8 +106,7 @@ def replay_steps(run_dir: RunDir, steps: Iterable[int], config: RunConfig | None
         raise ReplayError(f"{run_dir.path}: step {missing[0]} is not committed (committed steps: {have})")
     if not wanted:
         return
-    config = run_config(run_dir, config)
-    replayer = _Replayer(run_dir, config, staleness_checked(run_dir) if check_staleness is None else check_staleness)
+    replayer = _Replayer(run_dir, parts)
     start = _fresh_start(run_dir, wanted[0])
     last_committed = committed[-1]
     for step in range(start, wanted[-1] + 1):
@@ -123,26 +130,23 @@ def _fresh_start(run_dir: RunDir, step: int) -> int:
 class _Replayer:
     """A BatchBuilder fed, step after step, the groups of each window, rescored from their records."""
 
-    def __init__(self, run_dir: RunDir, config: RunConfig, check_staleness: bool) -> None:
+    def __init__(self, run_dir: RunDir, parts: ReplayParts) -> None:
         self.run_dir = run_dir
-        self.config = config
-        self.check_staleness = check_staleness
-        self._algorithms = components.algorithms(config)
-        self._pre_filters = components.pre_batch_filters(config)
+        self.config = parts.config
+        self._parts = parts
         self._builder: BatchBuilder | None = None
 
     def replay(self, step: int, final: bool) -> StepReplay:
         record = self.run_dir.read_commit(step)
         window = self.run_dir.read_window(step)
         if self._builder is None or self._builder.next_step != step:
-            self._builder = components.batch_builder(self.config, step, self.check_staleness)
+            self._builder = self._parts.batch_builder(step)
         result = StepReplay(step)
         groups = _window_groups(window, self.config, self.run_dir.window_path(step))
         batches: list[TrainBatch] = []
         for i, rollouts in enumerate(groups):
-            env = self.config.env(rollouts[0].env_name)
-            scored = score_group(rollouts, self._algorithms[env.name], self._pre_filters,
-                                 self.config.inference.temperature, min_scored=env.min_scored)
+            self.config.env(rollouts[0].env_name)  # one the config does not hold: a KeyError naming those it does
+            scored = self._parts.scoring.score(rollouts)
             cut = self._builder.add(scored)
             if cut and i < len(groups) - 1:
                 result.differences.append(Difference(

@@ -8,7 +8,7 @@ the `ScoredGroup`s it returns into train batches.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,3 +89,21 @@ def score_group(
     records = {id(r): r.record() for r in rollouts}
     return ScoredGroup(group_ids.pop(), algorithm, [records[id(r)] for r in rollouts],
                        [records[id(r)] for r in clean], samples, counts)
+
+
+@dataclass(frozen=True)
+class GroupScoring:
+    """How a run scores each group (built from its config by the wiring): per environment its advantage
+    algorithm and the fewest scored rollouts that train, the pre-batch filters and the sampling temperature.
+    The Score step and replay hold one each."""
+
+    algorithms: Mapping[str, AdvantageAlgorithm]
+    pre_filters: Sequence[RolloutFilter]
+    temperature: float
+    min_scored: Mapping[str, int]
+
+    def score(self, rollouts: Sequence[Rollout]) -> ScoredGroup:
+        """`score_group` with the group's environment's rules (all of a group's rollouts share one)."""
+        env = rollouts[0].env_name
+        return score_group(rollouts, self.algorithms[env], self.pre_filters, self.temperature,
+                           min_scored=self.min_scored[env])

@@ -14,22 +14,20 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from beam_rl.config import RunConfig
 from beam_rl.dispatch import DispatcherThread
-from beam_rl.dispatch.concurrency import committed_concurrency
 from beam_rl.dispatch.resume import ResumePoint
 from beam_rl.dispatch.weight_sync import WeightSync
 from beam_rl.envs.base import Environment
-from beam_rl.fleet.assignment import FleetFollower
 from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.processes import worker_id
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.failures import record_failure
-from beam_rl.source.admission import AdmissionState, Hold, hold_reason, input_finished, limits_for
+from beam_rl.source.admission import AdmissionLimits, AdmissionState, Hold, hold_reason, input_finished
 from beam_rl.source.commits import CommittedSteps
 from beam_rl.source.curriculum import Curriculum
 from beam_rl.source.eval_rounds import EvalRounds
@@ -80,15 +78,28 @@ class SourceSpec:
 
 @dataclass(frozen=True)
 class SourceParts:
-    """The parts a source runs with, built from the config by its caller (`components.source_parts`):
-    the environments, the prompt schedules, how to start a dispatcher, how to check published weights."""
+    """The parts a shard's source runs with, built by the wiring (beam_rl/wiring.py:DispatchParts.source_parts)
+    from the config, the shard and the run directory as it is when the source starts; the source only
+    stores them. The dispatcher and WeightSync need the source's own callbacks, so they come as factories."""
 
     envs: dict[str, Environment]
     schedule: PromptSchedule
-    eval_schedule: PromptSchedule | None  # None: the run does not evaluate
-    # (server urls, envs, the policy version to stamp, permits) -> a dispatcher on its own thread
-    dispatcher_thread: Callable[[list[str], dict[str, Environment], Callable[[], int], int], DispatcherThread]
-    validate_checkpoint: Callable[[Path], None]
+    run_dir: RunDir
+    commits: CommittedSteps
+    curriculum: Curriculum | None  # None: no curriculum; else following the committed windows already
+    mix: EnvMix | None  # None: one stream, environments taking turns; else following the committed windows
+    fleet_changes: Callable[[float], list[str] | None] | None  # a living fleet: the shard's servers when changed
+    permits: int  # this shard's share of inference.max_inflight
+    limits: AdmissionLimits
+    evals: EvalRounds
+    status: StatusBoard
+    servers_down: ServersDownWatch
+    errors: ErrorTally
+    progress: ProgressWatch  # counts what `errors` tallies
+    # (the policy version to stamp) -> the shard's dispatcher, on its own thread
+    start_dispatcher: Callable[[Callable[[], int]], DispatcherThread]
+    # (how the servers load a version: (path, version) -> each server's timing) -> the shard's WeightSync
+    weight_sync: Callable[[Callable[[Path, int], Sequence[UpdateTiming] | None]], WeightSync]
 
 
 @dataclass(frozen=True)
@@ -102,55 +113,32 @@ class EndOfInput:
 
 class RolloutSource:
     def __init__(self, spec: SourceSpec, shard: Shard, restored: DispatchRange, parts: SourceParts) -> None:
-        config = spec.config
         self.spec, self.shard = spec, shard
         self.token = restored.in_flight.token  # the token the next process() call must bring (see InFlight)
         self.emitted = restored.in_flight.emitted  # training groups returned whole, this pipeline run
         self.envs = parts.envs
         self.schedule = parts.schedule
-        self._run_dir = RunDir(spec.run_dir)
-        self._commits = CommittedSteps(self._run_dir)
-        self._curriculum = Curriculum.for_run(config)  # rebuilt from the committed windows, as on every restart
-        if self._curriculum is not None:
-            self._curriculum.follow(self._run_dir, self._commits.last_step)
+        self._run_dir = parts.run_dir
+        self._commits = parts.commits
+        self._curriculum = parts.curriculum
         self._curriculum_skipped = 0
-        self._mix = EnvMix.for_run(config, shard.count)  # None: one stream, environments taking turns
-        if self._mix is not None:
-            self._mix.follow(self._run_dir, self._commits.last_step)
+        self._mix = parts.mix
         self._stream_draws = shard.draws(self.schedule.stream_lengths)  # per stream, the draws this shard owns
         self._draws = self._restored_draws(restored)
         self._next_mixed: int | None = None  # the stream wants_more found for the next claim (mixing)
-        permits = shard.permits(config.inference.max_inflight)
-        # A living fleet (inference.discovery "file" or "dns"): the servers fleet.json deals this shard.
-        self._fleet = (FleetFollower(self._run_dir.fleet_path, shard.index)
-                       if config.inference.discovery != "static" else None)
-        servers = self._fleet.changed(time.time()) if self._fleet is not None else None
-        if servers is None:
-            servers = shard.servers(list(spec.server_urls))
-        self._limits = limits_for(config.batch.rollouts_per_step, min(e.group_size for e in config.envs), permits,
-                                  config.off_policy.max_async_level, spec.with_trainer, shard.count,
-                                  max_off_policy_steps=config.off_policy.max_off_policy_steps)
-        self._max_inflight = permits
-        start_cap = None
-        if config.dispatch.concurrency.mode != "fixed" and self._commits.last_step:
-            # Where the controller was, as far as the committed steps show: a restart does not slow-start
-            # from scratch, and nothing of it lives only in a worker's memory.
-            last = self._commits.last_step
-            windows = [self._run_dir.read_window(s) for s in range(max(1, last - 1), last + 1)]
-            start_cap = committed_concurrency(windows, set(servers))
-        self._dispatcher = parts.dispatcher_thread(servers, self.envs, self.policy_version, permits, start_cap)
-        self._weights = WeightSync(self._run_dir, update=self._update_servers,
-                                   validate=parts.validate_checkpoint)
+        self._fleet_changes = parts.fleet_changes
+        self._limits = parts.limits
+        self._max_inflight = parts.permits
+        self._dispatcher = parts.start_dispatcher(self.policy_version)
+        self._weights = parts.weight_sync(self._update_servers)
         self._weights.poll()  # servers start on the newest published policy, not the initial one
-        self._evals = EvalRounds(config.eval, parts.eval_schedule, shard, self._commits.last_step)
-        self._status = StatusBoard(self._run_dir, shard.index)
+        self._evals = parts.evals
+        self._status = parts.status
         self._held = HeldBack()
         self._stall = StallWatch()
-        self._servers_down = ServersDownWatch(servers, config.inference.all_servers_down_timeout_s,
-                                              config.inference.startup_timeout_s)
-        self._errors = ErrorTally()
-        self._progress = ProgressWatch(config.run.stop_after_errored_groups, config.run.stop_after_failing_s,
-                                       self._errors, time.monotonic())
+        self._servers_down = parts.servers_down
+        self._errors = parts.errors
+        self._progress = parts.progress
         self._not_all_errored: set[str] = set()  # training groups out with a rollout that did not error
         self._admitted: dict[str, int] = {}  # training group id -> schedule position, until returned whole
         self._evaluating: set[str] = set()  # evaluation group ids, until returned whole
@@ -158,7 +146,7 @@ class RolloutSource:
         self._rollouts_ahead = 0  # the rollouts of the groups admitted or in transit: what a new group queues behind
         self._stopping = False
         self._worker = worker_id()
-        self._checkpoint_tokens = config.dispatch.checkpoint_tokens
+        self._checkpoint_tokens = spec.config.dispatch.checkpoint_tokens
         self._resume_points: tuple[ResumePoint, ...] = ()  # the last taken (in_flight with_tokens)
         resume = collections.defaultdict(list)
         for point in restored.in_flight.resume:
@@ -375,7 +363,7 @@ class RolloutSource:
                       self._commits.last_step, self.shard.index, len(cancelled))
         if self._stopping:
             return
-        if self._fleet is not None and (servers := self._fleet.changed(time.time())) is not None:
+        if self._fleet_changes is not None and (servers := self._fleet_changes(time.time())) is not None:
             self._dispatcher.set_servers(servers)
             self._servers_down.urls = servers
         update = self._weights.poll()

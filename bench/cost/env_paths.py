@@ -33,7 +33,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import config_from_dict
 from beam_rl.envs.base import CompletionClient, SamplingParams, Trajectory, chat_prompt_ids
 from beam_rl.envs.loop_local import loop_local
@@ -140,13 +140,13 @@ def measure(path: str, env_entry: dict[str, Any], url: str, server_pid: int, rol
         "envs": [{"name": path, "group_size": 4, "mode": "rollout", "max_turns": 2, **env_entry}],
         "inference": {"max_tokens": max_tokens, "max_inflight": max_inflight},
     })
-    envs = components.build_envs(config)
+    envs = wiring.build_envs(config)
     env = envs[path]
     rows = env.load_rows("train")
     requests = [GroupRequest(make_group_id(0, i), 0, i, path, 4, rows[i % len(rows)])
                 for i in range(rollouts // 4 + 1)]
     out = []
-    with components.dispatcher_thread(config, [url], envs, lambda: 0) as thread:
+    with wiring.dispatcher_thread(config, [url], envs, lambda: 0) as thread:
         # One group first, outside the measure: a server, a proxy, an env server start with their first episode.
         thread.add_groups(requests[:1])
         while len(out) < 4:

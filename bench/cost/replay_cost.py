@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from rich.console import Console
 
+from beam_rl import wiring
 from beam_rl.model.location import tokenizer_for
 from beam_rl.observe.replay import replay_steps, run_config
 from beam_rl.observe.rollout_text import TokenText, rollout_panel, step_sample_rows, window_rows
@@ -57,10 +58,10 @@ def main() -> None:
     window = run.read_window(step)
     config = run_config(run)
     text = TokenText(tokenizer_for(config.model.name))
-    [replayed] = replay_steps(run, [step])  # warms the components (model config, filters) once
+    [replayed] = replay_steps(run, [step], wiring.replay_parts(run))  # warms the components (model config, filters) once
 
     def replay() -> None:
-        list(replay_steps(run, [step]))
+        list(replay_steps(run, [step], wiring.replay_parts(run)))
 
     def inspect_all() -> None:
         console = Console(file=io.StringIO(), width=120, force_terminal=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import config_from_dict
 from beam_rl.dispatch import DispatcherThread
 from beam_rl.inference.client import InferenceClient
@@ -48,7 +48,7 @@ def _config(max_inflight: int, max_tokens: int):
 def _dispatcher(urls: list[str], max_inflight: int, max_tokens: int) -> DispatcherThread:
     config = _config(max_inflight, max_tokens)
     env = SyntheticEnv(load_tokenizer("tiny"))
-    return components.dispatcher_thread(config, urls, {"synthetic": env}, lambda: 1, max_inflight)
+    return wiring.dispatcher_thread(config, urls, {"synthetic": env}, lambda: 1, max_inflight)
 
 
 class Backlog:

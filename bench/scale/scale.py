@@ -4,7 +4,7 @@ past which it no longer keeps them full.
 
     python -m bench.scale.scale --out bench/scale/scale.json [--size small|full] [--parts sizes,ceiling,compare,profile]
 
-- The dispatcher is the real one (`components.dispatcher_thread`, what a shard runs), in this process; the
+- The dispatcher is the real one (`wiring.dispatcher_thread`, what a shard runs), in this process; the
   fleet is `beam_rl.standin.fleet` in processes of its own, so none of its CPU is counted here.
 - Every fleet runs the engine's default cost model, time-scaled so that the fleet sends about the same
   events per second whatever its size: the sizes differ in servers and streams open, not in load.
@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import config_from_dict
 from beam_rl.dispatch import Dispatcher, DispatcherThread
 from beam_rl.dispatch.heap import settle_heap
@@ -197,7 +197,7 @@ def drive(urls: list[str], fleet_pids: list[int], route: str, stream: bool, slot
                       "stream": stream, "route": route},
     })
     env = SyntheticEnv(load_tokenizer("tiny"))
-    with components.dispatcher_thread(config, urls, {"synthetic": env}, lambda: 1, permits) as host:
+    with wiring.dispatcher_thread(config, urls, {"synthetic": env}, lambda: 1, permits) as host:
         feeder = _Feeder(host, depth=permits // GROUP_SIZE + 1)
         heap()  # as a dispatch worker does once its source is built (transforms/dispatch.py)
         tid = _dispatcher_tid()
@@ -284,12 +284,12 @@ class _ScanningDispatcher(Dispatcher):
 
 @contextlib.contextmanager
 def _dispatcher_class(cls: type[Dispatcher]) -> Iterator[None]:
-    plain = components.Dispatcher
-    components.Dispatcher = cls
+    plain = wiring.Dispatcher
+    wiring.Dispatcher = cls
     try:
         yield
     finally:
-        components.Dispatcher = plain
+        wiring.Dispatcher = plain
 
 
 def profile(size: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ bench/throughput/concurrency.json`.
 
 Each workload starts its own fleet of simulated servers (beam_rl/standin/fleet.py: one process of its own, so
 the servers' CPU is not the dispatcher's) and runs every configuration against it for the same wall time:
-the real dispatcher (components.dispatcher_thread, the one a shard runs) with `max_inflight` = the fixed cap,
+the real dispatcher (wiring.dispatcher_thread, the one a shard runs) with `max_inflight` = the fixed cap,
 or the fleet's slots (the default, `fixed` at the ceiling, and the ceiling of `goodput` and `kv`). Every
 `step_s` the servers load new weights ("keep": under running requests) and work past
 `max_off_policy_steps` is regenerated, as in a run. Reported per configuration: trained tokens per second
@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.config import config_from_dict
 from beam_rl.standin.fleet import start_fleet
 
@@ -84,10 +84,10 @@ def run_one(name: str, mode: str, ceiling: int, urls: list[str], load: dict, sec
         "dispatch": {"concurrency": {"mode": mode}},
         "off_policy": {"max_off_policy_steps": BOUND},
     })
-    envs = components.build_envs(config)
-    schedule = components.build_schedule(config, envs)
+    envs = wiring.build_envs(config)
+    schedule = wiring.build_schedule(config, envs)
     version = [0]
-    thread = components.dispatcher_thread(config, urls, envs, lambda: version[0])
+    thread = wiring.dispatcher_thread(config, urls, envs, lambda: version[0])
     step_s = load["step_s"] * load["time_scale"]
     trained = rollouts = 0
     caps: list[int] = []

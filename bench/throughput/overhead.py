@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.model.location import tokenizer_for
 from beam_rl.rundir import RunDir
 from beam_rl.scoring.group import score_group
@@ -126,14 +126,14 @@ def plain_loop(size: dict[str, Any]) -> dict[str, Any]:
     """The lower bound: render, generate instantly, reward, group, GRPO, pack, write Arrow, in one loop."""
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as run_dir:
         config = bench_config(run_dir, ["http://unused"], size, "direct")
-        envs = components.build_envs(config)
+        envs = wiring.build_envs(config)
         env = envs[ENV]
         tokenizer = tokenizer_for(config.model.name)
         generator = InstantGenerator(len(tokenizer), set(tokenizer.all_special_ids))
-        schedule = components.build_schedule(config, envs)
-        algorithm = components.algorithms(config)[ENV]
-        filters = components.pre_batch_filters(config)
-        builder = components.batch_builder(config, 1, check_staleness=False)
+        schedule = wiring.build_schedule(config, envs)
+        algorithm = wiring.algorithms(config)[ENV]
+        filters = wiring.pre_batch_filters(config)
+        builder = wiring.batch_builder(config, 1, check_staleness=False)
         rundir = RunDir(run_dir)
         groups = config.run.max_steps * config.batch.rollouts_per_step // size["group_size"]
         cpu0, t0 = time.process_time(), time.perf_counter()

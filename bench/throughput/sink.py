@@ -8,7 +8,7 @@ import tempfile
 import time
 from typing import Any
 
-from beam_rl import components
+from beam_rl import wiring
 from beam_rl.model.location import tokenizer_for
 from beam_rl.rundir import RunDir
 from beam_rl.scoring.group import score_group
@@ -26,14 +26,14 @@ def _plain_write(path: str, data: bytes) -> None:
 def measure(size: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-sink-") as run_dir:
         config = bench_config(run_dir, ["http://unused"], size, "direct")
-        envs = components.build_envs(config)
+        envs = wiring.build_envs(config)
         tokenizer = tokenizer_for(config.model.name)
         generator = InstantGenerator(len(tokenizer), set(tokenizer.all_special_ids))
-        schedule = components.build_schedule(config, envs)
-        algorithm, filters = components.algorithms(config)[ENV], components.pre_batch_filters(config)
+        schedule = wiring.build_schedule(config, envs)
+        algorithm, filters = wiring.algorithms(config)[ENV], wiring.pre_batch_filters(config)
         groups_total = size["sink_rollouts"] // size["group_size"]
         groups = [instant_rollouts(config, envs[ENV], generator, p, schedule) for p in range(groups_total)]
-        builder = components.batch_builder(config, 1, check_staleness=False)
+        builder = wiring.batch_builder(config, 1, check_staleness=False)
         rundir = RunDir(run_dir)
         t_score = t_pack = t_write = 0.0
         tokens = 0

@@ -1,5 +1,6 @@
-"""Wiring from the config: the servers' API key (from the environment variable the config names) and the
-check that every server accepts it, over TLS this machine trusts, before a pipeline starts."""
+"""The start-up checks of the servers (beam_rl/job/preflight.py), with what the wiring builds for them: the
+servers' API key (from the environment variable the config names) and the check that every server accepts
+it, over TLS this machine trusts, before a pipeline starts."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import time
 import pytest
 from aiohttp import web
 
-from beam_rl import components
-from beam_rl.job.preflight import check_servers
+from beam_rl import wiring
+from beam_rl.job.preflight import Problem, check_servers, refuse, server_problems
 from beam_rl.config import config_from_dict
 from beam_rl.inference.types import SamplingParams
 from beam_rl.rundir.failures import ServersNotReadyError
@@ -73,7 +74,7 @@ def test_https_servers_with_a_self_signed_certificate_need_its_ca_bundle(self_si
         check_servers(config, [server.url])
 
         async def complete():
-            async with components.inference_client(config, server.url, components.api_key(config)) as client:
+            async with wiring.inference_client(config, server.url, wiring.api_key(config)) as client:
                 return await client.complete([1, 2, 3], SamplingParams(max_tokens=4))
 
         (completion,) = asyncio.run(complete())
@@ -126,7 +127,7 @@ def test_kv_concurrency_is_refused_before_the_run_starts_on_a_server_without_kv_
 def test_the_dispatcher_gets_the_configs_stale_rule_and_its_pool_the_hooks_of_its_owners(rule):
     off_policy = {"stale_rule": rule} if rule else {}
     config = config_from_dict({"envs": [{"name": "reverse_text"}], "off_policy": off_policy})
-    with components.dispatcher_thread(config, ["http://127.0.0.1:9"], {}, lambda: 0) as thread:
+    with wiring.dispatcher_thread(config, ["http://127.0.0.1:9"], {}, lambda: 0) as thread:
         dispatcher = thread.dispatcher
         assert dispatcher.stale_rule == (rule or "regenerate")
         # Handed down at construction: the host restores a server that was back, the dispatcher redoes
@@ -143,3 +144,19 @@ def test_fewer_servers_than_dispatch_shards_stops_the_run_before_it_starts():
         with pytest.raises(ValueError, match=r"^invalid config of this run: dispatch.shards: 2 shards need at least "
                                              r"as many inference servers; there are 1$"):
             check_servers(config, [server.url])
+
+
+def test_the_checks_return_their_problems_and_refuse_raises_them_as_one_error_of_their_kind():
+    """A check says what is wrong without stopping anything; `refuse` is the one place a run is stopped."""
+    with EmbeddedServer(mode="instant", api_key=KEY) as server:
+        problems = server_problems(_config([server.url]), [server.url])
+        assert problems == [Problem(f"{server.url} wants an API key (HTTP 401): set inference.api_key_env",
+                                    kind=ServersNotReadyError)]
+    assert server_problems(config_from_dict({"envs": [{"name": "reverse_text"}], "dispatch": {"shards": 2}}), []) == [
+        Problem("2 shards need at least as many inference servers; there are 0", "dispatch.shards")]
+    refuse([])  # nothing to refuse
+    with pytest.raises(ServersNotReadyError, match=r"^inference servers cannot serve this run: a; b$"):
+        refuse([Problem("a", kind=ServersNotReadyError), Problem("b", kind=ServersNotReadyError)])
+    with pytest.raises(ValueError) as caught:  # ConfigError: every config problem, each at its key
+        refuse([Problem("too big", "model.max_context"), Problem("too long", "inference.max_tokens")], "run.toml")
+    assert caught.value.problems == [("model.max_context", "too big"), ("inference.max_tokens", "too long")]
