@@ -265,6 +265,7 @@ def _pipeline_stopped(err: BaseException, run_dir: RunDir, since: float, again: 
 
 def _cmd_rollouts(args: argparse.Namespace) -> int:
     from beam_rl.job.servers import inference_servers
+    from beam_rl.wiring import job_parts
     from runners.beam_log import route_beam_output
     from beam_rl.job.rollouts import run_rollouts
 
@@ -276,11 +277,12 @@ def _cmd_rollouts(args: argparse.Namespace) -> int:
     run_dir = preflight(config, path)
     route_beam_output(run_dir.path)
     started, since = time.monotonic(), time.time()
-    with console.status("starting inference servers"), inference_servers(config) as urls:
+    wired = job_parts(config)
+    with console.status("starting inference servers"), inference_servers(wired) as urls:
         console.print(f"inference servers: {', '.join(urls)}")
         console.print(f"running the rollout pipeline on [bold]{config.runner.name}[/bold] -> {run_dir.path}")
         try:
-            run_rollouts(config, urls, with_trainer=False)
+            run_rollouts(config, urls, with_trainer=False, parts=wired)
         except RuntimeError as err:
             return _pipeline_stopped(err, run_dir, since, "the same command")
     console.print(inspect_table(run_dir))

@@ -323,6 +323,23 @@ def eval_parts(config: RunConfig) -> EvalParts:
     return EvalParts(prompts_per_round=len(eval_schedule(config, build_envs(config))))
 
 
+@dataclass(frozen=True)
+class JobParts:
+    """What the job keeps for a run (built once where a run starts): the servers' API key, the clients of
+    its start-up checks, and the prompt schedule whose size every shard's restriction is cut from."""
+
+    config: RunConfig
+    api_key: str | None
+    schedule: PromptSchedule
+
+    def client(self, url: str) -> InferenceClient:
+        return inference_client(self.config, url, self.api_key)
+
+
+def job_parts(config: RunConfig) -> JobParts:
+    return JobParts(config=config, api_key=api_key(config), schedule=build_schedule(config, build_envs(config)))
+
+
 def replay_parts(run_dir: RunDir, config: RunConfig | None = None, check_staleness: bool | None = None) -> ReplayParts:
     """What replaying a run's committed steps needs: its config (`config`, else its config.json), how it
     scored groups, and its packer (checking staleness as the run did: `check_staleness`, else as far as the

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from beam_rl.wiring import job_parts
 from beam_rl import cli
 from beam_rl.config import config_from_dict
 from beam_rl.fleet.assignment import Fleet, FleetFollower, deal
@@ -114,7 +115,7 @@ def test_the_keeper_follows_the_dns_records_and_keeps_the_fleet_when_the_name_go
                      dns_resolver=nameserver.address)
     start = initial_fleet(config, str(tmp_path), [])
     assert start == [first.url]
-    keeper = FleetKeeper(config, str(tmp_path), start)
+    keeper = FleetKeeper(job_parts(config), str(tmp_path), start)
     follower = FleetFollower(RunDir(tmp_path).fleet_path, 0)
     assert follower.changed(0.0) == [first.url]
     nameserver.records["vllm.fleet.test"] = ["127.0.0.2", "127.0.0.3"]
@@ -155,7 +156,7 @@ def test_a_server_that_cannot_join_is_named_and_the_run_keeps_the_servers_it_has
     newcomer = start_embedded(mode="instant", served_model_name="tiny")
     config = _config(tmp_path, discovery="file")
     servers = ServersFile.of_run(tmp_path)
-    keeper = FleetKeeper(config, str(tmp_path), servers.seed([good.url], embedded=False))
+    keeper = FleetKeeper(job_parts(config), str(tmp_path), servers.seed([good.url], embedded=False))
     for server in (other_model, other_tokenizer, newcomer):
         servers.add(server.url)
     servers.add("http://127.0.0.1:9")  # nothing listens there

@@ -133,7 +133,7 @@ def test_a_job_left_running_is_followed_not_submitted_again_and_the_run_is_obser
         left_running = start_rollouts(config, urls, str(config.run.dir), with_trainer=False)
         attached: list[str] = []
 
-        def attach(config, run_dir, with_trainer=True):
+        def attach(config, run_dir, with_trainer=True, parts=None):
             attached.append(run_dir)
             return left_running
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_trainer import make_samples, write_step
 
+from beam_rl.wiring import job_parts
 from beam_rl.config import LoraSection, TrainerSection, config_from_dict
 from beam_rl.inference.client import InferenceClient, InferenceError
 from beam_rl.inference.types import SamplingParams
@@ -146,6 +147,6 @@ def test_a_server_without_lora_is_named_at_start_and_at_load(start_embedded, mod
                                "envs": [{"name": "reverse_text", "group_size": 2}],
                                "batch": {"rollouts_per_step": 2}, "trainer": {"lora": {"rank": 4}}})
     with pytest.raises(ServersNotReadyError, match=f"{server.url} serves no LoRA adapters"):
-        check_servers(config, [server.url])
+        check_servers(job_parts(config), [server.url])
     lora_server = start_embedded(model_dir, enable_lora=True)
-    check_servers(config, [lora_server.url])  # one that serves them passes
+    check_servers(job_parts(config), [lora_server.url])  # one that serves them passes

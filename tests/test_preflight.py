@@ -10,6 +10,7 @@ import time
 import pytest
 from aiohttp import web
 
+from beam_rl.wiring import job_parts
 from beam_rl import wiring
 from beam_rl.job.preflight import Problem, check_servers, refuse, server_problems
 from beam_rl.config import config_from_dict
@@ -31,16 +32,16 @@ def test_the_right_key_passes_a_wrong_or_missing_one_stops_the_run_before_it_sta
     with EmbeddedServer(mode="instant", api_key=KEY) as server:
         monkeypatch.setenv("BEAM_RL_TEST_KEY", KEY)
         config = _config([server.url], api_key_env="BEAM_RL_TEST_KEY")
-        check_servers(config, [server.url])
+        check_servers(job_parts(config), [server.url])
         monkeypatch.setenv("BEAM_RL_TEST_KEY", "not-the-key")
         with pytest.raises(ValueError, match=rf"{server.url} refuses the API key in \$BEAM_RL_TEST_KEY") as info:
-            check_servers(config, [server.url])
+            check_servers(job_parts(config), [server.url])
         assert "not-the-key" not in str(info.value)
         with pytest.raises(ValueError, match="wants an API key .* set inference.api_key_env"):
-            check_servers(_config([server.url]), [server.url])
+            check_servers(job_parts(_config([server.url])), [server.url])
         monkeypatch.delenv("BEAM_RL_TEST_KEY")
         with pytest.raises(ValueError, match="names the environment variable BEAM_RL_TEST_KEY, which is not set"):
-            check_servers(config, [server.url])
+            check_servers(job_parts(config), [server.url])
 
 
 def test_no_server_answering_at_start_is_an_error_within_the_start_up_patience(caplog):
@@ -51,7 +52,7 @@ def test_no_server_answering_at_start_is_an_error_within_the_start_up_patience(c
         dead = server.url
     started = time.monotonic()
     with pytest.raises(ServersNotReadyError) as info:
-        check_servers(_config([dead], startup_timeout_s=1.0), [dead])
+        check_servers(job_parts(_config([dead], startup_timeout_s=1.0)), [dead])
     assert 1.0 <= time.monotonic() - started < 10
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"inference servers cannot serve this run: {dead} cannot "
@@ -59,7 +60,7 @@ def test_no_server_answering_at_start_is_an_error_within_the_start_up_patience(c
     assert message.endswith("; none answered within inference.startup_timeout_s = 1 s")
     with EmbeddedServer(mode="instant") as live:
         started = time.monotonic()
-        check_servers(_config([dead, live.url], startup_timeout_s=20.0), [dead, live.url])
+        check_servers(job_parts(_config([dead, live.url], startup_timeout_s=20.0)), [dead, live.url])
         assert time.monotonic() - started < 10  # not the patience: one server answered
     assert f"left to the dispatcher's re-probes: {dead} cannot be reached" in caplog.text
 
@@ -69,9 +70,9 @@ def test_https_servers_with_a_self_signed_certificate_need_its_ca_bundle(self_si
     monkeypatch.setenv("BEAM_RL_TEST_KEY", KEY)
     with EmbeddedServer(mode="instant", ssl_certfile=certfile, ssl_keyfile=keyfile, api_key=KEY) as server:
         with pytest.raises(ValueError, match="TLS failed .* set inference.ca_bundle"):
-            check_servers(_config([server.url], api_key_env="BEAM_RL_TEST_KEY"), [server.url])
+            check_servers(job_parts(_config([server.url], api_key_env="BEAM_RL_TEST_KEY")), [server.url])
         config = _config([server.url], api_key_env="BEAM_RL_TEST_KEY", ca_bundle=str(certfile))
-        check_servers(config, [server.url])
+        check_servers(job_parts(config), [server.url])
 
         async def complete():
             async with wiring.inference_client(config, server.url, wiring.api_key(config)) as client:
@@ -93,14 +94,14 @@ class _WithoutScaleOut(EmbeddedServer):
 def test_the_generate_route_is_checked_before_the_run_starts(monkeypatch):
     monkeypatch.setenv("BEAM_RL_TEST_KEY", KEY)
     with EmbeddedServer(mode="instant", api_key=KEY) as server:
-        check_servers(_config([server.url], api_key_env="BEAM_RL_TEST_KEY", route="generate"), [server.url])
+        check_servers(job_parts(_config([server.url], api_key_env="BEAM_RL_TEST_KEY", route="generate")), [server.url])
     # Its 403 is told apart from a refused key: the key passed on /v1/models first.
     with _WithoutScaleOut(mode="instant", api_key=KEY) as server:
         config = _config([server.url], api_key_env="BEAM_RL_TEST_KEY", route="generate")
         with pytest.raises(ValueError, match=rf"{server.url} does not serve /inference/v1/generate \(HTTP 403\): "
                                              "start vLLM 0.32 or later with --enable-scale-out"):
-            check_servers(config, [server.url])
-        check_servers(_config([server.url], api_key_env="BEAM_RL_TEST_KEY"), [server.url])
+            check_servers(job_parts(config), [server.url])
+        check_servers(job_parts(_config([server.url], api_key_env="BEAM_RL_TEST_KEY")), [server.url])
 
 
 class _WithoutKvMetrics(EmbeddedServer):
@@ -113,14 +114,14 @@ class _WithoutKvMetrics(EmbeddedServer):
 def test_kv_concurrency_is_refused_before_the_run_starts_on_a_server_without_kv_metrics():
     kv = {"concurrency": {"mode": "kv"}}
     with EmbeddedServer(mode="instant") as server:
-        check_servers(config_from_dict({**_config([server.url]).model_dump(mode="json"), "dispatch": kv}),
+        check_servers(job_parts(config_from_dict({**_config([server.url]).model_dump(mode="json"), "dispatch": kv})),
                                  [server.url])
     with _WithoutKvMetrics(mode="instant") as server:
         config = config_from_dict({**_config([server.url]).model_dump(mode="json"), "dispatch": kv})
         with pytest.raises(ValueError, match=rf"{server.url}/metrics has no vllm:kv_cache_usage_perc, which "
                                              r"dispatch.concurrency.mode = \"kv\" reads"):
-            check_servers(config, [server.url])
-        check_servers(_config([server.url]), [server.url])  # fixed: /metrics is not needed
+            check_servers(job_parts(config), [server.url])
+        check_servers(job_parts(_config([server.url])), [server.url])  # fixed: /metrics is not needed
 
 
 @pytest.mark.parametrize("rule", [None, "cancel_group"])
@@ -143,16 +144,16 @@ def test_fewer_servers_than_dispatch_shards_stops_the_run_before_it_starts():
     with EmbeddedServer(mode="instant") as server:
         with pytest.raises(ValueError, match=r"^invalid config of this run: dispatch.shards: 2 shards need at least "
                                              r"as many inference servers; there are 1$"):
-            check_servers(config, [server.url])
+            check_servers(job_parts(config), [server.url])
 
 
 def test_the_checks_return_their_problems_and_refuse_raises_them_as_one_error_of_their_kind():
     """A check says what is wrong without stopping anything; `refuse` is the one place a run is stopped."""
     with EmbeddedServer(mode="instant", api_key=KEY) as server:
-        problems = server_problems(_config([server.url]), [server.url])
+        problems = server_problems(job_parts(_config([server.url])), [server.url])
         assert problems == [Problem(f"{server.url} wants an API key (HTTP 401): set inference.api_key_env",
                                     kind=ServersNotReadyError)]
-    assert server_problems(config_from_dict({"envs": [{"name": "reverse_text"}], "dispatch": {"shards": 2}}), []) == [
+    assert server_problems(job_parts(config_from_dict({"envs": [{"name": "reverse_text"}], "dispatch": {"shards": 2}})), []) == [
         Problem("2 shards need at least as many inference servers; there are 0", "dispatch.shards")]
     refuse([])  # nothing to refuse
     with pytest.raises(ServersNotReadyError, match=r"^inference servers cannot serve this run: a; b$"):

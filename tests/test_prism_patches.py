@@ -22,6 +22,7 @@ from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorP
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.utils.timestamp import Duration, Timestamp
 
+from beam_rl.wiring import job_parts
 from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
 from proc_net import listeners
@@ -312,7 +313,7 @@ def test_a_source_bundle_that_fails_fails_the_job(tmp_path, without):
     })
 
     def build(p):
-        build_rollout_pipeline(p, source_spec(config, [_dead_url()], RunDir(tmp_path), with_trainer=False))
+        build_rollout_pipeline(p, source_spec(job_parts(config), [_dead_url()], RunDir(tmp_path), with_trainer=False))
 
     with pytest.raises(Exception, match="AllServersDownError"):
         _run(build, without)

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from beam_rl.wiring import job_parts
 from beam_rl import wiring
 from beam_rl.job.preflight import check_servers
 from beam_rl.config import config_from_dict
@@ -222,16 +223,16 @@ def test_the_right_key_works_and_a_wrong_or_missing_one_stops_the_run_before_it_
     config = config_from_dict({"envs": [{"name": "reverse_text"}],
                                "inference": {"urls": urls, "api_key_env": KEY_ENV}})
     monkeypatch.setenv(KEY_ENV, KEY)
-    check_servers(config, urls)
+    check_servers(job_parts(config), urls)
     monkeypatch.setenv(KEY_ENV, "wrong-key")
     with pytest.raises(ValueError, match=rf"{vllm.url} refuses the API key in \${KEY_ENV} \(HTTP 401\)"):
-        check_servers(config, urls)
+        check_servers(job_parts(config), urls)
     with pytest.raises(ValueError, match=r"wants an API key \(HTTP 401\)"):
-        check_servers(config_from_dict({"envs": [{"name": "reverse_text"}], "inference": {"urls": urls}}),
+        check_servers(job_parts(config_from_dict({"envs": [{"name": "reverse_text"}], "inference": {"urls": urls}})),
                                  urls)
     monkeypatch.delenv(KEY_ENV)
     with pytest.raises(ValueError, match=f"names the environment variable {KEY_ENV}, which is not set"):
-        check_servers(config, urls)
+        check_servers(job_parts(config), urls)
 
     async def without_key():
         async with InferenceClient(vllm.url, model="tiny") as client:

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from beam_rl.wiring import job_parts
 from beam_rl.job import servers
 from beam_rl.config import config_from_dict
 from beam_rl.inference.client import InferenceClient
@@ -195,7 +196,7 @@ def test_a_runs_embedded_servers_require_the_key_of_api_key_env_and_serve_no_fau
     config = config_from_dict({"envs": [{"name": "reverse_text"}],
                                "inference": {"embedded_servers": 1, "embedded_mode": "instant",
                                              "api_key_env": "BEAM_RL_TEST_CTL_KEY"}})
-    with servers.inference_servers(config) as (url,):
+    with servers.inference_servers(job_parts(config)) as (url,):
         assert HTTP.post(url + "/pause").status_code == 401
         assert HTTP.post(url + "/update_weight_version", json={"new_version": "9"}).status_code == 401
         assert HTTP.get(url + "/weight_info").json()["weight_version"] == "default"

@@ -17,6 +17,7 @@ from observe_run import observe_config
 from rich.console import Console
 from test_observe_prometheus import scrape, value
 
+from beam_rl.wiring import job_parts
 from beam_rl import cli
 from beam_rl.job.preflight import check_servers, model_problems, refuse
 from beam_rl.config import ConfigError, RunSection, config_from_dict, load_config
@@ -173,8 +174,8 @@ def test_a_server_whose_context_is_below_max_context_is_refused_at_start_up():
         config = config_from_dict({**_tiny_config(2048), "inference": {"urls": [server.url]}})
         with pytest.raises(ServersNotReadyError, match=rf"{server.url} serves a context of 1024 tokens \(max_model_len "
                                                        r"in /v1/models\): model.max_context = 2048 is above it"):
-            check_servers(config, [server.url])
-        check_servers(config_from_dict({**_tiny_config(1024), "inference": {"urls": [server.url]}}),
+            check_servers(job_parts(config), [server.url])
+        check_servers(job_parts(config_from_dict({**_tiny_config(1024), "inference": {"urls": [server.url]}})),
                                  [server.url])
 
 

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from beam_rl import wiring
 from beam_rl.model.location import tokenizer_for
 from beam_rl.config import RunConfig
 from beam_rl.fleet.assignment import Fleet, deal
@@ -21,6 +20,7 @@ from beam_rl.fleet.dns_fleet import resolve_fleet
 from beam_rl.inference.client import InferenceError
 from beam_rl.rundir.failures import ServersNotReadyError
 from beam_rl.rundir.layout import RunLayout
+from beam_rl.wiring import JobParts
 
 _LOG = logging.getLogger(__name__)
 
@@ -45,11 +45,12 @@ def handoff_s(config: RunConfig) -> float:
     return config.inference.drain_timeout_s + config.inference.discovery_interval_s
 
 
-def joining_problem(config: RunConfig, url: str) -> str | None:
+def joining_problem(parts: JobParts, url: str) -> str | None:
     """Why the server at `url` cannot join the run (unreachable, another model, another tokenizer), or None."""
+    config = parts.config
 
     async def check() -> str | None:
-        async with wiring.inference_client(config, url, wiring.api_key(config)) as client:
+        async with parts.client(url) as client:
             try:
                 if not await client.health():
                     return f"{url} does not answer /health yet"
@@ -72,9 +73,10 @@ class FleetKeeper:
     read, or lists no server, leaves the fleet as it is; a server that cannot join is named in a warning
     and checked again at the next discovery."""
 
-    def __init__(self, config: RunConfig, run_dir: str, initial: list[str] | None = None,
+    def __init__(self, parts: JobParts, run_dir: str, initial: list[str] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        self._config = config
+        self._parts = parts
+        self._config = config = parts.config
         self._run_dir = run_dir
         self._path = RunLayout(run_dir).fleet_path
         self._clock = clock
@@ -124,7 +126,7 @@ class FleetKeeper:
         current = set(self.fleet.urls())
         admitted = []
         for url in found:
-            problem = None if url in current else joining_problem(self._config, url)
+            problem = None if url in current else joining_problem(self._parts, url)
             if problem is None:
                 self._said.pop(url, None)
                 admitted.append(url)

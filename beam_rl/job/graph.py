@@ -12,8 +12,6 @@ import uuid
 
 import apache_beam as beam
 
-from beam_rl import wiring
-from beam_rl.config import RunConfig
 from beam_rl.rundir import RunDir
 from beam_rl.source import SourceSpec
 from transforms.coders import PackerItem
@@ -23,6 +21,7 @@ from transforms.groups import CompleteGroups
 from transforms.pack import PackBatches
 from transforms.score import EVALUATION, ScoreGroups
 from transforms.write import WriteTrainBatches
+from beam_rl.wiring import JobParts
 
 
 def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PCollection[int]:
@@ -39,9 +38,9 @@ def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PC
             | "WriteTrainBatches" >> WriteTrainBatches(spec.run_dir))
 
 
-def source_spec(config: RunConfig, server_urls: list[str], directory: RunDir, with_trainer: bool) -> SourceSpec:
-    schedule = wiring.build_schedule(config, wiring.build_envs(config))
-    return SourceSpec(config=config, server_urls=tuple(server_urls), run_dir=str(directory.path),
+def source_spec(parts: JobParts, server_urls: list[str], directory: RunDir, with_trainer: bool) -> SourceSpec:
+    schedule = parts.schedule
+    return SourceSpec(config=parts.config, server_urls=tuple(server_urls), run_dir=str(directory.path),
                       run_id=uuid.uuid4().hex, first_step=directory.next_step(), with_trainer=with_trainer,
                       schedule_groups=len(schedule), schedule_streams=schedule.stream_lengths)
 

@@ -28,7 +28,7 @@ from beam_rl.model import location
 from beam_rl.rundir import RunDir, RunDirError
 from beam_rl.rundir.checkpoint_shapes import CheckpointError, matrix_module_names, tensor_shapes, validate_checkpoint
 from beam_rl.rundir.failures import ServersNotReadyError
-from beam_rl.wiring import api_key, build_envs, inference_client
+from beam_rl.wiring import JobParts, build_envs
 
 _LOG = logging.getLogger(__name__)
 
@@ -198,12 +198,12 @@ def published_weights_problems(run_dir: RunDir, config: RunConfig) -> list[Probl
 # -- the inference servers --------------------------------------------------------------------------------
 
 
-def check_servers(config: RunConfig, server_urls: list[str]) -> None:
+def check_servers(parts: JobParts, server_urls: list[str]) -> None:
     """`server_problems`, refused: ConfigError on dispatch.shards, ServersNotReadyError naming each server."""
-    refuse(server_problems(config, server_urls))
+    refuse(server_problems(parts, server_urls))
 
 
-def server_problems(config: RunConfig, server_urls: list[str]) -> list[Problem]:
+def server_problems(parts: JobParts, server_urls: list[str]) -> list[Problem]:
     """Before a pipeline starts, every server is asked what it serves (`/v1/models`, which vLLM guards
     with its API key; on the generate route also for one token there), all in parallel.
     - A refused key, an untrusted certificate or a missing route: a problem naming the server.
@@ -216,10 +216,10 @@ def server_problems(config: RunConfig, server_urls: list[str]) -> list[Problem]:
     - A server whose context (max_model_len in /v1/models) is below model.max_context is refused.
     No completion is requested on the completions route: a server's own counters see only the run.
     Each dispatch shard drives servers of its own: at least `dispatch.shards` servers (a problem at the key)."""
+    config, key = parts.config, parts.api_key
     problem = shards_problem(config.dispatch.shards, len(server_urls))  # the config counted inference.urls
     if problem:
         return [Problem(problem, "dispatch.shards")]
-    key = api_key(config)
     patience_s = config.inference.startup_timeout_s
 
     async def attempt(client: InferenceClient, url: str) -> tuple[str | None, bool]:
@@ -277,7 +277,7 @@ def server_problems(config: RunConfig, server_urls: list[str]) -> list[Problem]:
         one_ready = asyncio.Event()
 
         async def check(url: str) -> tuple[str | None, bool]:
-            async with inference_client(config, url, key) as client:
+            async with parts.client(url) as client:
                 while True:
                     problem, transient = await attempt(client, url)
                     if problem is None:

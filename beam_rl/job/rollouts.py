@@ -14,6 +14,7 @@ import grpc
 from apache_beam.runners.runner import PipelineState
 
 from beam_rl.job.preflight import check_servers
+from beam_rl.wiring import JobParts, job_parts
 from beam_rl.config import RunConfig
 from beam_rl.job.fleet_keeper import FleetKeeper, initial_fleet
 from beam_rl.processes import worker_id
@@ -217,15 +218,17 @@ class RolloutJob:
 
 
 def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,
-                   with_trainer: bool = True) -> RolloutJob:
-    """Submit the rollout job for a run directory this process then follows (see RolloutJob)."""
+                   with_trainer: bool = True, parts: JobParts | None = None) -> RolloutJob:
+    """Submit the rollout job for a run directory this process then follows (see RolloutJob); `parts`: the
+    job's, when the caller built them already."""
+    parts = parts or job_parts(config)
     directory = RunDir(run_dir or config.run.dir)
     directory.check_writable()
     lease = RunLease(directory.path).acquire()  # a run another process follows: said at once
     fleet = None
     try:
         server_urls = initial_fleet(config, str(directory.path), server_urls)
-        check_servers(config, server_urls)  # a refused API key fails here, not rollout by rollout
+        check_servers(parts, server_urls)  # a refused API key fails here, not rollout by rollout
         removed = directory.clean_uncommitted()  # what a killed run left half-written
         if removed:
             _LOG.warning("removed %d uncommitted leftovers of an earlier run: %s", len(removed), removed[:5])
@@ -233,9 +236,9 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
         if torn:
             _LOG.warning("dropped the torn last line of %s (%d bytes, a crash mid-append)", directory.metrics_path, torn)
         directory.input_exhausted_path.unlink(missing_ok=True)  # this job decides afresh
-        spec = source_spec(config, server_urls, directory, with_trainer)
+        spec = source_spec(parts, server_urls, directory, with_trainer)
         if config.inference.discovery != "static":
-            fleet = FleetKeeper(config, str(directory.path), server_urls)  # fleet.json, before any source reads it
+            fleet = FleetKeeper(parts, str(directory.path), server_urls)  # fleet.json, before any source reads it
         job_server = None
         if config.runner.name != "direct":
             master = config.runner.flink_master if config.runner.name == "flink" else "[local]"
@@ -295,7 +298,8 @@ def _record_cluster_job(config: RunConfig, directory: RunDir, job_name: str) -> 
     return job
 
 
-def attach_rollouts(config: RunConfig, run_dir: str, with_trainer: bool = True) -> RolloutJob | None:
+def attach_rollouts(config: RunConfig, run_dir: str, with_trainer: bool = True,
+                    parts: JobParts | None = None) -> RolloutJob | None:
     """Follow the job the run directory's job record names, if it still runs on its cluster (a submitter
     that died left it running); None when there is none to follow."""
     record = read_job_record(run_dir)
@@ -309,13 +313,14 @@ def attach_rollouts(config: RunConfig, run_dir: str, with_trainer: bool = True) 
     spec = SourceSpec(config=config, server_urls=(), run_dir=str(directory.path), run_id=record["job_name"],
                       first_step=directory.next_step(), with_trainer=with_trainer)
     _LOG.warning("attached to job %s, still running on %s", record["job_id"], rest.master)
-    fleet = FleetKeeper(config, run_dir).start() if config.inference.discovery != "static" else None
+    fleet = (FleetKeeper(parts or job_parts(config), run_dir).start()
+             if config.inference.discovery != "static" else None)
     return RolloutJob(spec, _FlinkJob(rest, record["job_id"]), lease, fleet=fleet)
 
 
 def run_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,
-                 with_trainer: bool = True) -> SourceSpec:
+                 with_trainer: bool = True, parts: JobParts | None = None) -> SourceSpec:
     """Runs the rollout pipeline to the end of the run."""
-    job = start_rollouts(config, server_urls, run_dir, with_trainer)
+    job = start_rollouts(config, server_urls, run_dir, with_trainer, parts)
     job.wait()
     return job.spec

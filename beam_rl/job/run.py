@@ -20,6 +20,7 @@ from beam_rl.job.live import PipelineWaiter, ProgressView, follow
 from beam_rl.job.rollouts import RolloutJob, attach_rollouts, start_rollouts
 from beam_rl.job.servers import inference_servers
 from beam_rl.rundir import RunDir
+from beam_rl.wiring import JobParts, job_parts
 
 SAMPLE_ROLLOUTS = 8  # rollouts of each committed step in W&B's samples table
 
@@ -36,9 +37,10 @@ def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
                            beam_counters=lambda: jobs[0].counters() if jobs else {})
     with Supervisor() as parts:
         parts.add("run observer", observer.close)
-        urls = parts.enter("inference servers", inference_servers(config))
+        wired = job_parts(config)  # the job's parts, built once: the servers' key, the schedule
+        urls = parts.enter("inference servers", inference_servers(wired))
         console.print(f"inference servers: {', '.join(urls)}; runner: {config.runner.name}; run dir: {run_dir.path}")
-        job = _rollout_job(config, urls, run_dir, console)
+        job = _rollout_job(wired, urls, run_dir, console)
         jobs.append(job)
         parts.add("rollout job", job.cancel)
         if threading.current_thread() is threading.main_thread():
@@ -69,10 +71,11 @@ def _interrupt(signum: int, _frame) -> None:
     raise Interrupted(signum)
 
 
-def _rollout_job(config: RunConfig, urls: list[str], run_dir: RunDir, console: Console) -> RolloutJob:
+def _rollout_job(wired: JobParts, urls: list[str], run_dir: RunDir, console: Console) -> RolloutJob:
     """The job a dead submitter left running for this run directory on its Flink cluster, when its
     servers are still there; else a new one."""
-    attached = attach_rollouts(config, str(run_dir.path))
+    config = wired.config
+    attached = attach_rollouts(config, str(run_dir.path), parts=wired)
     if attached is not None:
         if config.inference.urls:
             console.print(f"following the rollout job still running for {run_dir.path} (job.json)")
@@ -82,4 +85,4 @@ def _rollout_job(config: RunConfig, urls: list[str], run_dir: RunDir, console: C
         attached.cancel()
         with contextlib.suppress(RuntimeError):  # "ended as CANCELED before the run was over"
             attached.wait()
-    return start_rollouts(config, urls, str(run_dir.path), with_trainer=True)
+    return start_rollouts(config, urls, str(run_dir.path), with_trainer=True, parts=wired)

@@ -8,25 +8,25 @@ import logging
 import subprocess
 from collections.abc import Iterator
 
-from beam_rl import wiring
 from beam_rl.model.location import model_dir
-from beam_rl.config import RunConfig
 from beam_rl.processes import stop_processes
 from beam_rl.standin.launch import spawn_subprocess_server, wait_until_ready
+from beam_rl.wiring import JobParts
 
 _LOG = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def inference_servers(config: RunConfig) -> Iterator[list[str]]:
+def inference_servers(parts: JobParts) -> Iterator[list[str]]:
     """Yields the base URLs to dispatch to; embedded servers live exactly as long as the block, and
     die with this process however it ends."""
+    config = parts.config
     inf = config.inference
     if inf.urls or inf.discovery == "dns":  # a DNS name is the fleet (beam_rl/job/fleet_keeper.py:initial_fleet)
         yield list(inf.urls)
         return
     model = model_dir(config)
-    key = wiring.api_key(config)  # the run's key guards its embedded servers' API and control routes
+    key = parts.api_key  # the run's key guards its embedded servers' API and control routes
     procs: list[subprocess.Popen] = []
     try:
         # All started before any is waited for: each spends seconds importing torch and loading the model.
