@@ -103,6 +103,11 @@ class InferenceSection(_Section):
     # Tokens come back as they are sampled (server-sent events): a failed server's rollouts continue from
     # them elsewhere, and "keep" updates know which tokens each policy version sampled (docs/weight-updates.md).
     stream: bool = True
+    # Streamed tokens come in chunks of this many (vLLM 0.32's per-request `stream_interval`; a choice's first
+    # token and its end come at once): the dispatcher parses an event a chunk, not a token (docs/scale.md).
+    # Keep updates on the completions route stream a token an event all the same: vLLM holds a partial
+    # chunk through the pause, where the cut cannot be seen (docs/weight-updates.md).
+    stream_interval: int = Field(16, ge=1)
     # completions: OpenAI's /v1/completions, served by any vLLM. generate: vLLM 0.32's token-in/token-out
     # /inference/v1/generate (`vllm serve --enable-scale-out`), whose answers name the weights that sampled
     # every token: "keep" updates need no drain, and unstreamed requests know their versions too.
@@ -507,6 +512,14 @@ class RunConfig(_Section):
         if problems:
             raise _CrossFieldErrors(problems)
         return data
+
+    @property
+    def stream_interval(self) -> int:
+        """The chunk size clients ask servers to stream: `inference.stream_interval`, but 1 under keep updates on
+        the completions route, where a chunk could hold tokens of both sides of a pause unseen."""
+        if self.weights.update_mode == "keep" and self.inference.route == "completions":
+            return 1
+        return self.inference.stream_interval
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:

@@ -153,6 +153,7 @@ def inference_client(config: RunConfig, url: str, key: str | None, version: int 
     inf = config.inference
     return InferenceClient(url, model=config.model.name, timeout_s=inf.request_timeout_s,
                            max_retries=inf.max_retries, backoff_s=inf.retry_backoff_s, stream=inf.stream,
+                           stream_interval=config.stream_interval,
                            api_key=key, ca_bundle=inf.ca_bundle, version=version, route=inf.route,
                            lora=config.trainer.lora is not None, vocab_size=vocab_size(config),
                            max_response_bytes=inf.max_response_mb << 20)

@@ -272,3 +272,20 @@ def test_dns_discovery_needs_a_base_url_to_resolve(tmp_path):
     assert "is not an http(s) base URL" in str(problems_of(
         tmp_path, MINIMAL + '[inference]\ndiscovery = "dns"\ndns_name = "vllm.svc:8000"\n'))
     assert "set discovery" in str(problems_of(tmp_path, MINIMAL + '[inference]\ndns_name = "http://vllm.svc:8000"\n'))
+
+
+def test_streamed_chunks_are_asked_for_only_where_an_update_cannot_hide_their_cut():
+    """Keep updates on the completions route stream a token an event (vLLM holds a partial chunk through the
+    pause); elsewhere the clients ask for inference.stream_interval tokens a chunk."""
+    from beam_rl import wiring
+
+    def client_interval(**sections: dict) -> int:
+        config = config_from_dict({"envs": [{"name": "a"}], **sections})
+        return wiring.inference_client(config, "http://h:8000", None).stream_interval
+
+    assert client_interval() == 1  # the defaults: keep, completions
+    assert client_interval(inference={"route": "generate"}) == 16
+    assert client_interval(weights={"update_mode": "continue"}) == 16
+    assert client_interval(weights={"update_mode": "reload"}, inference={"stream_interval": 4}) == 4
+    with pytest.raises(ConfigError, match="stream_interval"):
+        config_from_dict({"envs": [{"name": "a"}], "inference": {"stream_interval": 0}})

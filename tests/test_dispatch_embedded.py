@@ -70,6 +70,7 @@ def dispatcher_thread(
     max_tokens: int = MAX_TOKENS,
     route: str = "completions",
     drain_timeout_s: float = 60.0,
+    stream_interval: int = 1,
 ) -> DispatcherThread:
     """Built like `beam_rl.wiring.dispatcher_thread`: clients are made on the dispatcher's loop.
     By default a failed server's rollouts are not re-dispatched, so each fault surfaces on its rollout."""
@@ -78,7 +79,7 @@ def dispatcher_thread(
 
     def client(url: str) -> InferenceClient:
         return InferenceClient(url, model="tiny", timeout_s=timeout_s, max_retries=max_retries, backoff_s=0.01,
-                               stream=stream, extra_body=extra_body, route=route)
+                               stream=stream, stream_interval=stream_interval, extra_body=extra_body, route=route)
 
     def build(emit: Callable[[Rollout], None], restore: Restore) -> Dispatcher:
         clients = [client(url) for url in urls]
@@ -265,14 +266,22 @@ def weights_dir(model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["model", "simulated"])
-@pytest.mark.parametrize("update_mode, stream, route", [
-    ("keep", True, "completions"), ("continue", True, "completions"), ("continue", False, "completions"),
-    ("reload", True, "completions"),
+@pytest.mark.parametrize("update_mode, stream, route, interval", [
+    ("keep", True, "completions", 1), ("continue", True, "completions", 1), ("continue", False, "completions", 1),
+    ("reload", True, "completions", 1),
     # vLLM's generate route labels each token's weights: keep needs no drain, and is exact unstreamed too.
-    ("keep", True, "generate"), ("keep", False, "generate"), ("continue", True, "generate"),
-    ("reload", True, "generate")])
+    ("keep", True, "generate", 1), ("keep", False, "generate", 1), ("continue", True, "generate", 1),
+    ("reload", True, "generate", 1),
+    # Tokens in chunks of 5: continue's abort ends every chunk at the pause, the generate route's spans name
+    # every token. A keep pause holds a partial chunk that the resume sends with new tokens, where the cut
+    # cannot be seen: those requests' later tokens are unknown, never a wrong version.
+    ("continue", True, "completions", 5), ("keep", True, "generate", 5), ("keep", True, "completions", 5)])
 def test_each_tokens_policy_version_is_the_one_the_server_sampled_it_with(start_server, env, weights_dir, backend,
-                                                                           update_mode, stream, route):
+                                                                           update_mode, stream, route, interval,
+                                                                           monkeypatch):
+    payloads = []
+    payload = InferenceClient._payload
+    monkeypatch.setattr(InferenceClient, "_payload", lambda *a: payloads.append(payload(*a)) or payloads[-1])
     # Slow steps, long completions and an update every ~0.15 s: updates land in the middle of requests.
     server = start_server(mode=backend, faults=FaultConfig(step_delay_s=0.02),
                           **({"simulated": SimulatedParams(length_median=40)} if backend == "simulated" else {}))
@@ -280,7 +289,8 @@ def test_each_tokens_policy_version_is_the_one_the_server_sampled_it_with(start_
     version = [0]
     with served_versions() as served, dispatcher_thread(
             [server.url], env, "group", max_inflight=16, stream=stream, version=lambda: version[0],
-            extra_body={"return_weight_versions": True}, max_tokens=24, route=route) as thread:
+            extra_body={"return_weight_versions": True}, max_tokens=24, route=route,
+            stream_interval=interval) as thread:
         thread.add_groups(requests)
         rollouts: list[Rollout] = []
         deadline = time.monotonic() + 90
@@ -298,7 +308,9 @@ def test_each_tokens_policy_version_is_the_one_the_server_sampled_it_with(start_
     truth = [served[id(versions)] for versions in recorded]
     assert all(len(v) == len(t) > 0 for v, t in zip(recorded, truth))
     assert sum(len(set(t)) > 1 for t in truth) >= 4  # updates did land mid-request
-    if update_mode == "reload":
+    sampling = [p.get("sampling_params", p) for p in payloads]
+    assert [s.get("stream_interval", 1) for s in sampling] == [interval] * len(payloads)  # asked in chunks
+    if update_mode == "reload" or (update_mode, route, interval) == ("keep", "completions", 5):
         # No pause: the switch cannot be seen from outside; what is recorded is exact or unknown (-1).
         assert all(v in (-1, t_) for r, t in zip(recorded, truth) for v, t_ in zip(r, t))
         assert any(-1 in r for r in recorded)
@@ -359,6 +371,28 @@ def test_every_group_completes_on_the_remaining_servers_when_one_fails(start_ser
     assert 0 <= lost <= (16 if fault in ("die", "stopped") else 0), (generated, received)
     if fault in ("die", "stopped", "refused"):
         assert not thread.dispatcher.pool.servers[0].healthy
+
+
+def test_a_server_dying_mid_chunk_leaves_every_token_it_streamed_in_the_rollouts_continued_elsewhere(start_server,
+                                                                                                    env):
+    """Streamed in chunks of 4, a dying server takes with it only the tokens of the chunks it had not sent: every
+    token a client received (from it and from the others) is in a rollout, none sampled twice."""
+    healthy = [start_server(mode="instant", faults=FaultConfig(step_delay_s=0.005)) for _ in range(2)]
+    faulty = start_server(mode="instant", faults=FaultConfig(step_delay_s=0.005, die_after_tokens=62))
+    with dispatcher_thread([faulty.url] + [s.url for s in healthy], env, "rollout", max_inflight=16, timeout_s=1.0,
+                           max_redispatches=3, stream=True, stream_interval=4, max_tokens=24) as thread:
+        rollouts = run_groups(thread, group_requests(env, 16, 4))
+        counters, servers = thread.counters_and_servers()
+
+    assert all(r.ok for r in rollouts), [r.errors for r in rollouts if not r.ok][:3]
+    assert counters["redispatched"] > 0 and not thread.dispatcher.pool.servers[0].healthy
+    assert all(r.discarded_tokens["server_failure"] == 0 for r in rollouts)
+    received = sum(s["tokens_received"] for s in servers)
+    assert servers[0]["tokens_received"] > 0  # the dying server's chunks reached rollouts
+    assert received == sum(r.completion_tokens + sum(r.discarded_tokens.values()) for r in rollouts)
+    # What it sampled but never sent: at most a partial chunk (3) and the last step of each sequence it ran.
+    generated = sum(s.backend.generation_tokens for s in [faulty, *healthy])
+    assert 0 <= generated - received <= 16 * 4
 
 
 def test_a_server_down_during_an_update_is_left_out_and_takes_the_newest_weights_when_back(start_server, env,

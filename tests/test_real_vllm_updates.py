@@ -102,7 +102,7 @@ def _client(vllm: VllmServer, held: Path | None = None, **kwargs) -> InferenceCl
 
 
 def _update_mid_request(vllm: VllmServer, new_weights, mode: str, held: Path, *, stream: bool = True,
-                        route: str = "completions"):
+                        route: str = "completions", interval: int = 1):
     """A request the server freezes once it has sampled HOLD_AT tokens, and an update to the new weights once
     it is frozen: the update lands mid-request however slowly this machine runs the test. Returns the
     completion, the update's timing, and how many tokens the request had sampled when it froze.
@@ -110,10 +110,10 @@ def _update_mid_request(vllm: VllmServer, new_weights, mode: str, held: Path, *,
     The update's own resume lets the request go on (keep, continue); reload mode pauses nothing, so the test
     resumes the server once the update is over."""
     async def update() -> tuple:
-        async with _client(vllm, held, stream=stream, version=OLD, route=route) as client:
+        async with _client(vllm, held, stream=stream, version=OLD, route=route, stream_interval=interval) as client:
             progress = Progress()
             request = asyncio.create_task(client.complete(_prompt(), SAMPLING, progress=progress))
-            await asyncio.wait_for(_frozen(request, progress, held, stream), UNTIL_HELD_S)
+            await asyncio.wait_for(_frozen(request, progress, held, stream, interval), UNTIL_HELD_S)
             timing = await client.update_weights(new_weights, NEW, mode)
             if mode == "reload":
                 await client.resume()
@@ -123,9 +123,16 @@ def _update_mid_request(vllm: VllmServer, new_weights, mode: str, held: Path, *,
     return asyncio.run(update())
 
 
-async def _frozen(request: asyncio.Task, progress: Progress, held: Path, stream: bool) -> None:
-    """Once the server has frozen the request and, streamed, the client has every token sampled before."""
-    while not (held.exists() and (not stream or progress.tokens[0] >= int(held.read_text()))):
+def _sent_before(held_at: int, interval: int) -> int:
+    """The tokens vLLM streams of a choice that has sampled `held_at`, in chunks of `interval`: the first at
+    once, then whole chunks; the rest waits in a partial chunk (through a keep pause too)."""
+    return 1 + (held_at - 1) // interval * interval
+
+
+async def _frozen(request: asyncio.Task, progress: Progress, held: Path, stream: bool, interval: int = 1) -> None:
+    """Once the server has frozen the request and, streamed, the client has every token sent before."""
+    while not (held.exists() and (not stream or progress.tokens[0] >= _sent_before(int(held.read_text()),
+                                                                                   interval))):
         if request.done():
             request.result()  # its error, if it failed
             raise AssertionError("the request ended without the server freezing it")
@@ -161,9 +168,12 @@ def _model_logprobs(model, tokens: list[int]) -> np.ndarray:
     return _processed_logprobs(logits, tokens)
 
 
-@pytest.mark.parametrize("route", ["completions", "generate"])
-def test_continue_mode_continues_the_request_under_the_new_weights(vllm, new_weights, route, tmp_path):
-    completion, timing, held_at = _update_mid_request(vllm, new_weights, "continue", tmp_path / "held", route=route)
+# In chunks of 4 the request has sent 1 of the HOLD_AT=4 tokens it sampled when it freezes: the abort sends the
+# other 3 with its end.
+@pytest.mark.parametrize("route, interval", [("completions", 1), ("generate", 1), ("completions", 4)])
+def test_continue_mode_continues_the_request_under_the_new_weights(vllm, new_weights, route, interval, tmp_path):
+    completion, timing, held_at = _update_mid_request(vllm, new_weights, "continue", tmp_path / "held", route=route,
+                                                      interval=interval)
     try:
         k = _split(completion, "continue", held_at)
         assert timing.mode == "continue" and timing.paused_s >= timing.reload_s > 0
@@ -187,13 +197,15 @@ def test_continue_mode_continues_the_request_under_the_new_weights(vllm, new_wei
     np.testing.assert_allclose(logprobs[k:], _model_logprobs(_new_model(), tokens)[k:], atol=2e-3)
 
 
-@pytest.mark.parametrize("route, stream", [("completions", True), ("generate", True), ("generate", False)])
+@pytest.mark.parametrize("route, stream, interval", [("completions", True, 1), ("generate", True, 1),
+                                                     ("generate", False, 1), ("generate", True, 4)])
 def test_keep_mode_freezes_the_request_and_resumes_it_on_the_new_weights(vllm, new_weights, route, stream,
-                                                                          tmp_path):
+                                                                          interval, tmp_path):
     # On the generate route the versions come from vLLM's weight_versions spans, labelled while paused: no
-    # stream drains, and a request that is not streamed knows its versions too.
+    # stream drains, and a request that is not streamed knows its versions too; nor does a chunk that holds
+    # tokens of both sides of the pause (in chunks of 4, the 3 sampled after the first wait through it).
     completion, timing, held_at = _update_mid_request(vllm, new_weights, "keep", tmp_path / "held", route=route,
-                                                      stream=stream)
+                                                      stream=stream, interval=interval)
     _restore_old_weights(vllm)
     k = _split(completion, "keep", held_at)
     assert timing.mode == "keep" and timing.paused_s >= timing.reload_s > 0
@@ -204,6 +216,23 @@ def test_keep_mode_freezes_the_request_and_resumes_it_on_the_new_weights(vllm, n
     np.testing.assert_allclose(logprobs[:k], old[:k], atol=2e-3)
     np.testing.assert_allclose(logprobs[k:], new[k:], atol=2e-3)
     assert np.abs(logprobs[k:] - old[k:]).mean() > 1e-2  # after the switch: not the old weights' logprobs
+
+
+def test_keep_mode_in_chunks_on_the_completions_route_stamps_what_a_held_chunk_hides_as_unknown(vllm, new_weights,
+                                                                                              tmp_path):
+    """vLLM holds a partial chunk through a keep pause and sends it with the new weights' first tokens: where
+    the pause cut the chunk cannot be seen on the completions route, so nothing after the pause gets a version
+    (which is why a run under keep updates on this route streams a token an event: RunConfig.stream_interval)."""
+    completion, _, held_at = _update_mid_request(vllm, new_weights, "keep", tmp_path / "held", interval=4)
+    _restore_old_weights(vllm)
+    sent = _sent_before(held_at, 4)
+    assert completion.policy_versions == [OLD] * sent + [-1] * (len(completion.token_ids) - sent)
+    # The held chunk did straddle the pause: its first tokens have the old weights' logprobs, its last the new's.
+    tokens, logprobs = completion.token_ids, np.array(completion.logprobs)
+    old, new = _model_logprobs(load_tiny_model(tiny_model_dir()), tokens), _model_logprobs(_new_model(), tokens)
+    np.testing.assert_allclose(logprobs[:held_at], old[:held_at], atol=2e-3)
+    np.testing.assert_allclose(logprobs[held_at:], new[held_at:], atol=2e-3)
+    assert sent < held_at
 
 
 @pytest.mark.parametrize("route", ["completions", "generate"])

@@ -768,3 +768,46 @@ def test_a_stream_whose_client_hung_up_ends_quietly_and_frees_its_slots(make_ser
     asyncio.run(wait_for_metrics(s.url, lambda m: m["vllm:num_requests_running"] == 0))
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert not errors, [r.getMessage() for r in errors]
+
+
+# -- stream_interval: tokens in chunks, as vLLM 0.32 streams them --------------------------------
+
+
+def _streamed_chunks(s: EmbeddedServer, path: str, body: dict) -> dict[int, list[dict]]:
+    """Each choice's chunks (their token ids, logprobs and finish reasons) of a streamed request."""
+    with httpx.stream("POST", s.url + path, json={**body, "stream": True}, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        events = sse_data(list(response.iter_lines()))
+    assert events[-1] == "[DONE]"
+    chunks: dict[int, list[dict]] = collections.defaultdict(list)
+    for event in events[:-1]:
+        for c in event["choices"]:
+            logprobs = c["logprobs"]
+            logprobs = ([e["logprob"] for e in logprobs["content"]] if "content" in logprobs
+                        else logprobs["token_logprobs"])
+            chunks[c["index"]].append({"ids": c["token_ids"], "logprobs": logprobs, "finish": c["finish_reason"]})
+    return chunks
+
+
+@pytest.mark.parametrize("route", ["completions", "generate"])
+def test_stream_interval_chunks_the_per_token_stream_as_vllm_does(make_server, route):
+    """The first token at once, then chunks of N, the rest with the finish reason: the same ids and logprobs
+    as a token an event. On the generate route the interval is a sampling parameter, as in vLLM."""
+    s = make_server()
+    sampling = {"n": 2, "max_tokens": 20, "seed": 11, "ignore_eos": True, "logprobs": 0}
+
+    def chunks(**extra: int) -> dict[int, list[dict]]:
+        if route == "generate":
+            return _streamed_chunks(s, "/inference/v1/generate", {"token_ids": PROMPT,
+                                                                  "sampling_params": {**sampling, **extra}})
+        return _streamed_chunks(s, "/v1/completions", {"prompt": PROMPT, "return_token_ids": True, **sampling, **extra})
+
+    per_token, chunked = chunks(), chunks(stream_interval=8)
+    for index in (0, 1):
+        assert [len(c["ids"]) for c in per_token[index]] == [1] * 20
+        assert [len(c["ids"]) for c in chunked[index]] == [1, 8, 8, 3]
+        assert [c["finish"] for c in chunked[index]] == [None, None, None, "length"]
+        for key in ("ids", "logprobs"):
+            assert [x for c in chunked[index] for x in c[key]] == [x for c in per_token[index] for x in c[key]]
+    bad = post(s, prompt=PROMPT, max_tokens=4, stream=True, stream_interval=0)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"

@@ -135,6 +135,7 @@ class InferenceClient:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         *,
         stream: bool = False,
+        stream_interval: int = 1,
         api_key: str | None = None,
         ca_bundle: str | Path | None = None,
         version: int = 0,
@@ -156,6 +157,10 @@ class InferenceClient:
         self.backoff_s = backoff_s
         self.max_connections = max_connections
         self.stream = stream
+        # Streamed tokens come in chunks of this many (vLLM 0.32's per-request `stream_interval`): an event a
+        # chunk rather than a token. A keep update on the completions route cannot see where the pause cut a
+        # chunk, so it stamps such requests' later tokens unknown (docs/weight-updates.md).
+        self.stream_interval = stream_interval
         self.route = route
         self.version = version
         # LoRA: each version is an adapter of its own on the server, which requests name (docs/lora.md).
@@ -325,6 +330,8 @@ class InferenceClient:
         }
         if sampling.seed is not None:
             params["seed"] = sampling.seed
+        if self.stream and self.stream_interval > 1:
+            params["stream_interval"] = self.stream_interval  # a SamplingParams field: in sampling_params on generate
         # New weights must not reuse KV blocks the old ones computed: the prefix cache is salted per policy
         # version (a request sent during a reload-mode update shares the old one's).
         salt = f"policy-v{self.version}"

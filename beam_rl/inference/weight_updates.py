@@ -177,6 +177,10 @@ class WeightUpdates:
                     request.version = UNKNOWN_VERSION  # from either side of the pause, until its spans say
                 elif mode == "keep" and not request.streamed:
                     request.version = UNKNOWN_VERSION  # its tokens arrive all at once: no boundary to see
+                elif mode == "keep" and client.stream_interval > 1:
+                    # vLLM holds a partial chunk through the pause: the next chunk's first tokens may be
+                    # the old weights', and how many cannot be seen (RunConfig.stream_interval sends no chunks here)
+                    request.version = UNKNOWN_VERSION
             paused_s, reload_s = await self._pause_elsewhere(path, version, mode, labelled, drain_quiet_s, timeout_s)
         finally:
             self.over.set()

@@ -38,6 +38,9 @@ class SamplingRequest(BaseModel):
     return_weight_versions: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # vLLM 0.32: a streamed choice's tokens come in chunks of this many (the first token and the end at once);
+    # the server's own interval (1 here, as vLLM's default --stream-interval) is the least. Unstreamed: ignored.
+    stream_interval: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:

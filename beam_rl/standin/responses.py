@@ -131,10 +131,13 @@ def label_spans(sampled_by: list[Weights]) -> list[dict[str, Any]]:
 
 class _ChoiceStream:
     """The SSE chunks of one streamed request: one per choice per step that sampled tokens or finished it,
-    as vLLM's stream generators write them; subclasses shape each chunk."""
+    as vLLM's stream generators write them; subclasses shape each chunk. With a `stream_interval` of N, as
+    vLLM 0.32's output processor: a choice's first tokens at once, then a chunk each time N more are held, and
+    what is left when it ends (an abort included); a pause holds a partial chunk until generation resumes."""
 
-    def __init__(self, params: GenerationParams, stream_options: Any) -> None:
+    def __init__(self, params: GenerationParams, stream_options: Any, stream_interval: int | None = None) -> None:
         self.params = params
+        self._interval = max(stream_interval or 1, 1)  # clamped below by the server's own (vLLM's default: 1)
         n = params.n
         self._sent = [0] * n  # tokens already in a chunk, per choice
         self._finished = [False] * n
@@ -150,6 +153,8 @@ class _ChoiceStream:
             finished = choice.finish_reason is not None
             if self._finished[index] or (end == start and not finished) or (end == 0 and finished):
                 continue  # nothing new; a choice that ends with no token at all sends nothing, as in vLLM
+            if not finished and start > 0 and end - start < self._interval:
+                continue  # a partial chunk waits for the rest of it (or for the choice's end)
             self._sent[index], self._finished[index] = end, finished
             if choice.finish_reason == "abort" and end > start:
                 # An abort samples nothing: tokens not yet streamed came from earlier steps, and vLLM
@@ -181,7 +186,7 @@ class CompletionStream(_ChoiceStream):
     """A streamed completion, as vLLM's `completion_stream_generator` writes it."""
 
     def __init__(self, texts: TokenTexts, model_name: str, params: GenerationParams, request: CompletionRequest) -> None:
-        super().__init__(params, request.stream_options)
+        super().__init__(params, request.stream_options, request.stream_interval)
         self.texts, self.request = texts, request
         self._backend = texts.tokenizer.backend_tokenizer
         self._head = _envelope("text_completion", model_name)
@@ -257,7 +262,7 @@ class GenerateStream(_ChoiceStream):
     """A streamed generate answer, as vLLM's `serve_tokens_stream_generator` writes it."""
 
     def __init__(self, params: GenerationParams, request: GenerateRequest) -> None:
-        super().__init__(params, request.stream_options)
+        super().__init__(params, request.stream_options, request.sampling_params.stream_interval)
         self.request = request
         self._head = {"request_id": uuid.uuid4().hex, "output_mode": "tokens"}
 
