@@ -12,6 +12,7 @@ from apache_beam.runners.sdf_utils import RestrictionTrackerView, ThreadsafeRest
 from apache_beam.utils.timestamp import Timestamp
 
 import transforms.dispatch as dispatch
+from beam_rl import wiring
 from beam_rl.config import config_from_dict
 from beam_rl.source import DispatchRange, EndOfInput, InFlight, SourceSpec
 from beam_rl.types import Rollout
@@ -96,7 +97,8 @@ class _Watermark:
 
 @pytest.fixture
 def fn(monkeypatch):
-    monkeypatch.setattr(dispatch, "RolloutSource", _Source)
+    monkeypatch.setattr(wiring.DispatchParts, "source",
+                        lambda parts, shard, restored: _Source(parts.spec, shard, restored, parts))
     monkeypatch.setattr(dispatch, "BUNDLE_S", 0.05)
     _Source.built = []
     config = config_from_dict({"envs": [{"name": "reverse_text", "group_size": 1}]})
