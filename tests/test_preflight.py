@@ -16,7 +16,7 @@ from beam_rl.config import config_from_dict
 from beam_rl.inference.types import SamplingParams
 from beam_rl.rundir.failures import ServersNotReadyError
 from beam_rl.standin.server import EmbeddedServer
-from tests.test_security import self_signed  # noqa: F401  (a fixture: a self-signed certificate and its key)
+from tests.integration.test_security import self_signed  # noqa: F401  (a fixture: a self-signed certificate and its key)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO as ROOT
+
 DESIGN = ROOT / "docs" / "design.md"
 _NAME = re.compile(r"`([a-z_][\w.]*):([A-Za-z_][\w.]*)`")  # `module:qualname`
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO as ROOT
+
 PACKAGES = ("beam_rl", "transforms", "runners", "schemas")
 
 CLI = "beam_rl.cli"

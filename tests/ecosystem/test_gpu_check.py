@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO
+
 
 # Every figure docs/gpu.md reports, part by part.
 EXPECTED = {

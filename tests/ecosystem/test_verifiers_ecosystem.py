@@ -21,11 +21,12 @@ from beam_rl.envs import make_env
 from beam_rl.processes import free_port
 from beam_rl.standin.faults import FaultConfig
 from beam_rl.standin.simulated import SimulatedParams
-from tests.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.integration.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.support.paths import FIXTURES
 
 pytestmark = pytest.mark.timeout(600)
 
-PACKAGE = Path(__file__).resolve().parent / "fixtures" / "glossary"
+PACKAGE = FIXTURES / "glossary"
 # The server's answers, in turn: the tool call (the proxy hands the chat program `tool_calls`), the answer.
 REPLIES = ['<tool_call>{"name": "facts_lookup", "arguments": {"name": "ada lovelace"}}</tool_call>',
            "<answer>the first computer programmer</answer>"]

@@ -20,9 +20,9 @@ import pytest
 
 from beam_rl.cache import cache_root
 from beam_rl.rundir import RunDir
-from small_run import write_small_run_config
+from tests.support.small_run import write_small_run_config
+from tests.support.paths import REPO as ROOT, SUPPORT
 
-ROOT = Path(__file__).resolve().parents[1]
 NOISE = ("nanobind: leaked", "No module named pip")
 READERS = ("datasets", "polars", "duckdb")
 
@@ -108,7 +108,7 @@ def test_the_finished_run_opens_in_each_documented_reader(user, finished_run):
     added = subprocess.run([user["uv"], "pip", "install", "--python", python, *READERS], capture_output=True,
                            text=True, timeout=600)
     assert added.returncode == 0, added.stderr[-2000:]
-    proc = subprocess.run([python, str(ROOT / "tests" / "read_run.py"), str(run.path), "pyarrow", *READERS],
+    proc = subprocess.run([python, str(SUPPORT / "read_run.py"), str(run.path), "pyarrow", *READERS],
                           cwd=user["home"], env={**user["env"], "HF_HOME": str(user["home"] / "hf")},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

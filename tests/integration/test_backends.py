@@ -13,7 +13,7 @@ import asyncio
 
 import httpx
 import pytest
-from server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
+from tests.support.server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
 
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.standin.simulated import SimulatedParams

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import children
+from tests.support import children
 import pytest
 
 from beam_rl.envs import make_env

@@ -27,7 +27,7 @@ from beam_rl.standin.server import EmbeddedServer
 from beam_rl.standin.simulated import SimulatedParams
 from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import GroupRequest, Rollout, RolloutStatus, make_group_id
-from tests.server_helpers import served_versions
+from tests.support.server_helpers import served_versions
 
 pytestmark = pytest.mark.timeout(120)
 

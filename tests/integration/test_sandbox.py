@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-import children
+from tests.support import children
 import pytest
 
 from beam_rl.envs import sandbox

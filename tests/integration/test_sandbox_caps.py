@@ -9,7 +9,7 @@ import shutil
 import threading
 import time
 
-import children
+from tests.support import children
 import pytest
 
 from beam_rl.envs import sandbox

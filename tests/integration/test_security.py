@@ -48,7 +48,7 @@ def test_the_right_key_is_served_and_health_and_metrics_stay_open(keyed):
     response = httpx.post(keyed.url + "/v1/completions", json=COMPLETION, headers=bearer(KEY), timeout=10)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
     assert httpx.get(keyed.url + "/v1/models", headers={"authorization": f"bearer {KEY}"}).status_code == 200
-    # Routes that only read stay open, as vLLM's do (tests/test_server_auth.py: the control routes do not).
+    # Routes that only read stay open, as vLLM's do (tests/unit/standin/test_server_auth.py: the control routes do not).
     for path in ("/health", "/metrics", "/is_paused", "/weight_info"):
         assert httpx.get(keyed.url + path, timeout=10).status_code == 200, path
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
-from server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
+from tests.support.server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
 
 from beam_rl.standin.faults import add_fault_args, fault_config_from_args
 from beam_rl.standin.generator import Weights

@@ -62,7 +62,7 @@ seq_len = 256
 mode = "monitor"
 """
 # Zero-advantage groups flagged, not dropped: a filtered group arriving after the last full batch
-# is lost from every window (see tests/test_faults.py::test_groups_after_the_last_batch_...).
+# is lost from every window (see tests/pipeline/test_faults.py::test_groups_after_the_last_batch_...).
 
 GOOD_ROWS = ["left", "two", "pie", "stop cold", "roof song", "warm cook"]
 _REAL_ATOMIC_WRITE = steps_module.atomic_write

@@ -9,9 +9,8 @@ import graphlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO as ROOT
 
 
 def _bench_imports() -> list[tuple[str, str, list[str]]]:

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from beam_rl.rundir import RunDir
-from run_checks import assert_each_group_and_offset_once
-from small_run import write_small_run_config
+from tests.support.run_checks import assert_each_group_and_offset_once
+from tests.support.small_run import write_small_run_config
 
 KILLS = 5
 MAX_STEPS = 24  # enough steps that five kills always land before the run ends

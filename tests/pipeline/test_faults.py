@@ -54,7 +54,7 @@ def _config(run_dir, prompts: int = PROMPTS, max_inflight: int = MAX_INFLIGHT, *
         # (a zero-advantage group arriving last would meet the bug of test_groups_after_the_last_batch_...).
         "filters": {"zero_advantage": {"mode": "monitor"}},
         # No retries and no re-dispatch: every injected fault must surface as errored rollouts, one request
-        # per group (re-dispatch, which keeps them, is tests/test_dispatch_embedded.py's).
+        # per group (re-dispatch, which keeps them, is tests/integration/test_dispatch_embedded.py's).
         "inference": {"max_tokens": 8, "max_inflight": max_inflight, "max_retries": 0, "max_redispatches": 0,
                       "request_timeout_s": REQUEST_TIMEOUT_S, **inference},
     })

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from beam_rl.rundir import RunDir
-from small_run import write_small_run_config
+from tests.support.small_run import write_small_run_config
 
 
 def _session_alive(session: int) -> list[int]:

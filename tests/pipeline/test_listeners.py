@@ -14,8 +14,8 @@ import pytest
 from beam_rl.config import config_from_dict
 from beam_rl.listeners import is_loopback, warn_if_open
 from beam_rl.processes import free_port, tree_pids
-from proc_net import listeners
-from small_run import write_small_run_config
+from tests.support.proc_net import listeners
+from tests.support.small_run import write_small_run_config
 
 
 def _run_listeners(tmp_path, runner: str) -> set:

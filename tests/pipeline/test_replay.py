@@ -8,13 +8,12 @@ import io
 import json
 import re
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
 from rich.console import Console
-from test_cli import RED, coloured, run_cli
+from tests.unit.test_cli import RED, coloured, run_cli
 
 from beam_rl import wiring
 from beam_rl.config import config_from_dict, load_config
@@ -29,9 +28,9 @@ from beam_rl.job.run import run_job
 from beam_rl.job.rollouts import run_rollouts
 from schemas.commit_record import FileEntry, checksum
 from schemas.train_batch import in_version
+from tests.support.paths import REPO
 
 GREEN = "\x1b[32m"
-REPO = Path(__file__).resolve().parent.parent
 _STYLE = re.compile(r"\x1b\[[0-9;]*m")
 
 # The main job's environment with its defaults: a partial credit of 0.1, which float32 cannot hold.

@@ -13,14 +13,14 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from beam_rl.rundir import RunDir
-from run_checks import assert_each_group_and_offset_once
+from tests.support.run_checks import assert_each_group_and_offset_once
+from tests.support.paths import FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "run-beam-2.62"
+FIXTURE = FIXTURES / "run-beam-2.62"
 MAX_STEPS = 8  # the fixture's config.json
 
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from rich.console import Console
-from test_live_table import commit, dispatch, trainer
+from tests.unit.observe.test_live_table import commit, dispatch, trainer
 
 from beam_rl.config import load_config
 from beam_rl.observe import RunObserver
@@ -171,7 +171,7 @@ def test_a_run_whose_input_ends_before_max_steps_ends_with_every_step_trained(tm
     import subprocess
     import sys
 
-    from small_run import write_small_run_config
+    from tests.support.small_run import write_small_run_config
 
     config = write_small_run_config(tmp_path / "run.toml", tmp_path / "run", max_steps=1000, epochs=1)
     config.write_text(config.read_text().replace('name = "reverse_text"\n', 'name = "reverse_text"\nlimit = 8\n'))

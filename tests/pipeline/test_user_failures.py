@@ -16,7 +16,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from small_run import write_small_run_config
+from tests.support.paths import SUPPORT
+from tests.support.small_run import write_small_run_config
 
 from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
@@ -224,14 +225,14 @@ def test_a_full_disk_stops_the_run_in_one_line_and_a_resume_with_room_finishes_i
 
 def test_a_run_whose_every_rollout_fails_stops_naming_the_cause_and_resumes_once_fixed(resumable, record_property):
     """The defaults (run.stop_after_errored_groups = 16): an environment whose prompts the model's context
-    cannot hold (tests/padded_prompts.py) fails every rollout; the run stops in one line naming the cause,
+    cannot hold (tests/support/padded_prompts.py) fails every rollout; the run stops in one line naming the cause,
     the live view, `status` and `inspect` show the errors by cause, and once the prompts fit it resumes."""
     run = resumable
     config = run.read_config()
     config["envs"][0].update(kind="padded_prompts:PaddedPrompts", args={"pad_tokens": 300})  # 256 tokens of context
     run.write_config(config)
     before = committed(run)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(SUPPORT), os.environ.get("PYTHONPATH")]))}
     started = time.monotonic()
     proc = beam_rl("run", "--resume", str(run.path), env=env)
     record_property("seconds_to_the_stop", round(time.monotonic() - started, 1))

@@ -1,7 +1,7 @@
 """A verifiers (v1) taskset's own reward functions scoring beam-rl rollouts, through the `verifiers`
 environment: offline (the adapter's contract, in a process of its own), and inside the rollout pipeline,
 whose scoring workers import verifiers.v1 on Prism (and on a standalone Flink cluster's worker pools:
-tests/test_flink_cluster.py, which shares its cluster).
+tests/runners/test_flink_cluster.py, which shares its cluster).
 
 verifiers 0.4.0 is an ordinary dependency since Beam 2.70 (protobuf < 7; verifiers needs >= 6.31 through
 prime-sandboxes). Under Beam 2.62 (protobuf < 6) the two could not be imported in one process.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,8 +17,8 @@ from beam_rl.envs import make_env
 from beam_rl.envs.base import chat_prompt_ids
 from beam_rl.envs.verifiers_episodes import task_messages
 from beam_rl.standin.faults import FaultConfig
-from tests.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
-from tests.vf_toy import PACKAGE, REPLIES, answers, external_server, free_port, own_virtualenv, toy_config, toy_env
+from tests.integration.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.support.vf_toy import PACKAGE, REPLIES, answers, external_server, free_port, own_virtualenv, toy_config, toy_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -176,7 +176,7 @@ def test_inline_process_and_tcp_env_servers_train_on_prism(tok, tmp_path, monkey
     from beam_rl.rundir import RunDir
     from beam_rl.standin.server import EmbeddedServer
     from beam_rl.job.rollouts import run_rollouts
-    from tests.run_checks import assert_rank_files_hold_the_windows_tokens
+    from tests.support.run_checks import assert_rank_files_hold_the_windows_tokens
 
     python = own_virtualenv(tmp_path)
     external, address = external_server(tmp_path)

@@ -44,8 +44,8 @@ pytestmark = pytest.mark.skipif(shutil.which("java") is None, reason="needs a Ja
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """The cluster of every test here. Its worker pools see the module's PYTHONPATH as it was when it
-    started: the verifiers echo taskset is put on it first (tests/test_verifiers.py)."""
-    from tests.test_verifiers import put_echo_taskset_on_path
+    started: the verifiers echo taskset is put on it first (tests/pipeline/test_verifiers.py)."""
+    from tests.pipeline.test_verifiers import put_echo_taskset_on_path
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         put_echo_taskset_on_path(tmp_path_factory.mktemp("verifiers"), monkeypatch)
@@ -245,15 +245,15 @@ def test_a_killed_worker_process_is_replaced_and_its_rollouts_continue_from_thei
 
 def test_a_verifiers_env_server_on_the_cluster_killed_mid_run_is_restarted_and_nothing_trains_twice(
         cluster, tok, tmp_path):
-    """The toy verifiers environment (tests/vf_toy.py) in env servers the cluster's dispatch workers start
+    """The toy verifiers environment (tests/support/vf_toy.py) in env servers the cluster's dispatch workers start
     under a virtualenv of its own; one is SIGKILLed once a step has committed: it is started again, every
     group trains once, and the rank files hold the tokens the server sampled."""
     import asyncio
 
     from verifiers.v1.serve import EnvClient
 
-    from tests.run_checks import assert_rank_files_hold_the_windows_tokens
-    from tests.vf_toy import REPLIES, answers, own_virtualenv, serve_processes, toy_config, toy_env
+    from tests.support.run_checks import assert_rank_files_hold_the_windows_tokens
+    from tests.support.vf_toy import REPLIES, answers, own_virtualenv, serve_processes, toy_config, toy_env
 
     python = own_virtualenv(tmp_path)
     tasks = 12
@@ -273,7 +273,7 @@ def test_a_verifiers_env_server_on_the_cluster_killed_mid_run_is_restarted_and_n
         started_s = _wait(lambda: _rollouts_done(run_dir) >= 2, 3 * FIRST_STEP_TIMEOUT_S, "2 episodes done")
         servers = serve_processes(python)
         assert len(servers) == 2 and _rollouts_done(run_dir) < tasks * 2 - 4, "the run ended before the kill"
-        # One that has started (a kill while it starts is a start retried, tests/test_verifiers_episodes.py).
+        # One that has started (a kill while it starts is a start retried, tests/pipeline/test_verifiers_episodes.py).
         healthy = {pid: a for pid, a in servers.items() if asyncio.run(EnvClient(a).health(timeout=2.0))}
         assert healthy, servers
         victim, address = next(iter(healthy.items()))
@@ -301,7 +301,7 @@ def test_a_verifiers_env_server_on_the_cluster_killed_mid_run_is_restarted_and_n
 def test_cluster_workers_score_with_a_verifiers_taskset(cluster, tmp_path):
     """The worker pools' processes score with a verifiers taskset's own reward functions (verifiers.v1 from
     the project's virtualenv, the taskset from PYTHONPATH)."""
-    from tests.test_verifiers import _assert_scored_by_the_taskset, _pipeline_config
+    from tests.pipeline.test_verifiers import _assert_scored_by_the_taskset, _pipeline_config
 
     started, urls = _servers()
     try:

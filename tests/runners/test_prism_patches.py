@@ -1,6 +1,6 @@
 """Each of the Prism fixes in runners/prism_patches/ that keeps data and state correct, shown on Prism
 itself: the same pipeline runs on Prism built with all of them (it passes) and without that one (the
-defect shows). The two that only save CPU are covered by tests/test_options.py."""
+defect shows). The two that only save CPU are covered by tests/runners/test_options.py."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 
 from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
-from proc_net import listeners
+from tests.support.proc_net import listeners
 from runners import bootstrap
 from runners.options import RunnerSettings, pipeline_options
 from beam_rl.job.graph import build_rollout_pipeline, source_spec

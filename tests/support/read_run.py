@@ -1,10 +1,10 @@
 """Runs docs/trainer-api.md's reader snippets (pyarrow, polars, duckdb, Hugging Face datasets) on a run
 directory and says what each read, as plain values the tests compare with the run's commit records.
 
-    python tests/read_run.py RUN_DIR [TOOL ...]    prints {"beam_rl": <where it was imported from>, TOOL: ...}
+    python tests/support/read_run.py RUN_DIR [TOOL ...]    prints {"beam_rl": <where it was imported from>, TOOL: ...}
 
-The tests run it in the project's venv (tests/test_readers.py) and in a fresh venv where beam-rl is
-installed from a wheel (tests/test_wheel.py)."""
+The tests run it in the project's venv (tests/unit/rundir/test_dataset.py) and in a fresh venv where beam-rl is
+installed from a wheel (tests/ecosystem/test_wheel.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "trainer-api.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "trainer-api.md"
 SECTION = "## Reading a run with pyarrow, polars, duckdb or Hugging Face datasets"
 DOC_RUN_DIR = "runs/my-run"
 

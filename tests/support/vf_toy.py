@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from beam_rl.processes import free_port
+from tests.support.paths import FIXTURES
 
-PACKAGE = Path(__file__).resolve().parent / "fixtures" / "vf_toy_mt"
+PACKAGE = FIXTURES / "vf_toy_mt"
 # The embedded server's answers, in turn: a tool call the proxy hands the harness as `tool_calls`, an answer.
 REPLIES = ['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 40}}</tool_call>', "It is 41."]
 

@@ -1,6 +1,6 @@
 """A vLLM scheduler for tests that freezes a request mid-generation until the server is resumed.
 
-Loaded by the real vLLM server of tests/test_real_vllm_updates.py (`--scheduler-cls vllm_hold.HoldingScheduler`,
+Loaded by the real vLLM server of tests/ecosystem/test_real_vllm_updates.py (`--scheduler-cls vllm_hold.HoldingScheduler`,
 this folder on its PYTHONPATH), in vLLM's own process: it imports vLLM, nothing of beam-rl. A request whose
 sampling parameters carry the extra arguments below is frozen once it has sampled `HOLD_AT` tokens: the
 scheduler pauses itself as vLLM's `/pause?mode=keep` does (PAUSED_ALL: nothing is scheduled, every request

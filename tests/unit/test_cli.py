@@ -8,8 +8,8 @@ import re
 
 import pytest
 from rich.console import Console
-from step_damage import FILE_DAMAGE, RECORD_DAMAGE
-from test_reader import batch
+from tests.support.step_damage import FILE_DAMAGE, RECORD_DAMAGE
+from tests.unit.trainer.test_reader import batch
 
 from beam_rl import cli
 from beam_rl.inference.inflight import UpdateTiming

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from beam_rl.config import ConfigError, RunConfig, config_from_dict, load_config
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 MINIMAL = '[[envs]]\nname = "arithmetic"\n'
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from beam_rl.config import config_from_dict
 from beam_rl.dispatch.concurrency import GoodputController, KvController, concurrency_controller
+from tests.support.paths import REPO
 
 
 class Fleet:
@@ -184,7 +185,7 @@ def test_the_dispatcher_holds_the_cap_its_controller_sets(tok, start_embedded):
     from beam_rl.inference.client import InferenceClient
     from beam_rl.inference.types import SamplingParams
     from beam_rl.standin.faults import FaultConfig
-    from tests.test_dispatch_embedded import group_requests
+    from tests.integration.test_dispatch_embedded import group_requests
 
     server = start_embedded(None, mode="instant", max_num_seqs=64, faults=FaultConfig(latency_s=0.05))
     env = make_env("reverse_text", tok)
@@ -282,13 +283,11 @@ def test_goodput_on_a_model_of_the_benchmarks_measured_curves_stays_near_the_bes
     0.96 to 0.98 of the best cap there (seeded: the same every run); a controller that let one lucky
     measurement move it would wander off the peak."""
     import json
-    from pathlib import Path
 
     from bench.throughput.concurrency import WORKLOADS, sweep
     from bench.throughput.concurrency_model import summary
 
-    results = Path(__file__).parents[1] / "bench" / "throughput" / "concurrency.json"
-    measured = json.loads(results.read_text())["workloads"]
+    measured = json.loads((REPO / "bench" / "throughput" / "concurrency.json").read_text())["workloads"]
     for name, result in measured.items():
         curve = sweep(result["results"])
         mean, p10 = summary(lambda: GoodputController(result["ceiling"]), curve, WORKLOADS[name], 20, 0.15)

@@ -24,8 +24,8 @@ from beam_rl.inference.client import InferenceBadResponse, InferenceCorruptRespo
 from beam_rl.inference.types import SamplingParams
 from beam_rl.scoring.rewards import RewardFailed, assign_rewards
 from beam_rl.types import Rollout, RolloutStatus, Turn
-from tests.test_client import serve
-from tests.test_dispatcher import SAMPLING, FakeEnv, Outbox, collect, groups
+from tests.unit.inference.test_client import serve
+from tests.unit.dispatch.test_dispatcher import SAMPLING, FakeEnv, Outbox, collect, groups
 
 pytestmark = pytest.mark.timeout(120)
 

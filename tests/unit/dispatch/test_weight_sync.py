@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,8 @@ from beam_rl.source import DispatchRange, RolloutSource, Shard, SourceSpec
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
 from beam_rl.trainer.checkpoint import publish_weights
-from tests.server_helpers import metrics
+from tests.support.server_helpers import metrics
+from tests.support.paths import REPO
 
 
 def _perturbed_model(seed: int):
@@ -155,6 +155,6 @@ def test_the_dispatch_worker_checks_a_checkpoint_without_importing_torch(tmp_pat
         "print('torch' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).parent.parent)
+                          cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "False"

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from beam_rl.envs.base import Completion, SamplingParams
+from tests.support.paths import REPO
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "environments.md"
+DOC = REPO / "docs" / "environments.md"
 ROW = {"word": "blue"}
 
 

@@ -29,8 +29,8 @@ from beam_rl.inference.client import InferenceTimeout
 from beam_rl.scoring.rewards import assign_rewards
 from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus, Turn
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "beam-rl-example-env"
 _names = itertools.count()
 

@@ -21,11 +21,12 @@ from beam_rl.envs.loop_local import close_loop_locals
 from beam_rl.envs.proxy import Endpoint, Episode, InferenceProxy, shared_proxy
 from beam_rl.inference.types import Completion
 from beam_rl.standin.faults import FaultConfig
-from tests.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.integration.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.support.paths import AGENTS
 
 pytestmark = pytest.mark.timeout(180)
 
-AGENT = Path(__file__).resolve().parent / "agents" / "two_turn_agent.py"
+AGENT = AGENTS / "two_turn_agent.py"
 ROWS = [{"prompt": f"Say something about the number {i}.", "answer": str(i), "max_tokens": 8} for i in range(4)]
 
 
@@ -323,7 +324,7 @@ def test_an_agent_trains_on_prism_and_the_rank_files_hold_the_tokens_it_sampled(
     from beam_rl.rundir import RunDir
     from beam_rl.standin.server import EmbeddedServer
     from beam_rl.job.rollouts import run_rollouts
-    from tests.run_checks import assert_rank_files_hold_the_windows_tokens
+    from tests.support.run_checks import assert_rank_files_hold_the_windows_tokens
 
     (dataset / "train.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(8)))
     config = config_from_dict({

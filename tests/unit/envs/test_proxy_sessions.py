@@ -16,7 +16,7 @@ from openai import AsyncOpenAI, PermissionDeniedError
 from beam_rl.envs import make_env
 from beam_rl.envs.base import SamplingParams
 from beam_rl.envs.proxy import ROLLOUT_HEADER, SECRET_HEADER, Episode, InferenceProxy
-from tests.test_proxy import ROWS, ScriptedClient, agent_env, dataset  # noqa: F401 (a fixture)
+from tests.unit.envs.test_proxy import ROWS, ScriptedClient, agent_env, dataset  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(180)
 

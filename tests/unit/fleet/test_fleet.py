@@ -1,7 +1,7 @@
 """A living fleet, below the pipeline: the servers file and `beam-rl servers`, DNS discovery against a
 nameserver the test runs on loopback, how servers are dealt to dispatch shards as the fleet changes, and
-the launcher's keeper refusing servers that cannot join (tests/test_dispatch_embedded.py drives joins and
-drains through the dispatcher; tests/test_faults.py through the whole pipeline)."""
+the launcher's keeper refusing servers that cannot join (tests/integration/test_dispatch_embedded.py drives joins and
+drains through the dispatcher; tests/pipeline/test_faults.py through the whole pipeline)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from beam_rl.fleet.dns_fleet import resolve_fleet
 from beam_rl.job.fleet_keeper import FleetKeeper, initial_fleet
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.failures import ServersNotReadyError
-from tests.dns_server import LoopbackDNS
+from tests.support.dns_server import LoopbackDNS
 
 pytestmark = pytest.mark.timeout(120)
 

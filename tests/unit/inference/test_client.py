@@ -745,7 +745,7 @@ def test_tails_read_after_a_continue_update_keep_the_version_that_sampled_them(m
     from beam_rl.standin.faults import FaultConfig
     from beam_rl.standin.server import EmbeddedServer
     from beam_rl.model.tiny import tiny_model_dir
-    from tests.server_helpers import served_versions
+    from tests.support.server_helpers import served_versions
 
     server = EmbeddedServer(tiny_model_dir(), faults=FaultConfig(step_delay_s=0.02))
     server.start()

@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from test_trainer import make_samples, write_step
+from tests.unit.trainer.test_reference import make_samples, write_step
 
 from beam_rl.config import LoraSection, TrainerSection, config_from_dict
 from beam_rl.inference.client import InferenceClient, InferenceError

@@ -7,7 +7,7 @@ import pytest
 
 from beam_rl.observe.figures import eval_figures, numeric_leaves, step_figures, trainer_figures
 from beam_rl.rundir import RunDir
-from observe_run import commit_step, window
+from tests.support.observe_run import commit_step, window
 
 
 def test_a_commit_record_gives_explicit_headline_names_and_flattened_rest(tmp_path):

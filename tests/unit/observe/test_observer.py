@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from beam_rl.observe import RunObserver
 from beam_rl.rundir import RunDir
-from observe_run import commit_step, grow, observe_config, status
+from tests.support.observe_run import commit_step, grow, observe_config, status
 
 
 def test_a_poll_reads_only_new_commit_records_new_metrics_lines_and_a_changed_status(tmp_path, monkeypatch):

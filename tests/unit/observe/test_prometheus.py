@@ -6,18 +6,17 @@ from __future__ import annotations
 import json
 import re
 import socket
-from pathlib import Path
 
 import httpx
 import pytest
-from observe_run import grow, observe_config, status
+from tests.support.observe_run import grow, observe_config, status
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.observe import RunObserver
 from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_cli import RED, coloured, run_cli
+from tests.unit.test_cli import RED, coloured, run_cli
 
 from beam_rl.model.location import tokenizer_for
 from beam_rl.config import config_from_dict

@@ -8,7 +8,7 @@ import re
 import matplotlib.image
 import numpy as np
 import pytest
-from test_cli import RED, coloured, run_cli
+from tests.unit.test_cli import RED, coloured, run_cli
 
 from beam_rl.observe.timeline import (
     StepRangeError,

@@ -18,9 +18,9 @@ from beam_rl.observe.tensorboard_tracker import logged_steps as tensorboard_logg
 from beam_rl.observe.wandb_history import history_rows, records, run_logs
 from beam_rl.observe.wandb_tracker import RUN_ID_FILE
 from beam_rl.rundir import RunDir
-from observe_run import commit_step, grow, observe_config
+from tests.support.observe_run import commit_step, grow, observe_config
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 BOTH = {"wandb": {"mode": "offline", "project": "beam-rl-test"}, "tensorboard": {"enabled": True}}
 WANDB_VARIABLES = ("WANDB_SILENT", "WANDB_ERROR_REPORTING", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR",
                    "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR")
@@ -128,7 +128,7 @@ CRASHING_OBSERVER = """
 import os, signal, sys
 from beam_rl.observe import RunObserver
 from beam_rl.observe.tensorboard_tracker import TensorBoardTracker
-from observe_run import grow, observe_config, RunDir
+from tests.support.observe_run import grow, observe_config, RunDir
 
 run = RunDir(sys.argv[1])
 grow(run, range(int(sys.argv[2]), int(sys.argv[3]) + 1))
@@ -148,7 +148,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # logged, and nothing closed: W&B's buffer
 def crash_observer(run: RunDir, first: int, last: int, when: str, home: Path) -> None:
     """Grow the run by steps first..last and follow it in a process that is killed mid-run."""
     script = CRASHING_OBSERVER.replace("{BOTH!r}", repr(BOTH))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(run.path), str(first), str(last), when],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr
@@ -223,14 +223,14 @@ def test_without_trackers_the_observer_never_imports_them(tmp_path):
     script = textwrap.dedent("""
         import sys
         from beam_rl.observe import RunObserver
-        from observe_run import observe_config, RunDir
+        from tests.support.observe_run import observe_config, RunDir
         observer = RunObserver(RunDir(sys.argv[1]), observe_config())
         observer.poll()
         assert observer.snapshot.steps_committed == 1 and observer.trackers == []
         observer.close()
         print(sorted(m for m in sys.modules if m.split(".")[0] in ("wandb", "tensorboard", "torch")))
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-c", script, str(run.path)], env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
@@ -244,7 +244,7 @@ calls = []
 atexit.register(lambda: print([call for call in calls if call[1] not in ("127.0.0.1", "::1", "localhost")]))
 
 from beam_rl.observe import RunObserver
-from observe_run import observe_config, RunDir
+from tests.support.observe_run import observe_config, RunDir
 
 def audit(event, args):
     if event in ("socket.connect", "socket.sendto") and isinstance(args[1], tuple):
@@ -264,7 +264,7 @@ def test_offline_wandb_makes_no_network_call(tmp_path, home):
     run = RunDir(tmp_path / "run")
     grow(run, range(1, 3))
     env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    env["PYTHONPATH"] = str(REPO)
     result = subprocess.run([sys.executable, "-c", NETWORK_AUDIT, str(run.path)], env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr

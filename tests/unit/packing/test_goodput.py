@@ -1,4 +1,4 @@
-"""Goodput from a window's tokens by fate (the counting itself: tests/test_sink.py)."""
+"""Goodput from a window's tokens by fate (the counting itself: tests/unit/packing/test_batches.py)."""
 
 from __future__ import annotations
 

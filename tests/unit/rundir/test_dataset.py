@@ -1,6 +1,6 @@
 """A run directory opens in the tools people read data with: pyarrow.dataset, polars and duckdb through
 `RunDir.dataset`, as docs/trainer-api.md shows them (Hugging Face `datasets` is not in the project's venv:
-tests/test_wheel.py runs its snippet in a fresh install). Only committed steps surface.
+tests/ecosystem/test_wheel.py runs its snippet in a fresh install). Only committed steps surface.
 
 The run: tests/fixtures/run-beam-2.62 (steps 1-2 committed by the 2.62 release, schema version 2), resumed
 as this beam-rl resumes it: step 3 written by this writer (schema version 3), step 4 caught mid-write."""
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -18,10 +17,11 @@ import pytest
 from beam_rl.rundir import RunDir, StepCorruptError
 from beam_rl.rundir.arrow import table_to_micro_batches, table_to_records
 from beam_rl.types import TrainBatch
-from read_run import read
-from step_damage import FILE_DAMAGE
+from tests.support.read_run import read
+from tests.support.step_damage import FILE_DAMAGE
+from tests.support.paths import FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "run-beam-2.62"
+FIXTURE = FIXTURES / "run-beam-2.62"
 
 
 @pytest.fixture

@@ -29,8 +29,7 @@ from beam_rl.rundir import (
 )
 from beam_rl.types import MicroBatch, Rollout, Sample, TrainBatch
 from schemas.commit_record import RECORD_VERSION, StepCounts, WindowStats, checksum
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO
 
 
 def sample(n: int, trained: int, rollout_id: str, group_id: str) -> Sample:
@@ -171,8 +170,8 @@ def test_killed_writer_leaves_an_uncommitted_step_that_clean_uncommitted_removes
     # A real crash: a child process writes step 1, then dies (os._exit, no cleanup) while committing step 2.
     script = textwrap.dedent(f"""
         import os, sys
-        sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_rundir import batch
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.unit.rundir.test_rundir import batch
         from beam_rl import rundir
         run = rundir.RunDir({str(tmp_path)!r})
         run.write_step(batch(1))

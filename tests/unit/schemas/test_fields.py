@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pyarrow as pa
 
@@ -23,8 +22,7 @@ from schemas.fields import (
     TURN_FIELDS,
     TURNS_TYPE,
 )
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO
 
 
 def test_the_file_schemas_are_the_declarations():

@@ -8,7 +8,6 @@ import logging
 import re
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,8 +21,8 @@ from beam_rl.standin.faults import FaultInjector
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus, Turn
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SECRET = "sk-judge-7f3a9c-never-print-me"
 
 

@@ -19,7 +19,7 @@ from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
 from beam_rl.source.curriculum import Curriculum
 from beam_rl.source.schedule import EnvSchedule, PromptSchedule
-from tests.run_checks import assert_each_group_and_offset_once, kill_after_step
+from tests.support.run_checks import assert_each_group_and_offset_once, kill_after_step
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -20,7 +20,7 @@ from beam_rl.source.mixing import EnvMix, EnvTarget, trained_by_env
 from beam_rl.source.schedule import EnvSchedule, PromptSchedule
 from bench.learning.mixing import mixed_config
 from schemas.commit_record import CommitRecord
-from tests.run_checks import assert_each_group_and_offset_once, kill_after_step
+from tests.support.run_checks import assert_each_group_and_offset_once, kill_after_step
 
 pytestmark = pytest.mark.timeout(600)
 

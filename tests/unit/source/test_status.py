@@ -2,7 +2,7 @@
 status files, merged over shards and shown live; the progress watch's two rules at their defaults; the
 config checked against the model's context; and the CLI's seams (one argument shape for `run` and
 `rollouts`, help for every option, agent errors naming the agent). The whole run that stops and resumes is
-in tests/test_user_failures.py."""
+in tests/pipeline/test_user_failures.py."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
-from observe_run import observe_config
+from tests.support.observe_run import observe_config
 from rich.console import Console
-from test_observe_prometheus import scrape, value
+from tests.unit.observe.test_prometheus import scrape, value
 
 from beam_rl import cli
 from beam_rl.job.preflight import check_servers, model_problems, refuse

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from server_helpers import sse_data
+from tests.support.server_helpers import sse_data
 from tokenizers.decoders import DecodeStream
 
 from beam_rl.standin.generator import ChoiceResult, GenerationParams

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_trainer import completion_logprob_sum, make_samples, weights_of, write_step
+from tests.unit.trainer.test_reference import completion_logprob_sum, make_samples, weights_of, write_step
 
 from beam_rl.config import LoraSection, TrainerSection
 from beam_rl.rundir import RunDir

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from step_damage import FILE_DAMAGE, RECORD_DAMAGE, truncate
+from tests.support.step_damage import FILE_DAMAGE, RECORD_DAMAGE, truncate
 
 from beam_rl.rundir import CommitRecordError, RunDir, StepCorruptError, StepNotCommittedError
 from beam_rl.rundir.arrow import samples_to_table

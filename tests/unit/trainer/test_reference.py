@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from step_damage import FILE_DAMAGE, RECORD_DAMAGE
+from tests.support.step_damage import FILE_DAMAGE, RECORD_DAMAGE
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from beam_rl.config import TrainerSection
