@@ -1,5 +1,6 @@
 """The in-flight cap chosen as the run goes (beam_rl/dispatch/concurrency.py): goodput hill-climbing on a
-modelled fleet whose trained rate peaks at some cap and moves, KV AIMD, and the dispatcher holding the cap."""
+modelled fleet whose trained rate peaks at some cap and moves, KV AIMD, and the dispatcher holding the cap
+(the controller against simulated engines and the benchmark's workloads: tests/integration/test_goodput.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import pytest
 
 from beam_rl.config import config_from_dict
 from beam_rl.dispatch.concurrency import GoodputController, KvController, concurrency_controller
-from tests.support.paths import REPO
 
 
 class Fleet:
@@ -210,33 +210,6 @@ def test_the_dispatcher_holds_the_cap_its_controller_sets(tok, start_embedded):
     assert max(n for done, n in seen if done >= 24) <= 2
 
 
-def test_goodput_mode_from_the_config_slow_starts_the_shards_dispatcher(start_embedded):
-    """dispatch.concurrency.mode = "goodput" through wiring.dispatcher_thread (what a shard runs): the
-    cap starts at dispatch.concurrency.start and grows while the trained rate rises, against a simulated
-    engine with slots to spare (how far it grows depends on when this machine's CPU, not the engine,
-    stops the rate from rising)."""
-    from beam_rl import wiring
-    from beam_rl.standin.simulated import SimulatedParams
-
-    server = start_embedded(None, mode="simulated", max_num_seqs=256, served_model_name="tiny",
-                            simulated=SimulatedParams(time_scale=0.2, length_median=16))
-    config = config_from_dict({"envs": [{"name": "reverse_text", "group_size": 4}],
-                               "inference": {"urls": [server.url], "max_inflight": 64, "max_tokens": 32},
-                               "dispatch": {"concurrency": {"mode": "goodput", "start": 8}}})
-    envs = wiring.build_envs(config)
-    schedule = wiring.build_schedule(config, envs)
-    caps = []
-    with wiring.dispatcher_thread(config, [server.url], envs, lambda: 0) as thread:
-        thread.add_groups([schedule.group(p) for p in range(len(schedule))][:200])
-        done = 0
-        while done < 600:
-            done += len(thread.poll(0.05))
-            caps.append(thread.counters()["inflight_cap"])
-    assert caps[0] == 8 and max(caps) >= 12, sorted(set(caps))  # grown by half at least once
-    assert max(caps) <= 64
-    print("caps seen:", sorted(set(caps)))
-
-
 def test_a_restarted_controller_starts_where_the_committed_windows_show_the_cap_was():
     """committed_concurrency: the most rollouts in flight at once on the shard's servers, from the committed
     windows' t_sent and t_finished (a finish and a start at one instant do not overlap)."""
@@ -254,41 +227,3 @@ def test_a_restarted_controller_starts_where_the_committed_windows_show_the_cap_
     assert committed_concurrency([second], {b}) is None
     controller = concurrency_controller("goodput", 64, start=committed_concurrency([first], {a}))
     assert controller.cap == 3
-
-
-def test_goodput_against_the_simulated_engine_holds_a_cap_near_the_best_fixed_cap(tmp_path):
-    """bench/throughput/concurrency.py --size small: one simulated server of 256 slots whose KV cache holds ~90 of the
-    workload's sequences (beyond, it preempts and work goes stale), a policy step every 1.2 s. Told nothing,
-    goodput starts at half the ceiling (128); in its second half (slow start behind it) it trains near the
-    best of a sweep of fixed caps and holds a cap within a factor of 2 of the best one, well below the
-    ceiling. Ratios within one run: 0.976 and 0.964 of the best fixed cap (128) in two runs here, holding 124, so 0.75
-    leaves room for a shared machine."""
-    from bench.throughput.concurrency import SIZES, run_workload, sweep
-
-    weights = tmp_path / "weights"
-    weights.mkdir()
-    (weights / "model.safetensors").write_bytes(b"")
-    out = run_workload("kv_bound", SIZES["small"], ["fixed-64", "fixed-128", "fixed-256", "goodput"], weights)
-    results = out["results"]
-    fixed = sweep(results)
-    best = max(fixed, key=fixed.__getitem__)
-    goodput = results["goodput"]
-    assert goodput["trained_tokens_per_s_second_half"] >= 0.75 * fixed[best], (fixed, goodput)
-    assert best / 2 <= goodput["cap_second_half_mean"] <= min(2 * best, 0.8 * 256), (fixed, goodput)
-
-
-def test_goodput_on_a_model_of_the_benchmarks_measured_curves_stays_near_the_best_cap():
-    """bench/throughput/concurrency_model.py: the benchmark's measured sweeps (bench/throughput/concurrency.json),
-    each policy step's rate drawn with the spread of one real measurement. Over 180 s including its start, the controller trains
-    0.96 to 0.98 of the best cap there (seeded: the same every run); a controller that let one lucky
-    measurement move it would wander off the peak."""
-    import json
-
-    from bench.throughput.concurrency import WORKLOADS, sweep
-    from bench.throughput.concurrency_model import summary
-
-    measured = json.loads((REPO / "bench" / "throughput" / "concurrency.json").read_text())["workloads"]
-    for name, result in measured.items():
-        curve = sweep(result["results"])
-        mean, p10 = summary(lambda: GoodputController(result["ceiling"]), curve, WORKLOADS[name], 20, 0.15)
-        assert mean >= 0.95 and p10 >= 0.9, (name, mean, p10)

@@ -23,6 +23,7 @@ from beam_rl.envs.reverse_text import ReverseText, similarity
 from beam_rl.envs.tool_use import ToolArithmetic
 from beam_rl.envs.verifiers_env import Verifiers
 from beam_rl.types import Turn
+from tests.support.fakes import ScriptedClient
 
 ROW = {"secret": 7, "low": 1, "high": 10}
 QUESTION = "Guess my secret integer between 1 and 10. Reply with one number."
@@ -30,26 +31,6 @@ QUESTION = "Guess my secret integer between 1 and 10. Reply with one number."
 
 def ids(tok: Any, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
-
-
-class ScriptedClient:
-    """Returns scripted completions in order; records each call as (prompt_ids, sampling, n).
-
-    The prompt list is recorded as passed (not copied), so an environment that mutates a list after
-    handing it over shows up as a changed recorded prompt.
-    """
-
-    def __init__(self, *responses: list[Completion]) -> None:
-        self.responses = list(responses)
-        self.calls: list[tuple[list[int], SamplingParams, int]] = []
-
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
-        self.calls.append((prompt_ids, sampling, n))
-        return self.responses.pop(0)
-
-    @property
-    def prompts(self) -> list[list[int]]:
-        return [call[0] for call in self.calls]
 
 
 def answer(tok: Any, text: str) -> Trajectory:
@@ -273,7 +254,7 @@ def test_reward_reads_the_completion_only_up_to_eos(tok: Any) -> None:
     env = make_env("reverse_text", tok)
     token_ids = ids(tok, "olleh") + [tok.eos_token_id] + ids(tok, "junk after the end")
     assert env.decode(token_ids) == "olleh"
-    client = ScriptedClient([Completion(token_ids, [-0.1] * len(token_ids), "stop")])
+    client = ScriptedClient(tok, [Completion(token_ids, [-0.1] * len(token_ids), "stop")])
     trajectory = asyncio.run(env.run(client, {"text": "hello"}, [1, 2, 3], SamplingParams()))
     assert env.reward({"text": "hello"}, trajectory) == 1.0
     assert trajectory.turns[0].completion_ids == token_ids  # the trajectory keeps every id as returned
@@ -284,7 +265,7 @@ def test_run_group_asks_for_n_choices_in_one_request(tok: Any) -> None:
     row = {"question": "3 + 4", "answer": "7"}
     prompt_ids = env.render_prompt(row)
     texts = ["7", "6", "hmm", "7 or 8"]
-    client = ScriptedClient([completion(tok, t) for t in texts])
+    client = ScriptedClient(tok, [completion(tok, t) for t in texts])
     sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
     trajectories = asyncio.run(env.run_group(client, row, prompt_ids, sampling, n=4))
     assert client.calls == [(prompt_ids, sampling, 4)]
@@ -311,7 +292,7 @@ def test_game_reward_scales_down_by_turns(tok: Any) -> None:
 
 
 def play(tok: Any, env: GuessNumber, *responses: Completion, sampling: SamplingParams | None = None):
-    client = ScriptedClient(*([r] for r in responses))
+    client = ScriptedClient(tok, *([r] for r in responses))
     prompt_ids = env.render_prompt(ROW)
     trajectory = asyncio.run(env.run(client, ROW, prompt_ids, sampling or SamplingParams(max_tokens=8)))
     return trajectory, client, prompt_ids
@@ -412,7 +393,7 @@ def test_max_context_stops_the_game_and_caps_max_tokens(tok: Any) -> None:
 def test_multi_turn_game_cannot_run_as_a_group(tok: Any) -> None:
     env = make_env("guess_number", tok)
     with pytest.raises(NotImplementedError):
-        asyncio.run(env.run_group(ScriptedClient(), ROW, env.render_prompt(ROW), SamplingParams(), n=2))
+        asyncio.run(env.run_group(ScriptedClient(tok), ROW, env.render_prompt(ROW), SamplingParams(), n=2))
 
 
 def test_guess_number_needs_chatml_markers() -> None:
@@ -421,7 +402,6 @@ def test_guess_number_needs_chatml_markers() -> None:
     plain = PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="[UNK]")
     with pytest.raises(ValueError, match="needs a ChatML tokenizer"):
         GuessNumber(plain)
-
 
 
 def test_reward_cpu_ms_spends_that_much_cpu_per_reward(tok: Any) -> None:

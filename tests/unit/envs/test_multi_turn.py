@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from beam_rl.envs.base import Completion, SamplingParams
+from beam_rl.envs.base import SamplingParams
+from tests.support.fakes import ScriptedClient
 from tests.support.paths import REPO
 
 DOC = REPO / "docs" / "environments.md"
@@ -24,23 +25,6 @@ def say_the_word() -> type:
     namespace: dict[str, Any] = {}
     exec(compile(code, str(DOC), "exec"), namespace)
     return namespace["SayTheWord"]
-
-
-class ScriptedClient:
-    """Answers each request with the next scripted text (EOS appended unless cut); records the prompts."""
-
-    def __init__(self, tok: Any, *texts: str | tuple[str, bool]) -> None:
-        self.tok = tok
-        self.texts = list(texts)
-        self.prompts: list[list[int]] = []
-        self.samplings: list[SamplingParams] = []
-
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
-        self.prompts.append(prompt_ids)
-        self.samplings.append(sampling)
-        text, stopped = (self.texts.pop(0), True) if isinstance(self.texts[0], str) else self.texts.pop(0)
-        ids = self.tok.encode(text, add_special_tokens=False) + ([self.tok.eos_token_id] if stopped else [])
-        return [Completion(ids, [-0.5] * len(ids), "stop" if stopped else "length")]
 
 
 def play(env: Any, client: ScriptedClient, sampling: SamplingParams | None = None):

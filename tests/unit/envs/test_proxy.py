@@ -19,9 +19,9 @@ from beam_rl.envs.agent import BlackBoxAgent
 from beam_rl.envs.base import SamplingParams, Trajectory, chat_prompt_ids
 from beam_rl.envs.loop_local import close_loop_locals
 from beam_rl.envs.proxy import Endpoint, Episode, InferenceProxy, shared_proxy
-from beam_rl.inference.types import Completion
 from beam_rl.standin.faults import FaultConfig
 from tests.integration.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.support.fakes import ScriptedClient
 from tests.support.paths import AGENTS
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,21 +38,6 @@ def dataset(tmp_path: Path) -> Path:
 
 def agent_env(tok: Any, dataset: Path, **kwargs: Any) -> BlackBoxAgent:
     return make_env("agent", tok, command=[sys.executable, str(AGENT)], dataset=str(dataset), **kwargs)
-
-
-class ScriptedClient:
-    """A CompletionClient answering each call with the next scripted text (EOS appended) at version 7,
-    recording the context and sampling of every call."""
-
-    def __init__(self, tok: Any, texts: list[str]) -> None:
-        self.tok = tok
-        self.texts = list(texts)
-        self.calls: list[tuple[list[int], SamplingParams]] = []
-
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
-        self.calls.append((prompt_ids, sampling))
-        ids = self.tok.encode(self.texts.pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
-        return [Completion(ids, [-0.5] * len(ids), "stop", [7] * len(ids))]
 
 
 def run_episode(env: BlackBoxAgent, client: ScriptedClient, calls, sampling: SamplingParams | None = None) -> Episode:
@@ -76,7 +61,7 @@ def run_episode(env: BlackBoxAgent, client: ScriptedClient, calls, sampling: Sam
 def test_a_chat_through_the_proxy_trains_the_sampled_ids_and_the_templates_ids_of_what_the_program_added(
         tok, dataset, stream):
     env = agent_env(tok, dataset)
-    client = ScriptedClient(tok, ["  spaced  text ", "second"])
+    client = ScriptedClient(tok, "  spaced  text ", "second", version=7)
     first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     tool = {"role": "tool", "name": "count", "content": "42"}
     seen: list[str] = []
@@ -96,7 +81,7 @@ def test_a_chat_through_the_proxy_trains_the_sampled_ids_and_the_templates_ids_o
 
     episode = run_episode(env, client, calls)
     prompt = chat_prompt_ids(tok, first)
-    (first_context, first_sampling), (second_context, second_sampling) = client.calls
+    (first_context, first_sampling, _), (second_context, second_sampling, _) = client.calls
     turns = episode.turns
     assert seen == [env.decode(t.completion_ids) for t in turns] == ["  spaced  text ", "second"]
     assert episode.prompt_ids == prompt == first_context and turns[0].env_ids == []
@@ -114,7 +99,7 @@ def test_a_chat_through_the_proxy_trains_the_sampled_ids_and_the_templates_ids_o
 
 def test_calls_that_do_not_extend_the_conversation_or_exceed_its_bounds_are_refused_with_the_reason(tok, dataset):
     env = agent_env(tok, dataset, max_turns=2)
-    client = ScriptedClient(tok, ["one", "two"])
+    client = ScriptedClient(tok, "one", "two", version=7)
     user = {"role": "user", "content": "Hi"}
     errors: list[tuple[int, str]] = []
 
@@ -164,7 +149,7 @@ def test_the_token_routes_take_ids_that_extend_the_context_and_text_prompts_toke
             results["bad"] = (await http.post(root + "/inference/v1/generate",
                                               json={"token_ids": [5, 6, 8, 1], "sampling_params": {}})).status_code
 
-    client = ScriptedClient(tok, ["a", "b"])
+    client = ScriptedClient(tok, "a", "b", version=7)
     episode = run_episode(env, client, token_calls)
     assert client.calls[0][0] == [5, 6, 7] and client.calls[0][1].max_tokens == 4
     assert client.calls[1][0] == [5, 6, 7, *episode.turns[0].completion_ids, 9]
@@ -177,7 +162,7 @@ def test_the_token_routes_take_ids_that_extend_the_context_and_text_prompts_toke
         results["text"] = await openai.completions.create(
             model="m", prompt="Q: 2+2?\nA:" + first.choices[0].text + "\nQ: why?\nA:")
 
-    client = ScriptedClient(tok, [" 4", " because"])
+    client = ScriptedClient(tok, " 4", " because", version=7)
     episode = run_episode(env, client, text_calls)
     assert client.calls[0][0] == tok.encode("Q: 2+2?\nA:", add_special_tokens=False)
     assert episode.turns[1].env_ids == tok.encode("\nQ: why?\nA:", add_special_tokens=False)
@@ -187,7 +172,7 @@ def test_the_token_routes_take_ids_that_extend_the_context_and_text_prompts_toke
 
 def test_one_client_serves_many_rollouts_with_the_rollout_named_in_a_header(tok, dataset):
     env = agent_env(tok, dataset)
-    clients = [ScriptedClient(tok, ["first"]), ScriptedClient(tok, ["second"])]
+    clients = [ScriptedClient(tok, "first", version=7), ScriptedClient(tok, "second", version=7)]
 
     async def main() -> list[Episode]:
         proxy = InferenceProxy()
@@ -298,7 +283,7 @@ def test_an_agent_that_fails_times_out_or_never_calls_the_model_errors_its_rollo
         "sleeps": "import time; time.sleep(30)",
         "silent": "print('{\"reward\": 1}')",
     }
-    client = ScriptedClient(tok, [])
+    client = ScriptedClient(tok, version=7)
     messages = {}
     for name, code in scripts.items():
         script = tmp_path / f"{name}.py"
@@ -314,34 +299,3 @@ def test_an_agent_that_fails_times_out_or_never_calls_the_model_errors_its_rollo
         make_env("agent", tok, command="/no/such/agent --flag", dataset=str(dataset))
     with pytest.raises(ValueError, match="needs `dataset`"):
         make_env("agent", tok, command=[sys.executable])
-
-
-def test_an_agent_trains_on_prism_and_the_rank_files_hold_the_tokens_it_sampled(tok, tmp_path, dataset):
-    """The black-box agent in the rollout pipeline (Prism; its LOOPBACK worker runs the dispatcher here):
-    each sample of the rank files is the agent's first prompt, its completions and the tool message's
-    template ids between them, and only the completions are trained."""
-    from beam_rl.config import config_from_dict
-    from beam_rl.rundir import RunDir
-    from beam_rl.standin.server import EmbeddedServer
-    from beam_rl.job.rollouts import run_rollouts
-    from tests.support.run_checks import assert_rank_files_hold_the_windows_tokens
-
-    (dataset / "train.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(8)))
-    config = config_from_dict({
-        "run": {"dir": str(tmp_path / "run"), "max_steps": 100},
-        "envs": [{"name": "agent", "group_size": 2, "max_turns": 2, "mode": "rollout",
-                  "args": {"command": [sys.executable, str(AGENT)], "dataset": str(dataset)}}],
-        "batch": {"rollouts_per_step": 4},
-        "filters": {"zero_advantage": {"mode": "monitor"}},
-        "inference": {"max_tokens": 8, "max_inflight": 8},
-        "runner": {"name": "direct"},
-    })
-    server = EmbeddedServer(mode="instant", served_model_name="tiny", max_num_seqs=16)
-    try:
-        run_rollouts(config, [server.start()], with_trainer=False)
-    finally:
-        server.stop()
-
-    rollouts = assert_rank_files_hold_the_windows_tokens(RunDir(tmp_path / "run"))
-    assert len(rollouts) == 16
-    assert all(len(r["turns"]) == 2 and r["turns"][1]["env_ids"] for r in rollouts)  # the tool message between

@@ -16,7 +16,8 @@ from openai import AsyncOpenAI, PermissionDeniedError
 from beam_rl.envs import make_env
 from beam_rl.envs.base import SamplingParams
 from beam_rl.envs.proxy import ROLLOUT_HEADER, SECRET_HEADER, Episode, InferenceProxy
-from tests.unit.envs.test_proxy import ROWS, ScriptedClient, agent_env, dataset  # noqa: F401 (a fixture)
+from tests.support.fakes import ScriptedClient
+from tests.unit.envs.test_proxy import ROWS, agent_env, dataset  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,7 +26,7 @@ USER = [{"role": "user", "content": "Hi"}]
 
 def test_a_rollouts_endpoint_answers_only_its_own_secret(tok, dataset):  # noqa: F811
     env = agent_env(tok, dataset)
-    mine, theirs = ScriptedClient(tok, ["mine"]), ScriptedClient(tok, ["theirs"])
+    mine, theirs = ScriptedClient(tok, "mine", version=7), ScriptedClient(tok, "theirs", version=7)
     refused: dict[str, tuple[int, str]] = {}
 
     async def main() -> list[Episode]:
@@ -86,7 +87,7 @@ def test_each_agent_program_gets_its_own_rollouts_secret_as_its_api_key(tok, tmp
     env = make_env("agent", tok, command=[sys.executable, str(script)], dataset=str(dataset))
 
     async def main() -> list[Any]:
-        clients = [ScriptedClient(tok, ["one"]), ScriptedClient(tok, ["two"])]
+        clients = [ScriptedClient(tok, "one", version=7), ScriptedClient(tok, "two", version=7)]
         return await asyncio.gather(*(env.run(c, ROWS[0], env.render_prompt(ROWS[0]), SamplingParams())
                                       for c in clients))
 

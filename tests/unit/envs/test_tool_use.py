@@ -15,30 +15,16 @@ import pytest
 from beam_rl import wiring
 from beam_rl.config import config_from_dict
 from beam_rl.envs import make_env
-from beam_rl.envs.base import Completion, SamplingParams, chat_prompt_ids
+from beam_rl.envs.base import SamplingParams, chat_prompt_ids
 from beam_rl.envs.tool_use import ChatTemplateError, ToolArithmetic, last_integer, tool_messages
 from beam_rl.envs.tools import BadToolCall, Calculator, PythonTool, ToolCall, ToolError, evaluate, parse_tool_calls
 from beam_rl.scoring.samples import trace_to_samples
 from beam_rl.model.tokenizer import load_tokenizer, save_tokenizer
 from beam_rl.types import Rollout
+from tests.support.fakes import ScriptedClient
 
 ROW = {"question": "287717 * 87453", "answer": "25161714801"}
 CALC = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "287717 * 87453"}}\n</tool_call>'
-
-
-class ScriptedClient:
-    """Answers each request with the next scripted text (tokenized, EOS appended unless cut)."""
-
-    def __init__(self, tok: Any, *texts: str | tuple[str, bool]) -> None:
-        self.tok = tok
-        self.texts = list(texts)
-        self.prompts: list[list[int]] = []
-
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
-        self.prompts.append(prompt_ids)
-        text, stopped = (self.texts.pop(0), True) if isinstance(self.texts[0], str) else self.texts.pop(0)
-        ids = self.tok.encode(text, add_special_tokens=False) + ([self.tok.eos_token_id] if stopped else [])
-        return [Completion(ids, [-0.5] * len(ids), "stop" if stopped else "length")]
 
 
 def play(env: ToolArithmetic, client: ScriptedClient, row: dict[str, Any] = ROW):
@@ -153,7 +139,7 @@ def test_context_bound_ends_the_episode(tok: Any) -> None:
     client = ScriptedClient(tok, CALC, "25161714801")
     trajectory = asyncio.run(env.run(client, ROW, prompt, SamplingParams(max_tokens=64)))
     assert len(trajectory.turns) == 1 and len(client.prompts) == 1 and not trajectory.info["answered"]
-    assert client.texts == ["25161714801"]
+    assert client.replies == ["25161714801"]  # the second reply never asked for
 
 
 def test_tool_output_is_context_never_trained_on(tok: Any) -> None:

@@ -17,40 +17,10 @@ from beam_rl.scoring.filters import ZeroAdvantageFilter
 from beam_rl.scoring.group import score_group
 from beam_rl.source import EndOfInput
 from beam_rl.types import Rollout, Turn
+from tests.support.fakes import StateBag, StateValue
 from transforms.pack import _PackFn
 
 GROUP_SIZE, GROUPS = 4, 9
-
-
-class _Value:
-    """A ReadModifyWrite state that stores bytes, as a runner does."""
-
-    def __init__(self) -> None:
-        self.raw: bytes | None = None
-        self.writes: list[int] = []
-
-    def read(self):
-        return None if self.raw is None else pickle.loads(self.raw)
-
-    def write(self, value) -> None:
-        self.raw = pickle.dumps(value)
-        self.writes.append(len(self.raw))
-
-
-class _Bag:
-    def __init__(self) -> None:
-        self.items: list[bytes] = []
-        self.added = 0
-
-    def read(self):
-        return [pickle.loads(item) for item in self.items]
-
-    def add(self, value) -> None:
-        self.items.append(pickle.dumps(value))
-        self.added += 1
-
-    def clear(self) -> None:
-        self.items = []
 
 
 def _scored(index: int, version: int):
@@ -82,7 +52,7 @@ def _packer(run_dir, shards: int = 1, **config) -> _PackFn:
 
 def _pack(tmp_path, chunks: tuple[int, ...] = (1,)):
     """Feed the groups in elements of `chunks[i % len(chunks)]` groups each, as the runner would."""
-    fn, state, pending, out = _packer(tmp_path), _Value(), _Bag(), []
+    fn, state, pending, out = _packer(tmp_path), StateValue(), StateBag(), []
     items, i = _elements(), 0
     while items:
         size = chunks[i % len(chunks)]
@@ -120,7 +90,7 @@ def test_a_packer_read_back_from_beam_state_cuts_what_one_kept_in_memory_cuts(tm
 
 
 def test_groups_of_one_element_are_packed_oldest_token_first(tmp_path):
-    fn, state, pending = _packer(tmp_path), _Value(), _Bag()
+    fn, state, pending = _packer(tmp_path), StateValue(), StateBag()
     for element in ([_scored(0, 0), _scored(1, 0)], [_scored(2, 1), _scored(3, 1)]):
         list(fn.process(("packer", element), state=state, pending=pending))  # steps 1 and 2
     # Step 3 takes tokens of version 1 or later, step 4 of version 2 or later. g6 (version 1) arrives
@@ -143,7 +113,7 @@ def test_each_pending_group_is_stored_once_and_the_value_holds_none_of_its_token
 
 
 def test_a_group_with_nothing_to_train_is_stored_once_and_its_tokens_reach_the_window(tmp_path):
-    fn, state, pending = _packer(tmp_path), _Value(), _Bag()
+    fn, state, pending = _packer(tmp_path), StateValue(), StateBag()
     same = [Rollout("flat", "reverse_text", a, GROUP_SIZE, prompt_ids=[1, 2], reward=1.0,
                     turns=[Turn([7] * 200, [-0.5] * 200, "stop")]) for a in range(GROUP_SIZE)]
     flat = score_group(same, get_algorithm("grpo"), [ZeroAdvantageFilter(mode="enforce")], temperature=1.0)
@@ -177,7 +147,7 @@ def test_a_packer_restored_from_an_older_checkpoint_skips_what_was_committed_sin
             record.index = i
     writer = _WriteStepFn(str(tmp_path))
     writer.setup()
-    fn, state, pending = _PackFn(config, 1, False, str(tmp_path)), _Value(), _Bag()
+    fn, state, pending = _PackFn(config, 1, False, str(tmp_path)), StateValue(), StateBag()
     fn.setup()
 
     def feed(group):
@@ -195,7 +165,7 @@ def test_a_packer_restored_from_an_older_checkpoint_skips_what_was_committed_sin
 
 
 def test_the_last_batch_waits_for_every_shards_end_of_input_and_every_group_it_announced(tmp_path):
-    fn, state, pending = _packer(tmp_path, shards=2), _Value(), _Bag()
+    fn, state, pending = _packer(tmp_path, shards=2), StateValue(), StateBag()
     groups = [_scored(i, 0) for i in range(3)]
 
     def feed(*items):
