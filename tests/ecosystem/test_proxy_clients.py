@@ -19,7 +19,7 @@ from beam_rl.cache import cache_root
 from beam_rl.envs import make_env
 from beam_rl.envs.proxy import RESPONSES_REFUSED
 from beam_rl.standin.faults import FaultConfig
-from tests.integration.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.support.dispatching import dispatcher_thread, group_requests, run_groups
 from tests.unit.envs.test_proxy import dataset, start_server  # noqa: F401 (fixtures)
 from tests.support.paths import AGENTS
 

@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
-from tests.ecosystem.test_real_vllm import TEMPERATURE, VllmServer, pytestmark  # noqa: F401 (skipped without vLLM)
-from tests.unit.trainer.test_reference import make_samples, write_step
 
 from beam_rl.config import LoraSection, TrainerSection, config_from_dict
 from beam_rl.inference.client import InferenceClient
@@ -22,6 +20,8 @@ from beam_rl.rundir import RunDir
 from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
 from beam_rl.trainer.reference import run_trainer, with_lora
 from beam_rl.job.run import run_job
+from tests.ecosystem.test_real_vllm import TEMPERATURE, VllmServer, pytestmark  # noqa: F401 (skipped without vLLM)
+from tests.support.train_steps import make_samples, write_step
 
 LORA = LoraSection(rank=8, alpha=16)
 PROMPT = [5, 6, 7, 8, 9]

@@ -21,7 +21,7 @@ from beam_rl.envs import make_env
 from beam_rl.processes import free_port
 from beam_rl.standin.faults import FaultConfig
 from beam_rl.standin.simulated import SimulatedParams
-from tests.integration.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.support.dispatching import dispatcher_thread, group_requests, run_groups
 from tests.support.paths import FIXTURES
 
 pytestmark = pytest.mark.timeout(600)

@@ -13,11 +13,11 @@ import asyncio
 
 import httpx
 import pytest
-from tests.support.server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
 
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.standin.simulated import SimulatedParams
 from beam_rl.model.tiny import tiny_model_dir
+from tests.support.server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.support import children
 import pytest
 
 from beam_rl.envs import make_env
@@ -25,6 +24,7 @@ from beam_rl.envs.datasets import DatasetError
 from beam_rl.envs.sandbox import SandboxLimits
 from beam_rl.scoring.rewards import assign_rewards
 from beam_rl.types import Rollout, RolloutStatus, Turn
+from tests.support import children
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/setup.sh)")
 

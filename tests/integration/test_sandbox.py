@@ -16,7 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-from tests.support import children
 import pytest
 
 from beam_rl.envs import sandbox
@@ -28,6 +27,7 @@ from beam_rl.envs.sandbox import (
     run_python,
 )
 from bench.common.procs import cmdline
+from tests.support import children
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/setup.sh)")
 

@@ -9,13 +9,13 @@ import shutil
 import threading
 import time
 
-from tests.support import children
 import pytest
 
 from beam_rl.envs import sandbox
 from beam_rl.envs.sandbox import CAPS, SandboxLimits, SandboxResult, run_python, total_caps_mechanism
 from beam_rl.printable import printable
 from bench.common.procs import cmdline
+from tests.support import children
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/setup.sh)")
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
-from tests.support.server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
 
 from beam_rl.standin.faults import add_fault_args, fault_config_from_args
 from beam_rl.standin.generator import Weights
@@ -27,6 +26,7 @@ from beam_rl.standin.responses import label_spans, visible_text
 from beam_rl.standin.server import EmbeddedServer, FaultConfig, start_subprocess_server
 from beam_rl.model.tiny import load_tiny_model, tiny_model_dir
 from beam_rl.model.tokenizer import load_tokenizer
+from tests.support.server_helpers import metrics, parse_metrics, sse_data, wait_for_metrics
 
 PROMPT = [1, 396, 201, 19, 20, 264, 223, 25, 2, 201, 1, 67, 474, 201]  # a short ChatML-ish prompt
 

@@ -13,7 +13,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from rich.console import Console
-from tests.unit.test_cli import RED, coloured, run_cli
 
 from beam_rl import wiring
 from beam_rl.config import config_from_dict, load_config
@@ -28,6 +27,7 @@ from beam_rl.job.run import run_job
 from beam_rl.job.rollouts import run_rollouts
 from schemas.commit_record import FileEntry, checksum
 from schemas.train_batch import in_version
+from tests.support.cli import RED, coloured, run_cli
 from tests.support.paths import REPO
 
 GREEN = "\x1b[32m"

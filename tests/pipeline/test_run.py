@@ -11,7 +11,6 @@ import time
 import httpx
 import pytest
 from rich.console import Console
-from tests.unit.observe.test_live_table import commit, dispatch, trainer
 
 from beam_rl.config import load_config
 from beam_rl.observe import RunObserver
@@ -21,6 +20,7 @@ from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer
 from beam_rl.job import live, run as job_module
 from beam_rl.job.rollouts import start_rollouts
+from tests.unit.observe.test_live_table import commit, dispatch, trainer
 
 TINY = "configs/tiny.toml"
 

@@ -16,13 +16,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from tests.support.paths import SUPPORT
-from tests.support.small_run import write_small_run_config
 
 from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
 from beam_rl.standin.server import EmbeddedServer, FaultConfig
 from beam_rl.model.tiny import tiny_model_dir
+from tests.support.paths import SUPPORT
+from tests.support.small_run import write_small_run_config
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -17,7 +17,7 @@ from beam_rl.envs import make_env
 from beam_rl.envs.base import chat_prompt_ids
 from beam_rl.envs.verifiers_episodes import task_messages
 from beam_rl.standin.faults import FaultConfig
-from tests.integration.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.support.dispatching import dispatcher_thread, group_requests, run_groups
 from tests.support.vf_toy import PACKAGE, REPLIES, answers, external_server, free_port, own_virtualenv, toy_config, toy_env
 
 pytestmark = pytest.mark.timeout(300)

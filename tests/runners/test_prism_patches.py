@@ -24,10 +24,10 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 
 from beam_rl.config import config_from_dict
 from beam_rl.rundir import RunDir
-from tests.support.proc_net import listeners
 from runners import bootstrap
 from runners.options import RunnerSettings, pipeline_options
 from beam_rl.job.graph import build_rollout_pipeline, source_spec
+from tests.support.proc_net import listeners
 
 
 def _prism(without: str | None) -> str:

@@ -19,6 +19,7 @@ class LoopbackDNS:
     def __init__(self) -> None:
         self.records: dict[str, list[str]] = {}
         self.queries = 0
+        self._closing = False
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
@@ -31,6 +32,8 @@ class LoopbackDNS:
                 data, peer = self._sock.recvfrom(4096)
             except OSError:
                 return  # closed
+            if self._closing:
+                return
             self.queries += 1
             query = dns.message.from_wire(data)
             response = dns.message.make_response(query)
@@ -46,5 +49,10 @@ class LoopbackDNS:
             self._sock.sendto(response.to_wire(), peer)
 
     def close(self) -> None:
-        self._sock.close()
+        self._closing = True
+        # Closing the socket does not wake a thread blocked in recvfrom on it (each test waited out the
+        # join's 5 s): a datagram does.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as wake:
+            wake.sendto(b"", self._sock.getsockname())
         self._thread.join(timeout=5)
+        self._sock.close()

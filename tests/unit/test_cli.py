@@ -3,38 +3,22 @@ verifies every committed file, names each damaged step in one red line and exits
 
 from __future__ import annotations
 
-import io
 import re
 
 import pytest
-from rich.console import Console
-from tests.support.step_damage import FILE_DAMAGE, RECORD_DAMAGE
-from tests.unit.trainer.test_reader import batch
 
 from beam_rl import cli
 from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.rundir import RunDir
 from beam_rl.types import TrainBatch
+from tests.support.cli import RED, STYLE, YELLOW, coloured, run_cli
+from tests.support.step_damage import FILE_DAMAGE, RECORD_DAMAGE
+from tests.unit.trainer.test_reader import batch
 
-RED, YELLOW = "\x1b[31m", "\x1b[33m"
-_STYLE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def run_cli(monkeypatch, *argv: str) -> tuple[int, list[str]]:
-    """`beam-rl ARGV` in this process; its exit status and the lines it printed, with their colours."""
-    out = io.StringIO()
-    monkeypatch.setattr(cli, "console", Console(file=out, width=10_000, color_system="standard", force_terminal=True))
-    status = cli.main(list(argv))
-    return status, out.getvalue().splitlines()
-
-
-def coloured(lines: list[str], colour: str) -> list[str]:
-    """The text of the lines printed in `colour` (rich highlights numbers and paths within them)."""
-    return [_STYLE.sub("", line) for line in lines if line.startswith(colour)]
 
 
 def cells(lines: list[str], step: int) -> list[str]:
-    row = next(_STYLE.sub("", line) for line in lines if re.search(rf"│\s+{step}\s+│", _STYLE.sub("", line)))
+    row = next(STYLE.sub("", line) for line in lines if re.search(rf"│\s+{step}\s+│", STYLE.sub("", line)))
     return [cell.strip() for cell in row.split("│")[1:-1]]
 
 
@@ -50,7 +34,7 @@ def three_steps(run: RunDir) -> RunDir:
 
 def step_rows(lines: list[str]) -> list[str]:
     """The step numbers of the table's rows."""
-    rows = [_STYLE.sub("", line).split("│") for line in lines]
+    rows = [STYLE.sub("", line).split("│") for line in lines]
     return [row[1].strip() for row in rows if len(row) == 11 and row[1].strip().isdigit()]
 
 
@@ -164,7 +148,7 @@ def test_resuming_a_complete_run_starts_nothing_and_says_so(tmp_path, monkeypatc
     run.write_config(config.model_dump(mode="json"))
     status, lines = run_cli(monkeypatch, "run", "--resume", str(run.path))
     assert status == 0
-    assert [_STYLE.sub("", line) for line in lines] == [
+    assert [STYLE.sub("", line) for line in lines] == [
         f"{run.path} is complete: steps 1..3 are committed; `beam-rl report {run.path}` shows them"]
     assert not (run.path / "run.lock").exists()  # no job was started
     # With the reference trainer, the last step must be trained too: no weights yet, so not complete.
@@ -191,6 +175,6 @@ def test_report_says_what_the_weight_updates_cost_each_server(tmp_path, monkeypa
                                                        for port, (mode, paused, load) in enumerate(timings)]}})
     status, lines = run_cli(monkeypatch, "report", str(run.path))
     assert status == 0
-    assert [_STYLE.sub("", line) for line in lines if "weight updates" in line] == [
+    assert [STYLE.sub("", line) for line in lines if "weight updates" in line] == [
         "weight updates: 2 (keep/reload); engine time lost per update and server: mean 0.035 s, max 0.050 s; "
         "stale rollouts regenerated 5, cancelled 2"]

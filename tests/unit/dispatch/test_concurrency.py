@@ -185,7 +185,7 @@ def test_the_dispatcher_holds_the_cap_its_controller_sets(tok, start_embedded):
     from beam_rl.inference.client import InferenceClient
     from beam_rl.inference.types import SamplingParams
     from beam_rl.standin.faults import FaultConfig
-    from tests.integration.test_dispatch_embedded import group_requests
+    from tests.support.dispatching import group_requests
 
     server = start_embedded(None, mode="instant", max_num_seqs=64, faults=FaultConfig(latency_s=0.05))
     env = make_env("reverse_text", tok)

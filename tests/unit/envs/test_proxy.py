@@ -20,7 +20,7 @@ from beam_rl.envs.base import SamplingParams, Trajectory, chat_prompt_ids
 from beam_rl.envs.loop_local import close_loop_locals
 from beam_rl.envs.proxy import Endpoint, Episode, InferenceProxy, shared_proxy
 from beam_rl.standin.faults import FaultConfig
-from tests.integration.test_dispatch_embedded import dispatcher_thread, group_requests, run_groups
+from tests.support.dispatching import dispatcher_thread, group_requests, run_groups
 from tests.support.fakes import ScriptedClient
 from tests.support.paths import AGENTS
 

@@ -10,7 +10,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from tests.unit.trainer.test_reference import make_samples, write_step
 
 from beam_rl.config import LoraSection, TrainerSection, config_from_dict
 from beam_rl.inference.client import InferenceClient, InferenceError
@@ -20,6 +19,7 @@ from beam_rl.rundir.failures import ServersNotReadyError
 from beam_rl.standin.faults import FaultConfig
 from beam_rl.model.tiny import load_tiny_model
 from beam_rl.trainer.reference import run_trainer, with_lora
+from tests.support.train_steps import make_samples, write_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

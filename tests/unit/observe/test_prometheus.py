@@ -9,12 +9,12 @@ import socket
 
 import httpx
 import pytest
-from tests.support.observe_run import grow, observe_config, status
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.observe import RunObserver
 from beam_rl.processes import free_port
 from beam_rl.rundir import RunDir
+from tests.support.observe_run import grow, observe_config, status
 from tests.support.paths import REPO
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -7,13 +7,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from tests.unit.test_cli import RED, coloured, run_cli
 
 from beam_rl.model.location import tokenizer_for
 from beam_rl.config import config_from_dict
 from beam_rl.observe.rollout_text import TokenText, step_sample_rows, tracker_sample_rows, window_rows
 from beam_rl.rundir import RunDir
 from beam_rl.types import Rollout, TrainBatch, Turn
+from tests.support.cli import RED, coloured, run_cli
 
 _STYLE = re.compile(r"\x1b\[[0-9;]*m")
 DIM = "\x1b[2m"

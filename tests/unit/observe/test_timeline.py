@@ -8,7 +8,6 @@ import re
 import matplotlib.image
 import numpy as np
 import pytest
-from tests.unit.test_cli import RED, coloured, run_cli
 
 from beam_rl.observe.timeline import (
     StepRangeError,
@@ -20,6 +19,7 @@ from beam_rl.observe.timeline import (
 )
 from beam_rl.rundir import RunDir
 from beam_rl.types import Rollout, RolloutStatus, TrainBatch
+from tests.support.cli import RED, coloured, run_cli
 
 _STYLE = re.compile(r"\x1b\[[0-9;]*m")
 A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"

@@ -13,9 +13,7 @@ import sys
 import time
 
 import pytest
-from tests.support.observe_run import observe_config
 from rich.console import Console
-from tests.unit.observe.test_prometheus import scrape, value
 
 from beam_rl import cli
 from beam_rl.job.preflight import check_servers, model_problems, refuse
@@ -33,6 +31,8 @@ from beam_rl.model.tiny import tiny_model_dir
 from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus
 from beam_rl.job import live, run as job_module
+from tests.support.observe_run import observe_config
+from tests.unit.observe.test_prometheus import scrape, value
 
 HTTP_400 = ("InferenceHTTPError: POST http://127.0.0.1:8000/v1/completions: HTTP 400: This model's maximum context "
             "length is 1024 tokens. However, you requested 1208 tokens")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from tests.support.server_helpers import sse_data
 from tokenizers.decoders import DecodeStream
 
 from beam_rl.standin.generator import ChoiceResult, GenerationParams
 from beam_rl.standin.protocol import CompletionRequest
 from beam_rl.standin.responses import CompletionStream, TokenTexts, visible_text
 from beam_rl.model.tokenizer import load_tokenizer
+from tests.support.server_helpers import sse_data
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.unit.trainer.test_reference import completion_logprob_sum, make_samples, weights_of, write_step
 
 from beam_rl.config import LoraSection, TrainerSection
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.checkpoint_shapes import CheckpointError, is_adapter, validate_checkpoint
 from beam_rl.model.tiny import load_tiny_model
 from beam_rl.trainer.reference import ReferenceTrainer, run_trainer, with_lora
+from tests.support.train_steps import completion_logprob_sum, make_samples, weights_of, write_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from tests.support.step_damage import FILE_DAMAGE, RECORD_DAMAGE, truncate
 
 from beam_rl.rundir import CommitRecordError, RunDir, StepCorruptError, StepNotCommittedError
 from beam_rl.rundir.arrow import samples_to_table
@@ -19,6 +18,7 @@ from beam_rl.trainer.reader import StepReader
 from beam_rl.types import MicroBatch, Sample, TrainBatch
 from schemas import TOKEN_FIELDS, TRAIN_BATCH_SCHEMA, SchemaError
 from schemas.commit_record import FileEntry, checksum
+from tests.support.step_damage import FILE_DAMAGE, RECORD_DAMAGE, truncate
 
 
 def sample(ids, mask, adv, rollout_id, version=1, reward=1.0) -> Sample:

@@ -17,8 +17,8 @@ from beam_rl.scoring.filters import ZeroAdvantageFilter
 from beam_rl.scoring.group import score_group
 from beam_rl.source import EndOfInput
 from beam_rl.types import Rollout, Turn
-from tests.support.fakes import StateBag, StateValue
 from transforms.pack import _PackFn
+from tests.support.fakes import StateBag, StateValue
 
 GROUP_SIZE, GROUPS = 4, 9
 
