@@ -20,7 +20,8 @@ from beam_rl.envs import make_env
 from beam_rl.envs.proxy import RESPONSES_REFUSED
 from beam_rl.standin.faults import FaultConfig
 from tests.support.dispatching import dispatcher_thread, group_requests, run_groups
-from tests.unit.envs.test_proxy import dataset, start_server  # noqa: F401 (fixtures)
+from tests.integration.test_agents import start_server  # noqa: F401 (a fixture)
+from tests.unit.envs.test_proxy import dataset  # noqa: F401 (a fixture)
 from tests.support.paths import AGENTS
 
 pytestmark = pytest.mark.timeout(600)
