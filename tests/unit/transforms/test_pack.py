@@ -193,7 +193,7 @@ _SAVED_BEFORE_THE_MOVE = base64.b64decode(
 
 
 def test_a_packer_state_stored_before_the_domain_owned_it_restores(tmp_path):
-    fn, state, pending = _packer(tmp_path), _Value(), _Bag()
+    fn, state, pending = _packer(tmp_path), StateValue(), StateBag()
     state.raw = _SAVED_BEFORE_THE_MOVE
     assert list(fn.process(("packer", [_scored(0, 0)]), state=state, pending=pending)) == []
     assert pending.items and state.read().groups_seen == 4
