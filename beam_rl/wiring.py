@@ -4,7 +4,7 @@ Each Beam step calls it once in `setup` on the worker and keeps the bundle it re
 `ScoringParts`, `PackingParts`, `EvalParts`), so what travels in the pipeline graph is only the config (a
 pydantic model), the inference server URLs and the run directory; the job calls it for the schedule's size
 (`SourceSpec`) and for the clients of its start-up checks. No domain module imports it
-(tests/test_layering.py): they are handed their parts.
+(tests/architecture/test_layering.py): they are handed their parts.
 """
 
 from __future__ import annotations

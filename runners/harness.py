@@ -7,7 +7,7 @@ right after the other: the data multiplexer ends each open stream with CANCELLED
 up"). The harness closes its data channels once it sees the control stream end; when the CANCELLED comes
 first, its reader thread (`read_grpc_client_inputs`) logs the error, records it for any bundle still
 reading that channel, and then raises it again, out of the thread, where nobody can catch it: Python
-prints it as an unhandled thread exception. One job end in a few lost that race (tests/test_pipeline.py
+prints it as an unhandled thread exception. One job end in a few lost that race (tests/pipeline/test_rollouts.py
 requires workers to end quietly). `quiet_hangups()` keeps everything but that last raise, and only for
 CANCELLED: a bundle still reading the channel gets the error as before, and Beam's log has it.
 """

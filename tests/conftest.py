@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import children
+from tests.support import children
 
 
 @pytest.fixture(autouse=True)

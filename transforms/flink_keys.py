@@ -4,7 +4,7 @@ Beam's Flink runner keys a stage by the key's bytes (the key coder's nested enco
 `FlinkKey`, whose hashCode is Guava's murmur3_128 of the bytes, as an int (Beam 2.62 wrapped them in a
 java.nio.ByteBuffer and used its hashCode); Flink murmur-mixes that hashCode into one of maxParallelism key
 groups, each owned by one subtask. The dispatch transform uses it to give each shard's element a key that
-lands on a subtask of its own (tests/test_flink_keys.py checks this against Beam's and Flink's own classes).
+lands on a subtask of its own (tests/runners/test_flink_keys.py checks this against Beam's and Flink's own classes).
 """
 
 from __future__ import annotations

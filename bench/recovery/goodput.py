@@ -53,7 +53,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "full": {"servers": 4, "max_num_seqs": 256, "group_size": 8, "rollouts_per_step": 1024, "steps": 8,
              "max_tokens": 256, "permits": 1280, "time_scale": 0.25, "kill_every_sim_s": 30.0, "down_sim_s": 8.0,
              "length_median": 64, "length_sigma": 1.0, "bounds": (1, 2)},
-    # A smoke test's size (tests/test_bench.py): a death every 1.5 s of wall time.
+    # A smoke test's size (tests/pipeline/test_bench.py): a death every 1.5 s of wall time.
     "small": {"servers": 2, "max_num_seqs": 16, "group_size": 4, "rollouts_per_step": 32, "steps": 5,
               "max_tokens": 64, "permits": 48, "time_scale": 0.05, "kill_every_sim_s": 30.0, "down_sim_s": 10.0,
               "length_median": 16, "length_sigma": 1.0, "bounds": (2,)},

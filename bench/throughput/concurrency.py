@@ -51,7 +51,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
                  "step_s": 8.0, "time_scale": 0.3},
 }
 # `seconds` counted per fixed cap, `adaptive_seconds` per controller (they slow-start and probe inside it),
-# after `warmup_s` not counted. `small` (tests/test_concurrency.py): one server, the KV-bound workload, a
+# after `warmup_s` not counted. `small` (tests/unit/dispatch/test_concurrency.py): one server, the KV-bound workload, a
 # faster clock.
 SIZES: dict[str, dict[str, Any]] = {
     "full": {"servers": 4, "max_num_seqs": 256, "warmup_s": 5.0, "seconds": 15.0, "adaptive_seconds": 180.0,

@@ -1,0 +1,1 @@
+"""What the tests share and are not tests themselves: fakes, helper modules, programs the tests run."""
