@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import json
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -745,18 +746,32 @@ def test_tails_read_after_a_continue_update_keep_the_version_that_sampled_them(m
     from beam_rl.standin.faults import FaultConfig
     from beam_rl.standin.server import EmbeddedServer
     from beam_rl.model.tiny import tiny_model_dir
-    from tests.support.server_helpers import served_versions
+    from tests.support.server_helpers import metrics, served_versions
 
     server = EmbeddedServer(tiny_model_dir(), faults=FaultConfig(step_delay_s=0.02))
     server.start()
-    pause = InferenceClient.pause
+    pause, resume = InferenceClient.pause, InferenceClient.resume
+    stalled, released, stall_over, resumed_while_stalled = threading.Event(), threading.Event(), threading.Event(), []
+
+    def stall() -> None:
+        stalled.set()
+        released.wait(30)  # till the update is over: a pause or resume that waits for this loop would hang
+        stall_over.set()
 
     async def stall_the_requests_loop_then_pause(self: InferenceClient, mode: str = "keep") -> None:
-        requests_loop.call_soon_threadsafe(time.sleep, 0.8)
-        await asyncio.sleep(0.2)  # tokens pile up unread; the short request ends meanwhile
+        requests_loop.call_soon_threadsafe(stall)
+        # Tokens pile up unread; the server finishes the short request meanwhile (one left running).
+        while not stalled.is_set() or (await asyncio.to_thread(metrics, server.url))["vllm:num_requests_running"] > 1:
+            await asyncio.sleep(0.01)
         await pause(self, mode)
 
+    async def resume_then_release(self: InferenceClient) -> None:
+        await resume(self)
+        resumed_while_stalled.append(not stall_over.is_set())
+        released.set()
+
     monkeypatch.setattr(InferenceClient, "pause", stall_the_requests_loop_then_pause)
+    monkeypatch.setattr(InferenceClient, "resume", resume_then_release)
 
     async def main() -> list[tuple[list[int], list[int]]]:
         nonlocal requests_loop
@@ -769,15 +784,16 @@ def test_tails_read_after_a_continue_update_keep_the_version_that_sampled_them(m
                     for max_tokens, progress in ((64, long), (6, short))]
                 while long.total < 2 or short.total < 2:
                     await asyncio.sleep(0.005)
-                timing = await client.update_weights(tiny_model_dir(), 1, "continue")
+                await client.update_weights(tiny_model_dir(), 1, "continue")
                 choices = [choice for request in generating for choice in await request]
-        assert timing.paused_s < 0.6, timing  # the pause did not wait for the requests' loop
+        assert resumed_while_stalled == [True]  # the update did not wait for the requests' loop
         return [(c.policy_versions, served[id(c.policy_versions)]) for c in choices]
 
     requests_loop: asyncio.AbstractEventLoop | None = None
     try:
         (long_recorded, long_truth), (short_recorded, short_truth) = asyncio.run(main())
     finally:
+        released.set()
         server.stop()
     assert long_truth.count(0) >= 4 and long_truth.count(1) > 0 and long_truth == sorted(long_truth), long_truth
     assert short_truth == [0] * 6
