@@ -40,7 +40,7 @@ class UpdatedClient(Protocol):
     the client at each use, never copied: an update moves `version`, and tests stand in for `pause`."""
 
     base_url: str
-    route: str  # "generate": the server labels each token's weights (its spans), no drain is needed
+    route: Literal["completions", "generate"]  # "generate": the server labels each token's weights (its spans), no drain is needed
     stream: bool
     version: int
     lora: bool

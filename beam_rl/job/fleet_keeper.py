@@ -12,12 +12,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from beam_rl.model.location import tokenizer_for
 from beam_rl.config import RunConfig
 from beam_rl.fleet.assignment import Fleet, deal
 from beam_rl.fleet.discovery import DiscoveryError, ServersFile
 from beam_rl.fleet.dns_fleet import resolve_fleet
 from beam_rl.inference.client import InferenceError
+from beam_rl.model.location import tokenizer_for
 from beam_rl.rundir.failures import ServersNotReadyError
 from beam_rl.rundir.layout import RunLayout
 from beam_rl.wiring import JobParts

@@ -13,18 +13,18 @@ import apache_beam as beam
 import grpc
 from apache_beam.runners.runner import PipelineState
 
-from beam_rl.job.preflight import check_servers
-from beam_rl.wiring import JobParts, job_parts
 from beam_rl.config import RunConfig
 from beam_rl.job.fleet_keeper import FleetKeeper, initial_fleet
+from beam_rl.job.graph import build_rollout_pipeline, source_spec
+from beam_rl.job.preflight import check_servers
 from beam_rl.processes import worker_id
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.lease import RunLease, read_job_record, write_job_record
 from beam_rl.source import SourceSpec
+from beam_rl.wiring import JobParts, job_parts
 from runners.flink_rest import TERMINAL, FlinkRest
 from runners.job_server import JobServer, start_job_server
 from runners.options import RunnerSettings, pipeline_options
-from beam_rl.job.graph import build_rollout_pipeline, source_spec
 from runners.prism import release_prism
 
 _LOG = logging.getLogger(__name__)
