@@ -42,6 +42,7 @@ class UpdatedClient(Protocol):
     base_url: str
     route: Literal["completions", "generate"]  # "generate": the server labels each token's weights (its spans), no drain is needed
     stream: bool
+    stream_interval: int  # streamed tokens come in chunks of this many
     version: int
     lora: bool
     adapter: str | None  # the LoRA adapter requests name now
