@@ -14,7 +14,7 @@ setup(
     name="beam-rl",
     version="0.1.0",
     description="RL rollout orchestration for LLMs as an Apache Beam streaming pipeline",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # tomllib (beam_rl/config.py)
     packages=find_packages(include=["beam_rl*", "transforms*", "runners*", "schemas*"]),
     package_data={"beam_rl": ["envs/data/*.jsonl"],
                   # Prism and the Flink job server are built with them (runners/bootstrap.py)
@@ -59,7 +59,9 @@ setup(
         # cryptography: self-signed certs for https tests; openai: the black-box agent the tests run (tests/agents);
         # polars, duckdb: readers docs/trainer-api.md shows. Not Hugging Face datasets: its releases that allow
         # pyarrow<19 pin fsspec<=2025.3.0; tests/test_wheel.py installs it in a venv of its own.
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "cryptography>=42", "openai>=1.40", "polars>=1", "duckdb>=1.1"],
+        # ruff, mypy, types-PyYAML: scripts/check.sh, pinned so that a new release's rules do not fail CI.
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "cryptography>=42", "openai>=1.40", "polars>=1", "duckdb>=1.1",
+                 "ruff==0.17.5", "mypy==2.4.1", "types-PyYAML==6.0.12.20261113"],
     },
     entry_points={"console_scripts": ["beam-rl=beam_rl.cli:main"]},
 )

@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
@@ -22,6 +23,9 @@ from beam_rl.rundir import CommitRecord, CommitRecordError, RunDir, RunDirError,
 from beam_rl.rundir.failures import ServersNotReadyError, read_failure
 from beam_rl.rundir.lease import RunDirBusyError
 from schemas.train_batch import SchemaError
+
+if TYPE_CHECKING:
+    from beam_rl.fleet.assignment import Fleet
 
 console = Console()
 _LOG = logging.getLogger(__name__)
@@ -71,8 +75,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for path in stray:
         console.print(f"[yellow]{escape(str(path))}: not listed in its step's commit record; "
                       "readers ignore it[/yellow]")
-    for err in damaged:
-        console.print(f"[red]{escape(str(err))}[/red]")
+    for problem in damaged:
+        console.print(f"[red]{escape(str(problem))}[/red]")
     return 2 if damaged else 0
 
 
@@ -264,10 +268,10 @@ def _pipeline_stopped(err: BaseException, run_dir: RunDir, since: float, again: 
 
 
 def _cmd_rollouts(args: argparse.Namespace) -> int:
+    from beam_rl.job.rollouts import run_rollouts
     from beam_rl.job.servers import inference_servers
     from beam_rl.wiring import job_parts
     from runners.beam_log import route_beam_output
-    from beam_rl.job.rollouts import run_rollouts
 
     path = _given_config(args)
     if path is None:
@@ -290,7 +294,7 @@ def _cmd_rollouts(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_run_dir(config, run_dir: str | None):
+def _with_run_dir(config: RunConfig, run_dir: str | None) -> RunConfig:
     if not run_dir:
         return config
     return config.model_copy(update={"run": config.run.model_copy(update={"dir": Path(run_dir)})})
@@ -307,7 +311,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         source = str(run_dir.config_path)
         # The directory given is the run, wherever config.json says it was made (a copied or moved run).
         config = _with_run_dir(config_from_dict(run_dir.read_config(), source=source), args.resume)
-    elif source := _given_config(args):
+    elif given := _given_config(args):
+        source = given
         config = _with_run_dir(load_config(source), args.run_dir)
     else:
         console.print("[red]give a CONFIG, or --resume RUN_DIR[/red]")
@@ -321,8 +326,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     run_dir = preflight(config, source)
     if last is not None:
         console.print(f"resuming {config.run.dir}: steps 1..{last} are committed, continuing at {last + 1}")
-    from runners.beam_log import route_beam_output
     from beam_rl.job.run import run_job  # the CLI is the one domain module that reaches the runners
+    from runners.beam_log import route_beam_output
 
     route_beam_output(run_dir.path)
     since = time.time()
@@ -342,8 +347,8 @@ def _run_complete(config: RunConfig, last: int | None) -> bool:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from beam_rl.model import location
     from beam_rl.config import config_from_dict
+    from beam_rl.model import location
     from beam_rl.trainer.reference import run_trainer
 
     run_dir = RunDir(args.run_dir)
@@ -448,7 +453,7 @@ def _cmd_servers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fleet_table(run_dir: RunDir, listed: list, fleet) -> Table:
+def _fleet_table(run_dir: RunDir, listed: list, fleet: Fleet | None) -> Table:
     live = {s["url"]: s for s in run_dir.read_status().get("servers", []) if isinstance(s, dict) and "url" in s}
     placed = {p.url: p for p in fleet.servers} if fleet is not None else {}
     table = Table(title=f"fleet of {run_dir.path}")

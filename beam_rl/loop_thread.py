@@ -8,7 +8,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Self
 
 CLOSE_TIMEOUT_S = 5.0
 
@@ -38,7 +38,7 @@ class LoopThread:
     def close(self) -> None:
         self._finalizer()
 
-    def __enter__(self) -> LoopThread:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

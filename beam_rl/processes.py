@@ -11,7 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,7 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
-def tree_pids(root: int, exclude: set[int] = frozenset()) -> list[int]:
+def tree_pids(root: int, exclude: Set[int] = frozenset()) -> list[int]:
     """`root` and its descendants (from /proc, Linux), without the subtrees rooted at `exclude`."""
     tree, out, todo = _children(), [], [root]
     while todo:
@@ -87,7 +87,7 @@ def keep_triton_out() -> None:
     loads (an environment's reward model, say) may want it, so it is left alone. A process that imported
     triton already keeps it; a user's own trainer importing beam_rl is not touched."""
     if not any(os.path.exists(device) for device in _GPU_DEVICES):
-        sys.modules.setdefault("triton", None)
+        sys.modules.setdefault("triton", None)  # type: ignore[arg-type]  # None: "not installed" to importlib
 
 
 def die_with_parent() -> None:
@@ -155,7 +155,11 @@ class Supervisor:
     def enter(self, name: str, context: AbstractContextManager[T]) -> T:
         """A context started elsewhere (the servers' block): entered now, exited in its turn."""
         value = context.__enter__()
-        self.add(name, lambda: context.__exit__(None, None, None))
+
+        def leave() -> None:
+            context.__exit__(None, None, None)
+
+        self.add(name, leave)
         return value
 
     def failed(self) -> Child | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -83,8 +83,32 @@ class Turn:
         return self.finish_reason == "length"
 
 
+class _RolloutKeys:
+    """What a rollout and its window record both derive from their values: one definition for both."""
+
+    group_id: str
+    env_name: str
+    attempt: int
+    status: RolloutStatus
+    epoch: int
+    index: int
+
+    @property
+    def rollout_id(self) -> str:
+        return f"{self.group_id}/{self.attempt}"
+
+    @property
+    def ok(self) -> bool:
+        return self.status is RolloutStatus.OK
+
+    @property
+    def prompt_offset(self) -> tuple[str, int, int]:
+        """(env, epoch, index) of the prompt answered: what a committed step records as consumed."""
+        return self.env_name, self.epoch, self.index
+
+
 @dataclass
-class Rollout:
+class Rollout(_RolloutKeys):
     """One attempt at a group's prompt, from dispatch to scoring."""
 
     group_id: str
@@ -120,19 +144,6 @@ class Rollout:
     dispatch_worker: str = ""  # host:pid of the worker that dispatched it
     score_worker: str = ""  # host:pid of the worker that scored it
     _tokens: RolloutTokens | None = field(default=None, init=False, repr=False, compare=False)  # see tokens()
-
-    @property
-    def rollout_id(self) -> str:
-        return f"{self.group_id}/{self.attempt}"
-
-    @property
-    def ok(self) -> bool:
-        return self.status is RolloutStatus.OK
-
-    @property
-    def prompt_offset(self) -> tuple[str, int, int]:
-        """(env, epoch, index) of the prompt answered: what a committed step records as consumed."""
-        return self.env_name, self.epoch, self.index
 
     @property
     def truncated(self) -> bool:
@@ -258,7 +269,7 @@ class RolloutTokens:
 
 
 @declared(record_attributes())
-class RolloutRecord:
+class RolloutRecord(_RolloutKeys):
     """A rollout as the observation window keeps it: one row of window.arrow.
 
     Its attributes are the columns of schemas/fields.py ROLLOUT_FIELDS whose source is "rollout" (copied
@@ -269,9 +280,14 @@ class RolloutRecord:
 
     tokens: RolloutTokens | None = None
 
-    rollout_id = Rollout.rollout_id
-    ok = Rollout.ok
-    prompt_offset = Rollout.prompt_offset
+    if TYPE_CHECKING:  # its other attributes are made at import from schemas/fields.py; a checker sees Any
+        __dataclass_fields__: ClassVar[dict[str, Any]]
+
+        def __init__(self, **values: Any) -> None: ...
+
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     @property
     def num_turns(self) -> int:
@@ -309,6 +325,15 @@ class Sample:
     (input_ids, loss_mask, ..., each [T]) and the per-sample values of SAMPLE_FIELDS (rollout_id, ...),
     minus what the writer computes. A per-token array with a fill value may be left out: every token
     gets the fill (policy_versions: -1, unknown)."""
+
+    if TYPE_CHECKING:  # its attributes are made at import from schemas/fields.py; a checker sees Any
+        __dataclass_fields__: ClassVar[dict[str, Any]]
+
+        def __init__(self, **values: Any) -> None: ...
+
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def __post_init__(self) -> None:
         for f in SAMPLE_TOKEN_FIELDS:
@@ -377,4 +402,6 @@ def _as_versions(turn: Turn, rollout: Rollout, i: int) -> np.ndarray:
 
 
 def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
-    return (a is None) == (b is None) and (a is None or np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
+    if a is None or b is None:
+        return a is b
+    return np.array_equal(a, b, equal_nan=a.dtype.kind == "f")

@@ -124,7 +124,7 @@ def sampling_params(config: RunConfig, envs: dict[str, Environment]) -> dict[str
     }
 
 
-def checkpoint_validator(config: RunConfig) -> Callable[[Path], None]:
+def checkpoint_validator(config: RunConfig) -> Callable[[Path], object]:
     """Checks a published checkpoint against the policy model's tensor names and shapes."""
     return functools.partial(validate_checkpoint, reference_model_dir=model_dir(config),
                              lora=config.trainer.lora is not None)
@@ -216,7 +216,7 @@ class DispatchParts:
     schedule: PromptSchedule
     eval_schedule: PromptSchedule | None  # None: the run does not evaluate
     dispatcher_thread: StartDispatcher
-    validate_checkpoint: Callable[[Path], None]
+    validate_checkpoint: Callable[[Path], object]  # raises for a bad checkpoint
 
     def source(self, shard: Shard, restored: DispatchRange) -> RolloutSource:
         """Shard `shard`'s source, restored from its restriction (built again after every restore)."""

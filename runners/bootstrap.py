@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from beam_rl.cache import cache_root
@@ -271,7 +272,7 @@ def _compile_patches(home: Path, version: str, patches: list[Path]) -> Path:
 
 def _write_launcher_jar(jar: Path, class_path: list[str]) -> None:
     """A jar holding only a manifest: `java -jar` runs the driver with the listed jars."""
-    manifest = "Manifest-Version: 1.0\n" f"Main-Class: {_FLINK_MAIN_CLASS}\n"
+    manifest = f"Manifest-Version: 1.0\nMain-Class: {_FLINK_MAIN_CLASS}\n"
     manifest += _manifest_line("Class-Path: " + " ".join(class_path)) + "\n"
     tmp = jar.with_suffix(".tmp")
     with zipfile.ZipFile(tmp, "w") as zf:
@@ -314,7 +315,7 @@ def ensure_flink_distribution(version: str = FLINK_CLUSTER_VERSION) -> Path:
     return home
 
 
-_PARTS = {"prism": ("Prism", ensure_prism), "flink-job-server": ("Flink job server", ensure_flink_job_server),
+_PARTS: dict[str, tuple[str, Callable[[str], Path]]] = {"prism": ("Prism", ensure_prism), "flink-job-server": ("Flink job server", ensure_flink_job_server),
           "flink-cluster": ("Flink distribution", lambda _version: ensure_flink_distribution())}
 
 

@@ -191,11 +191,10 @@ class FlinkCluster:
         env = dict(os.environ, BEAM_RL_WORKER_LOG_DIR=str(logs))
         # Workers run `python`: the interpreter of this environment must lead PATH.
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        out = open(self.log_dir / f"pool-{name}.out", "ab")
-        pool = subprocess.Popen([sys.executable, "-m", "runners.workers", "pool", "--host", host, "--port", port],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=die_with_parent)
-        out.close()
+        with open(self.log_dir / f"pool-{name}.out", "ab") as out:  # the pool writes to its own copy
+            pool = subprocess.Popen([sys.executable, "-m", "runners.workers", "pool", "--host", host, "--port", port],
+                                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=die_with_parent)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if pool.poll() is not None:

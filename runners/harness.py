@@ -40,4 +40,4 @@ def quiet_hangups() -> None:
                 raise
 
     setattr(_read_inputs, _PATCHED, True)
-    channel._read_inputs = _read_inputs
+    channel._read_inputs = _read_inputs  # type: ignore[method-assign]  # the patch

@@ -86,7 +86,8 @@ def start_job_server(flink_master: str, log: Path, jvm_heap_mb: int | None = Non
         except OSError:
             if time.monotonic() > deadline:
                 stop_processes([process])
-                raise JobServerError(f"the Flink job server did not listen within {timeout_s:g}s:\n{_tail(log)}")
+                raise JobServerError(
+                    f"the Flink job server did not listen within {timeout_s:g}s:\n{_tail(log)}") from None
             time.sleep(0.2)
 
 

@@ -52,7 +52,7 @@ class LoopbackOnHost:
                 data_buffer_time_limit_ms=sdk_worker_main._get_data_buffer_time_limit_ms(debug.experiments or []))
             portable_options.environment_type = "EXTERNAL"
             portable_options.environment_config = endpoint
-            external = environments.ExternalEnvironment.from_options(portable_options).to_runner_api(None)
+            external = environments.ExternalEnvironment.from_options(portable_options).to_runner_api(None)  # type: ignore[arg-type]  # no context: as Beam's own callers
             env.urn, env.payload = external.urn, external.payload
             cleanup_callbacks.append(functools.partial(server.stop, 1))
         return cleanup_callbacks

@@ -102,11 +102,13 @@ class PrismPerJob(LoopbackOnHost, prism_runner.PrismRunner):
         return self._job_server
 
     def run_portable_pipeline(self, pipeline, options):  # type: ignore[no-untyped-def]
-        self._job_server = None  # a --job_endpoint of the caller's: not this runner's to stop
+        self._job_server = None  # type: ignore[assignment]  # a --job_endpoint of the caller's: not this runner's to stop
         result = super().run_portable_pipeline(pipeline, options)
         setattr(result, _SERVER, self._job_server)
         # What Beam runs once wait_until_finish() has seen the job end (and on cancel(), when it may not have).
-        result._cleanup_callbacks = (*result._cleanup_callbacks, functools.partial(release_prism, result))
+        # (PortableRunner's result has them; mypy sees the base class.)
+        callbacks = result._cleanup_callbacks  # type: ignore[attr-defined]
+        result._cleanup_callbacks = (*callbacks, functools.partial(release_prism, result))  # type: ignore[attr-defined]
         return result
 
 

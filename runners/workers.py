@@ -26,6 +26,7 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from beam_rl.cache import cache_root
 from beam_rl.listeners import LOOPBACK, host_port, reach, warn_if_open
@@ -52,9 +53,8 @@ def _descriptor(url: str) -> str:
     return f'url: "{url}"'
 
 
-def _provision_info(provision_endpoint: str, worker_id: str):
+def _provision_info(provision_endpoint: str, worker_id: str) -> Any:
     import grpc
-
     from apache_beam.portability.api import beam_provision_api_pb2, beam_provision_api_pb2_grpc
 
     with grpc.insecure_channel(provision_endpoint) as channel:
@@ -74,7 +74,7 @@ def boot_main(argv: list[str]) -> None:
     args, _ = parser.parse_known_args(argv)
     log_dir = Path(os.environ.get(LOG_DIR_ENV) or Path(tempfile.gettempdir()) / "beam-rl-workers")
     log_dir.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / f"worker-{args.id}-{os.getpid()}.log", "ab", buffering=0)
+    log = open(log_dir / f"worker-{args.id}-{os.getpid()}.log", "ab", buffering=0)  # noqa: SIM115 (kept open)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     from google.protobuf import json_format
@@ -97,7 +97,8 @@ def boot_main(argv: list[str]) -> None:
 
 
 def start_pool(host: str, port: int = 0, *, use_process: bool = True, container_executable: str | None = None,
-               state_cache_size: int = 0, data_buffer_time_limit_ms: int = 0, setting: str = "runner.bind_host"):
+               state_cache_size: int = 0, data_buffer_time_limit_ms: int = 0, setting: str = "runner.bind_host",
+               ) -> tuple[str, Any, Any]:
     """Beam's worker pool servicer on `host:port` (port 0: a free one); returns the `host:port` a process on
     this machine reaches it at, its gRPC server (started) and the servicer. `setting` is what chose `host`: the
     warning when it is beyond loopback names it. Beam's own (`BeamFnExternalWorkerPoolServicer.start`, which
@@ -123,7 +124,7 @@ def start_pool(host: str, port: int = 0, *, use_process: bool = True, container_
                  setting)
 
     @atexit.register
-    def kill_workers():  # as Beam's: worker processes are children of the pool
+    def kill_workers() -> None:  # as Beam's: worker processes are children of the pool
         for worker in list(pool._worker_processes.values()):
             kill_process_gracefully(worker)
 
@@ -143,7 +144,7 @@ def pool_main(argv: list[str]) -> None:
     address, server, pool = start_pool(args.host, args.port, container_executable=str(boot_command()),
                                        setting="runners.workers pool --host")
 
-    def stop(*_):  # workers are children of the pool: they go with it
+    def stop(*_: object) -> None:  # workers are children of the pool: they go with it
         for worker in list(pool._worker_processes.values()):
             worker.kill()
         server.stop(grace=None)

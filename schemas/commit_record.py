@@ -3,6 +3,7 @@ counterpart of the Arrow schemas in train_batch.py."""
 
 from __future__ import annotations
 
+import builtins
 from typing import Any, Literal
 
 import xxhash
@@ -58,7 +59,7 @@ class FileEntry(BaseModel):
     bytes: NonNegativeInt
     xxh3_128: str = Field(pattern=r"^[0-9a-f]{32}$")
 
-    def mismatch(self, data: bytes | memoryview | Any, verify_checksum: bool = True) -> str | None:
+    def mismatch(self, data: builtins.bytes | memoryview | Any, verify_checksum: bool = True) -> str | None:
         """What is wrong with `data` as this file (a torn or a corrupt copy), or None if it matches.
         The size is always compared; the checksum only with `verify_checksum`."""
         size = memoryview(data).nbytes

@@ -6,9 +6,11 @@ estimate are all derived from these tables, so a field added here reaches each o
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +31,7 @@ class TokenField:
     """A per-token column of a rank file (list<dtype>): one value per token of a sample."""
 
     name: str
-    dtype: np.dtype  # of the Sample's array and of the reader's; bool is stored as uint8 0/1 (below)
+    dtype: type[np.generic]  # of the Sample's array and of the reader's; bool is stored as uint8 0/1 (below)
     meaning: str
     fill: int | float | None = None  # the value of every token when a Sample leaves the field out; None: required
     written: bool = False  # computed by the writer, not held by a Sample
@@ -207,14 +209,14 @@ SHARED_TOKEN_ARRAYS = tuple(dict.fromkeys(f.source for f in TURN_FIELDS if f.seg
 
 def sample_attributes() -> list[tuple[str, Any, Any]]:
     """(name, annotation, default) of a Sample: its per-token arrays, then its per-sample values."""
-    tokens = [(f.name, Optional[np.ndarray] if f.fill is not None else np.ndarray,
+    tokens = [(f.name, np.ndarray | None if f.fill is not None else np.ndarray,
                None if f.fill is not None else _REQUIRED) for f in SAMPLE_TOKEN_FIELDS]
     return tokens + [(f.name, _python_type(f.arrow_type), f.default) for f in SAMPLE_FIELDS if not f.written]
 
 
 def record_attributes() -> list[tuple[str, Any, Any]]:
     """(name, annotation, default) of a RolloutRecord's stored values (computed and token columns are not)."""
-    return [(f.attr, Optional[_python_type(f.arrow_type)] if f.nullable else _python_type(f.arrow_type),
+    return [(f.attr, _python_type(f.arrow_type) | None if f.nullable else _python_type(f.arrow_type),
              None if f.source == "record" else _REQUIRED)
             for f in ROLLOUT_FIELDS if f.source in ("rollout", "record")]
 
@@ -224,7 +226,7 @@ def declared(attributes: Iterable[tuple[str, Any, Any]]) -> Callable[[type], typ
     followed by the ones the class annotates itself, so the class and its columns cannot drift apart."""
 
     def wrap(cls: type) -> type:
-        own = dict(cls.__dict__.get("__annotations__", {}))
+        own = inspect.get_annotations(cls)
         annotations = {}
         for name, annotation, default in attributes:
             annotations[name] = annotation
@@ -236,7 +238,7 @@ def declared(attributes: Iterable[tuple[str, Any, Any]]) -> Callable[[type], typ
     return wrap
 
 
-def numpy_dtype(arrow_type: pa.DataType) -> np.dtype:
+def numpy_dtype(arrow_type: pa.DataType) -> np.dtype[Any]:
     """The numpy dtype of a primitive Arrow type (pyarrow's own `to_pandas_dtype` needs pandas)."""
     return _NUMPY_DTYPES[arrow_type]
 
@@ -248,7 +250,7 @@ _NUMPY_DTYPES = {pa.from_numpy_dtype(d): np.dtype(d) for d in (
 
 def _python_type(arrow_type: pa.DataType) -> Any:
     if pa.types.is_list(arrow_type):
-        return list[_python_type(arrow_type.value_type)]
+        return types.GenericAlias(list, _python_type(arrow_type.value_type))
     for check, python_type in ((pa.types.is_boolean, bool), (pa.types.is_integer, int),
                                (pa.types.is_floating, float), (pa.types.is_string, str)):
         if check(arrow_type):

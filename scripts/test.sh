@@ -6,12 +6,14 @@
 #           server, the sandbox's packages; verifiers is one of the venv's dependencies), and beside it the
 #           real vLLM-on-CPU server the ecosystem tests start (its own virtualenv, cached;
 #           BEAM_RL_SKIP_VLLM=1 skips it and those tests); then run every test.
+#   Both run the static checks (scripts/check.sh: ruff, mypy) first.
 # PYTEST ARGS go to pytest as they are (a path, -k, --ignore=...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --fast ]; then
   shift
   scripts/setup.sh
+  scripts/check.sh
   exec .venv/bin/python -m pytest tests/unit tests/architecture "$@"
 fi
 vllm=
@@ -20,5 +22,6 @@ if [ "${BEAM_RL_SKIP_VLLM:-0}" != "1" ]; then
   vllm=$!
 fi
 scripts/setup.sh prism flink sandbox
+scripts/check.sh  # ruff and mypy: seconds, before the suite's half hour
 [ -z "$vllm" ] || wait "$vllm"
 exec .venv/bin/python -m pytest "$@"

@@ -160,7 +160,7 @@ class GoodputController:
         long_enough = self._steps - m.steps >= self.max_span_steps or m.finished >= 16 * enough
         if m.finished < enough or not (m.precise_to(precision) or long_enough):
             return
-        if moved or m.version == version and m.finished >= 4 * enough:
+        if moved or (m.version == version and m.finished >= 4 * enough):
             self._decide(m.rate(now), now)
 
     def loads(self, kv_usages: Sequence[float], preempted: bool, now: float) -> None:

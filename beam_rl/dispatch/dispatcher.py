@@ -204,33 +204,33 @@ class Dispatcher:
         try:
             env = self.envs[request.env_name]
         except KeyError:
-            return self._reject(
-                request, f"UnknownEnvironment: {request.env_name!r} (known: {sorted(self.envs)})"
-            )
+            self._reject(
+                request, f"UnknownEnvironment: {request.env_name!r} (known: {sorted(self.envs)})")
+            return None
         mode = self.env_modes[request.env_name]
         if mode == "group" and request.group_size > self.max_inflight:
-            return self._reject(
-                request, f"GroupTooLarge: group_size {request.group_size} > max_inflight {self.max_inflight}"
-            )
+            self._reject(
+                request, f"GroupTooLarge: group_size {request.group_size} > max_inflight {self.max_inflight}")
+            return None
         if mode == "group" and request.group_size > self._cap_floor:
             self._cap_floor = request.group_size  # a group-mode call holds all its permits at once
             self._apply_cap()
         try:
             prompt_ids = list(env.render_prompt(request.row))
         except Exception as exc:
-            return self._reject(
+            self._reject(
                 request,
                 f"PromptRenderError: env {request.env_name!r} row {request.index} (epoch {request.epoch}): "
-                f"{type(exc).__name__}: {exc}",
-            )
+                f"{type(exc).__name__}: {exc}",)
+            return None
         if self.max_context is not None and len(prompt_ids) >= self.max_context:
             # Sent, it would fail on every server, every attempt: one error for the group, no request.
-            return self._reject(
+            self._reject(
                 request,
                 f"PromptTooLong: env {request.env_name!r} row {request.index} (epoch {request.epoch}): the prompt "
                 f"is {len(prompt_ids)} tokens, leaving no room to generate under model.max_context "
-                f"({self.max_context})",
-            )
+                f"({self.max_context})",)
+            return None
         group = OpenGroup(request, env, mode, self.sampling[request.env_name], prompt_ids,
                           collections.deque(request.attempts_to_run), t_admitted=self._clock(),
                           resume={point.attempts: point for point in request.resume}, order=next(self._admitted))
@@ -414,11 +414,11 @@ class Dispatcher:
     def observe_loads(self) -> None:
         """Hand the concurrency controller the KV-cache usage the pool just polled, and whether a server
         preempted sequences since the last poll."""
-        polled = [s for s in self.pool.healthy() if s.load is not None]
-        counts = {s.url: s.load.preemptions for s in polled if s.load.preemptions is not None}
+        polled = [(s.url, s.load) for s in self.pool.healthy() if s.load is not None]
+        counts = {url: load.preemptions for url, load in polled if load.preemptions is not None}
         preempted = any(n > self._preemptions_seen.get(url, n) for url, n in counts.items())
         self._preemptions_seen.update(counts)
-        usages = [s.load.kv_cache_usage for s in polled if s.load.kv_cache_usage is not None]
+        usages = [load.kv_cache_usage for _, load in polled if load.kv_cache_usage is not None]
         self.concurrency.loads(usages, preempted, self._clock())
         self._apply_cap()
 
@@ -535,7 +535,7 @@ class Dispatcher:
         permits came back), or `wake` (groups added, a server back in service)."""
         try:
             await asyncio.wait_for(self._wakeup.wait(), timeout)
-        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+        except TimeoutError:
             pass
         # Cleared after waiting, not before: a wake() that came while the caller was busy in fill()
         # must still make this call return at once.

@@ -87,9 +87,7 @@ class Server:
         """A polled load: while requests wait, what runs is what the server can take now; a server that
         runs more than that without a queue has room again."""
         self.load = load
-        if load.waiting > 0 and load.running > 0:
-            self.slots = int(load.running)
-        elif self.slots is not None and load.running > self.slots:
+        if (load.waiting > 0 and load.running > 0) or (self.slots is not None and load.running > self.slots):
             self.slots = int(load.running)
 
     def load_key(self) -> tuple[bool, float, float, int]:
@@ -220,7 +218,7 @@ class ServerPool:
     async def _check_weights(self, server: Server) -> None:
         try:
             restarted = await server.client.restarted()
-        except Exception as exc:  # noqa: BLE001  (unreachable: its requests' failures will say so)
+        except Exception as exc:  # unreachable: its requests' failures will say so
             log.debug("asking %s for its weights failed: %s", server.url, exc)
             return
         if restarted and server.healthy:
@@ -233,7 +231,7 @@ class ServerPool:
         if self._restore is not None:
             try:
                 await self._restore(server)
-            except Exception as exc:  # noqa: BLE001  (down a while longer; probed again later)
+            except Exception as exc:  # down a while longer; probed again later
                 log.warning("server %s is up but did not take the current weights: %s", server.url, exc)
                 server.unhealthy_since = self._clock()
                 return
@@ -278,7 +276,7 @@ class ServerPool:
                     await self._bring_back(server)
                     if server.healthy:
                         server.joined_at = time.time()
-                        log.info("server %s joined in %.2fs", server.url, server.joined_at - server.asked_to_join_at)
+                        log.info("server %s joined in %.2fs", server.url, server.joined_at - (server.asked_to_join_at or 0))
                         return
                 await asyncio.sleep(min(1.0, self.reprobe_s))
         finally:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from beam_rl.dispatch.dispatcher import Dispatcher
 from beam_rl.dispatch.resume import ResumePoint
 from beam_rl.dispatch.server_pool import Connect, Restore, Server
-from beam_rl.inference.client import DRAIN_QUIET_S, InferenceConnectionError, InferenceTimeout
+from beam_rl.inference.client import DRAIN_QUIET_S, InferenceConnectionError, InferenceTimeout, UpdateMode
 from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.types import GroupRequest, Rollout
 
@@ -168,7 +168,7 @@ class DispatcherThread:
         """Dispatcher.handle_stale on the loop: (rollouts regenerated, rollouts cancelled)."""
         return self._call(lambda: self.dispatcher.handle_stale(min_version))
 
-    def update_weights(self, path: object, version: int, mode: str = "keep", *, drain_quiet_s: float = DRAIN_QUIET_S,
+    def update_weights(self, path: object, version: int, mode: UpdateMode = "keep", *, drain_quiet_s: float = DRAIN_QUIET_S,
                        timeout_s: float = 600.0) -> list[UpdateTiming]:
         """Every healthy server in the pool loads the checkpoint at `path` as policy `version`, all at once,
         in `mode` (InferenceClient.update_weights); returns when all have, with what each update cost. A

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from beam_rl.inference.inflight import UpdateTiming
 from beam_rl.rundir import RunDir
@@ -38,7 +39,7 @@ class WeightSync:
         self,
         run_dir: RunDir,
         update: Callable[[Path, int], Sequence[UpdateTiming] | None],
-        validate: Callable[[Path], None] | None = None,
+        validate: Callable[[Path], object] | None = None,  # raises for a bad checkpoint
         poll_s: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

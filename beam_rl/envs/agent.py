@@ -125,7 +125,7 @@ class BlackBoxAgent(DatasetEnvironment):
         )
         try:
             out, err = await asyncio.wait_for(process.communicate(json.dumps(row).encode()), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise AgentError(f"agent `{shlex.join(self.command)}`: still running after timeout_s = "
                              f"{self.timeout_s:g} s; stopped") from None
         finally:

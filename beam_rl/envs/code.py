@@ -43,7 +43,7 @@ def split_test(test: str) -> tuple[str, Any]:
         expected = ast.literal_eval(compare.comparators[0])
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         raise ValueError(f"test {test!r}: the right-hand side of == must be a Python literal") from None
-    return ast.get_source_segment(test, compare.left), expected
+    return ast.get_source_segment(test, compare.left) or ast.unparse(compare.left), expected
 
 
 class CodeRow(BaseModel):

@@ -203,7 +203,7 @@ class _Server:
                                task_data=task_data, on_delta=on_delta)
         try:
             episode = await asyncio.wait_for(self.episodes.run(call), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EnvServerError(f"env server {self.name}: the episode ran past timeout_s = {timeout_s:g} s; "
                                  "cancelled") from None
         except RuntimeError as exc:  # the server answered success = false
@@ -219,7 +219,7 @@ class _Server:
     async def _healthy(self) -> bool:
         try:
             return bool(await self.client.health(timeout=HEALTH_TIMEOUT_S))
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             return False
 
 
@@ -324,7 +324,7 @@ class ProcessEnvServer(_Server):
                 os.killpg(self.process.pid, signal.SIGTERM)
             try:
                 await asyncio.wait_for(self.process.wait(), 5.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
                 await self.process.wait()

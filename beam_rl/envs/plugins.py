@@ -199,7 +199,7 @@ class PluginEnvironment(Environment):
         return self.inner.multi_turn
 
     @property
-    def tokenizer(self) -> Any:  # type: ignore[override]
+    def tokenizer(self) -> Any:
         return self.inner.tokenizer
 
     @property

@@ -34,7 +34,7 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -140,7 +140,7 @@ class Episode:
     # -- turns ----------------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _turn(self, route: str):  # -> AsyncIterator[None]
+    async def _turn(self, route: str) -> AsyncIterator[None]:
         if self._lock.locked():
             raise ProxyError(409, "a call of this rollout is in flight: an episode's calls are one after another")
         if self._route is not None and self._route != route:
@@ -386,7 +386,7 @@ class InferenceProxy:
                                   "rollout's endpoint")
         return session.episode
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, request: web.Request) -> web.StreamResponse:
         async def call(episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
             return _model_list(episode.env.max_context)
         return await self._answer(request, call)

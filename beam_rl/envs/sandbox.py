@@ -225,7 +225,7 @@ class _Sandbox:
         timed_out = False
         try:
             await asyncio.wait_for(self._run(), limits.wall_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
         finally:
             if proc.returncode is None:  # timed out, or this coroutine was cancelled: end the namespace
@@ -271,7 +271,12 @@ class _Sandbox:
         assert self.cgroup is not None
         loop = asyncio.get_running_loop()
         readable = loop.create_future()
-        loop.add_reader(self.status_r, lambda: readable.done() or readable.set_result(None))
+
+        def ready() -> None:
+            if not readable.done():
+                readable.set_result(None)
+
+        loop.add_reader(self.status_r, ready)
         try:
             await readable  # the ready byte, or the end of the pipe if the sandbox died first
         finally:

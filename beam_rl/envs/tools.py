@@ -10,7 +10,7 @@ import operator
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 # A block runs to its closing tag, or to the end of the text when a completion was cut inside it.
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
@@ -68,9 +68,9 @@ class ToolError(Exception):
 class Tool(abc.ABC):
     """A function the model may call: a name, a description and a JSON schema of its arguments."""
 
-    name: str
-    description: str
-    parameters: dict[str, Any]
+    name: ClassVar[str]
+    description: ClassVar[str]
+    parameters: ClassVar[dict[str, Any]]
 
     def schema(self) -> dict[str, Any]:
         """The tool as chat templates take it (`tools=[...]`, OpenAI's function format)."""
@@ -117,16 +117,16 @@ def evaluate(expression: str) -> int | float:
 
 
 def _evaluate(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
         return _bounded(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and isinstance(left, int) and isinstance(right, int):
-            # Estimate before computing: 9 ** 9 ** 9 must be refused, not attempted.
-            if right > 0 and max(left.bit_length(), 1) * right > MAX_INT_BITS * 2:
-                raise ToolError("result too large")
+        # Estimate before computing: 9 ** 9 ** 9 must be refused, not attempted.
+        if (isinstance(node.op, ast.Pow) and isinstance(left, int) and isinstance(right, int) and right > 0
+                and max(left.bit_length(), 1) * right > MAX_INT_BITS * 2):
+            raise ToolError("result too large")
         return _bounded(_BINARY[type(node.op)](left, right))
     raise ToolError(f"unsupported syntax: {ast.unparse(node)!r}")
 
@@ -144,7 +144,7 @@ def _bounded(value: int | float) -> int | float:
 class Calculator(Tool):
     name = "calculator"
     description = "Evaluate an arithmetic expression exactly (integers of any size, + - * / // % ** and parentheses)."
-    parameters = {
+    parameters: ClassVar[dict[str, Any]] = {
         "type": "object",
         "properties": {"expression": {"type": "string", "description": "e.g. \"(123 + 4) * 5678\""}},
         "required": ["expression"],
@@ -169,7 +169,7 @@ class PythonTool(Tool):
 
     name = "python"
     description = "Run a Python 3 program and return what it prints (stdout; stderr and the exit code if it fails)."
-    parameters = {
+    parameters: ClassVar[dict[str, Any]] = {
         "type": "object",
         "properties": {"code": {"type": "string", "description": "a complete program; print the result"}},
         "required": ["code"],
@@ -182,7 +182,9 @@ class PythonTool(Tool):
         code = self._argument(arguments, "code")
         run = self._run_python
         if run is None:
-            from beam_rl.envs.sandbox import run_python as run  # the sandbox module is optional until used
+            from beam_rl.envs.sandbox import run_python  # the sandbox module is optional until used
+
+            run = run_python
         result = await run(code)
         parts = [result.stdout]
         if result.timed_out:

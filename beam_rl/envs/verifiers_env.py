@@ -50,7 +50,7 @@ class Verifiers(Environment):
         super().__init__(tokenizer, max_turns)
         self.impl: Environment = (
             VerifiersEpisodes(tokenizer, max_turns, env=env, max_context=max_context, **args) if env is not None
-            else VerifiersTaskset(tokenizer, max_turns, taskset=taskset, **args))
+            else VerifiersTaskset(tokenizer, max_turns, taskset=taskset or "", **args))  # set: checked above
         self.multi_turn = self.impl.multi_turn
 
     def __getattr__(self, name: str) -> Any:  # what only the chosen one has (follow_ups, config, ...)

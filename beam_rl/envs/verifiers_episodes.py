@@ -46,7 +46,8 @@ from beam_rl.envs.env_servers import (
 )
 from beam_rl.envs.loop_local import loop_local
 from beam_rl.envs.multi_turn import FollowUps
-from beam_rl.envs.proxy import LOOPBACK, Endpoint, Episode, check_address, shared_proxy
+from beam_rl.envs.proxy import Endpoint, Episode, check_address, shared_proxy
+from beam_rl.listeners import LOOPBACK
 
 
 class VerifiersEpisodeError(RuntimeError):
@@ -141,7 +142,7 @@ class _InlineEnv:
         (slot,) = self.env.slots(task)
         try:
             return await asyncio.wait_for(self.env.run_slot(slot, context), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise VerifiersEpisodeError(f"verifiers env {self.name}: the episode ran past timeout_s = "
                                         f"{timeout_s:g} s; cancelled") from None
 

@@ -93,7 +93,7 @@ def set_up_within(config: dict[str, Any], env: dict[str, str], timeout_s: float)
     async def bounded() -> dict[str, dict[str, Any]]:
         try:
             return await asyncio.wait_for(set_up(config, env), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             # verifiers killed the program it waited on and let go of it: its pipes close here, on this loop,
             # not at the next collection, after the loop is closed ("Event loop is closed").
             gc.collect()
@@ -101,7 +101,7 @@ def set_up_within(config: dict[str, Any], env: dict[str, str], timeout_s: float)
 
     try:
         return {"harnesses": asyncio.run(bounded())}
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return {"error": f"its harnesses were not set up within setup_timeout_s = {timeout_s:g} s"}
     except SetUpError as exc:
         return {"error": str(exc)}

@@ -66,7 +66,7 @@ def deal(previous: Fleet | None, urls: Iterable[str], shards: int, now: float, h
     keeps the shards within one server of each other (module docstring)."""
     wanted = sorted(set(urls))
     placed = {p.url: p for p in (previous.servers if previous else ()) if p.url in wanted and p.shard < shards}
-    counts = Counter({shard: 0 for shard in range(shards)})
+    counts = Counter(dict.fromkeys(range(shards), 0))
     counts.update(p.shard for p in placed.values())
 
     def fewest() -> int:

@@ -281,7 +281,7 @@ class InferenceClient:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-        return {i for r in results for i in r}
+        return {i for r in results if not isinstance(r, BaseException) for i in r}
 
     async def _send_completion(self, prompt_ids: list[int], sampling: SamplingParams, choices: list[Completion],
                                targets: list[int], progress: Progress | None) -> set[int]:
@@ -337,6 +337,7 @@ class InferenceClient:
         salt = f"policy-v{self.version}"
         params.update(self.extra_body)
         model = self.adapter or self.model
+        payload: dict[str, Any]
         if self.route == "generate":
             payload = {"model": model, "token_ids": prompt_ids, "sampling_params": params, "cache_salt": salt}
         else:

@@ -143,6 +143,8 @@ class LiveRequest:
                 versions[start:] = [self.floor if v == UNKNOWN_VERSION else v for v in versions[start:]]
 
     def _stamp_spans(self, index: int, spans: list[Any], bad: Any) -> None:
+        label = self.label_version
+        assert label is not None  # the caller checked
         versions = self.choices[index].policy_versions
         base = self.starts[index]
         try:
@@ -150,7 +152,7 @@ class LiveRequest:
                 start, end = base + span["start"], base + span["end"]
                 if not base <= start <= end <= len(versions):
                     raise bad(f"choice {index}: weight_versions span {span} outside its {len(versions) - base} tokens")
-                versions[start:end] = [self.label_version(str(span["version"]))] * (end - start)
+                versions[start:end] = [label(str(span["version"]))] * (end - start)
         except (KeyError, TypeError) as exc:
             raise bad(f"choice {index}: unreadable weight_versions ({exc!r})") from None
 

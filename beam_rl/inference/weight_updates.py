@@ -40,8 +40,9 @@ class UpdatedClient(Protocol):
     the client at each use, never copied: an update moves `version`, and tests stand in for `pause`."""
 
     base_url: str
-    route: str  # "generate": the server labels each token's weights (its spans), no drain is needed
+    route: Literal["completions", "generate"]  # "generate": the server labels each token's weights (its spans), no drain is needed
     stream: bool
+    stream_interval: int  # streamed tokens come in chunks of this many
     version: int
     lora: bool
     adapter: str | None  # the LoRA adapter requests name now

@@ -12,12 +12,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from beam_rl.model.location import tokenizer_for
 from beam_rl.config import RunConfig
 from beam_rl.fleet.assignment import Fleet, deal
 from beam_rl.fleet.discovery import DiscoveryError, ServersFile
 from beam_rl.fleet.dns_fleet import resolve_fleet
 from beam_rl.inference.client import InferenceError
+from beam_rl.model.location import tokenizer_for
 from beam_rl.rundir.failures import ServersNotReadyError
 from beam_rl.rundir.layout import RunLayout
 from beam_rl.wiring import JobParts
@@ -91,7 +91,7 @@ class FleetKeeper:
         if initial is None and previous is None:
             raise ValueError(f"{self._path} records no fleet to keep, and no initial servers were given")
         # `initial` None: the fleet as recorded (a launcher that attaches to a running job)
-        urls = previous.urls() if initial is None else initial
+        urls = initial if initial is not None else previous.urls() if previous is not None else []
         self.fleet = self._record(deal(previous, urls, config.dispatch.shards, clock(), handoff_s(config)), previous)
 
     def start(self) -> FleetKeeper:
@@ -144,7 +144,7 @@ class FleetKeeper:
         for placement in fleet.servers:
             if placement.url not in before:
                 _LOG.info("server %s joins the fleet, driven by dispatch shard %d", placement.url, placement.shard)
-            elif (old := previous.placement(placement.url)) is not None and old.shard != placement.shard:
+            elif previous and (old := previous.placement(placement.url)) is not None and old.shard != placement.shard:
                 _LOG.info("server %s moves from dispatch shard %d to %d", placement.url, old.shard, placement.shard)
         for url in sorted(before - set(fleet.urls())):
             _LOG.info("server %s leaves the fleet: its shard drains it", url)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import uuid
 
 import apache_beam as beam
+from apache_beam.pvalue import PCollection
 
 from beam_rl.rundir import RunDir
 from beam_rl.source import SourceSpec
+from beam_rl.wiring import JobParts
 from transforms.coders import PackerItem
 from transforms.dispatch import END_OF_INPUT, DispatchRollouts
 from transforms.evaluate import EvaluateRounds
@@ -21,10 +23,9 @@ from transforms.groups import CompleteGroups
 from transforms.pack import PackBatches
 from transforms.score import EVALUATION, ScoreGroups
 from transforms.write import WriteTrainBatches
-from beam_rl.wiring import JobParts
 
 
-def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> beam.PCollection[int]:
+def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> PCollection[int]:
     """Adds the rollout graph to `pipeline`; returns the PCollection of committed step numbers."""
     dispatched = pipeline | "Dispatch" >> DispatchRollouts(spec)
     scored = (dispatched.rollouts

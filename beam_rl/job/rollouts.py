@@ -13,18 +13,18 @@ import apache_beam as beam
 import grpc
 from apache_beam.runners.runner import PipelineState
 
-from beam_rl.job.preflight import check_servers
-from beam_rl.wiring import JobParts, job_parts
 from beam_rl.config import RunConfig
 from beam_rl.job.fleet_keeper import FleetKeeper, initial_fleet
+from beam_rl.job.graph import build_rollout_pipeline, source_spec
+from beam_rl.job.preflight import check_servers
 from beam_rl.processes import worker_id
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.lease import RunLease, read_job_record, write_job_record
 from beam_rl.source import SourceSpec
+from beam_rl.wiring import JobParts, job_parts
 from runners.flink_rest import TERMINAL, FlinkRest
 from runners.job_server import JobServer, start_job_server
 from runners.options import RunnerSettings, pipeline_options
-from beam_rl.job.graph import build_rollout_pipeline, source_spec
 from runners.prism import release_prism
 
 _LOG = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
             fleet = FleetKeeper(parts, str(directory.path), server_urls)  # fleet.json, before any source reads it
         job_server = None
         if config.runner.name != "direct":
-            master = config.runner.flink_master if config.runner.name == "flink" else "[local]"
+            master = (config.runner.flink_master or "") if config.runner.name == "flink" else "[local]"  # set: RunConfig
             job_server = start_job_server(master, directory.path / "logs" / "flink-job-server.log",
                                           flink_local_heap_mb(config) if config.runner.name == "flink-local" else None,
                                           host=config.runner.bind_host)
@@ -287,7 +287,7 @@ def _embedded_flink_job(job_server: JobServer, job_name: str) -> _FlinkJob | Non
 def _record_cluster_job(config: RunConfig, directory: RunDir, job_name: str) -> _FlinkJob | None:
     """Name the submitted job in the run directory's job record, and follow it on the cluster (so it
     can be followed again by another process if this one dies)."""
-    job = _find_flink_job(FlinkRest(config.runner.flink_master), job_name)
+    job = _find_flink_job(FlinkRest(config.runner.flink_master or ""), job_name)
     if job is None:
         _LOG.warning("job %s is not listed on %s: it is followed through the job server only", job_name,
                      config.runner.flink_master)

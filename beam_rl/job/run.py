@@ -8,17 +8,18 @@ import signal
 import sys
 import threading
 import time
+from types import FrameType
 
 from rich.console import Console
 
 from beam_rl.config import RunConfig
+from beam_rl.job.live import PipelineWaiter, ProgressView, follow
+from beam_rl.job.rollouts import RolloutJob, attach_rollouts, start_rollouts
+from beam_rl.job.servers import inference_servers
 from beam_rl.observe import RunObserver
 from beam_rl.observe.report import write_plot
 from beam_rl.observe.rollout_text import tracker_sample_rows
 from beam_rl.processes import Supervisor
-from beam_rl.job.live import PipelineWaiter, ProgressView, follow
-from beam_rl.job.rollouts import RolloutJob, attach_rollouts, start_rollouts
-from beam_rl.job.servers import inference_servers
 from beam_rl.rundir import RunDir
 from beam_rl.wiring import JobParts, job_parts
 
@@ -67,7 +68,7 @@ class Interrupted(KeyboardInterrupt):
         self.signal = signal.Signals(signum)
 
 
-def _interrupt(signum: int, _frame) -> None:
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
     raise Interrupted(signum)
 
 

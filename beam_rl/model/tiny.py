@@ -44,7 +44,7 @@ def _round_up(value: int, multiple: int) -> int:
 def _tiny_config(vocab_size: int, eos_id: int, pad_id: int, arch: dict[str, Any]) -> Qwen2Config:
     from transformers import Qwen2Config
 
-    return Qwen2Config(
+    return Qwen2Config(  # type: ignore[call-arg]  # rope_theta: taken through **kwargs by newer releases
         vocab_size=vocab_size,
         bos_token_id=pad_id,  # Qwen convention: <|endoftext|> doubles as bos
         eos_token_id=eos_id,
@@ -166,4 +166,4 @@ def load_tiny_model(path: str | os.PathLike) -> PreTrainedModel:
     """A causal LM from a local directory, float32 on CPU, in eval mode."""
     # No dtype argument: its name changed across transformers releases (torch_dtype -> dtype).
     model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
-    return model.to(device="cpu", dtype=torch.float32).eval()
+    return model.to(device="cpu", dtype=torch.float32).eval()  # type: ignore[call-arg]  # transformers' own wrapper

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
-
 from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers

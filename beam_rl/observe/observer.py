@@ -69,7 +69,7 @@ class RunObserver:
         self._sample_rows = sample_rows
         self._metrics = MetricsTail(self.run_dir.metrics_path)
         self._next_step: int | None = None  # the step whose commit record comes next
-        self._status_mtime: int | None = None
+        self._status_mtime: list[int] = []  # of the status files, at the last read
         self._dispatch: list[dict[str, Any]] = []  # load samples since the last processed commit, by time
         self.trackers = _open_trackers(self.run_dir, config)
         self.prometheus_port: int | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -197,14 +198,14 @@ class _Replayer:
         if difference is not None:
             result.differences.append(difference)
 
-    def _relative(self, path) -> str:
+    def _relative(self, path: Path) -> str:
         return str(path.relative_to(self.run_dir.path))
 
 
 # -- the recorded window as the packer's input --------------------------------------------------------------
 
 
-def _window_groups(window: pa.Table, config: RunConfig, source) -> list[list[Rollout]]:
+def _window_groups(window: pa.Table, config: RunConfig, source: Path) -> list[list[Rollout]]:
     """The window's rollouts as fresh trajectories (what the scoring stage was given: no advantage, no
     filter flag), grouped as the packer took them: each group's rows in a row."""
     rollouts = window_rollouts(window, config, source)
@@ -352,9 +353,9 @@ def _compare_window(window: pa.Table, batch: TrainBatch, name: str) -> Differenc
     replayed = batch.rollouts
     committed_ids = window.column("rollout_id").to_pylist()
     replayed_ids = [r.rollout_id for r in replayed]
-    for row, (a, b) in enumerate(zip(committed_ids, replayed_ids)):
-        if a != b:
-            return Difference(name, row, "rollout_id", a, b)
+    for row, (committed_id, replayed_id) in enumerate(zip(committed_ids, replayed_ids)):
+        if committed_id != replayed_id:
+            return Difference(name, row, "rollout_id", committed_id, replayed_id)
     if len(committed_ids) != len(replayed_ids):
         return Difference(name, None, None, f"{len(committed_ids)} rows", f"{len(replayed_ids)} rows")
     values = {
@@ -404,7 +405,7 @@ def _reward_precision_note(window: pa.Table) -> list[str]:
     rounded = next((r for r in rewards.to_numpy() if float(str(r)) != float(r)), None)
     if rounded is None:
         return []
-    return [f"rewards are recorded as float32 (e.g. {str(rounded)} is stored as {float(rounded)!r}) and the run scored "
+    return [f"rewards are recorded as float32 (e.g. {rounded!s} is stored as {float(rounded)!r}) and the run scored "
             "their float64 values: advantages and reward means replayed from them can differ in the last bit"]
 
 

@@ -7,12 +7,16 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 from rich.table import Table
 
 from beam_rl.rundir import RunDir
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 # (stage, from stamp, to stamp), in the order a rollout goes through them (schemas/fields.py: the stamps).
 PHASES: tuple[tuple[str, str, str], ...] = (
@@ -177,7 +181,7 @@ def write_timeline(run_dir: RunDir, steps: Sequence[int], timelines: pa.Table | 
     return path
 
 
-def _draw_latency(ax, breakdown: Sequence[PhaseLatency]) -> None:
+def _draw_latency(ax: Axes, breakdown: Sequence[PhaseLatency]) -> None:
     shown = [row for row in breakdown if row.rollouts]
     if not shown:
         ax.text(0.5, 0.5, "no rollout in this range", ha="center", transform=ax.transAxes)
@@ -185,8 +189,8 @@ def _draw_latency(ax, breakdown: Sequence[PhaseLatency]) -> None:
     y = np.arange(len(shown))
     # A log scale: queueing and packing take milliseconds, generation and commit seconds.
     floor = 1e-4
-    p50 = [max(row.p50_s, floor) for row in shown]
-    p99 = [max(row.p99_s, floor) for row in shown]
+    p50 = [max(row.p50_s or 0.0, floor) for row in shown]  # a row with rollouts has its percentiles
+    p99 = [max(row.p99_s or 0.0, floor) for row in shown]
     ax.barh(y - 0.2, p50, height=0.4, color="#1565c0", label="p50")
     ax.barh(y + 0.2, p99, height=0.4, color="#90caf9", label="p99")
     for i, row in enumerate(shown):
@@ -199,7 +203,7 @@ def _draw_latency(ax, breakdown: Sequence[PhaseLatency]) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.005, 1))
 
 
-def _draw_lanes(ax, lanes: dict[str, list[Request]], timelines: pa.Table) -> float | None:
+def _draw_lanes(ax: Axes, lanes: dict[str, list[Request]], timelines: pa.Table) -> float | None:
     """Each server a band of height 1, its rows of requests stacked inside; returns the time origin."""
     starts = [r.start for requests in lanes.values() for r in requests]
     if not starts:

@@ -65,7 +65,7 @@ class WandbTracker:
         if samples:
             columns = list(dict.fromkeys(column for sample in samples for column in sample))
             row[f"{stream}/samples"] = self._table(
-                columns=columns, data=[[sample.get(column) for column in columns] for sample in samples])
+                columns=list[str | int](columns), data=[[sample.get(column) for column in columns] for sample in samples])
         self.run.log(row)
         self.logged[stream] = step
 

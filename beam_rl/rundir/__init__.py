@@ -17,11 +17,11 @@ from beam_rl.rundir.errors import (
     StepCorruptError,
     StepNotCommittedError,
 )
-from beam_rl.rundir.layout import COMMIT_FILE, STABLE_FILE, WINDOW_FILE, RunLayout, rank_file_name
+from beam_rl.rundir.layout import COMMIT_FILE, STABLE_FILE, RunLayout
 from beam_rl.rundir.metrics import MetricsStore, MetricsTail
 from beam_rl.rundir.steps import StepStore, open_arrow_file
 from beam_rl.rundir.weights import WeightStore
-from schemas.commit_record import CommitRecord, CommitRecordError, Offset
+from schemas.commit_record import WINDOW_FILE, CommitRecord, CommitRecordError, Offset, rank_file_name
 
 if TYPE_CHECKING:
     import pyarrow.dataset as ds

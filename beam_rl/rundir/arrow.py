@@ -45,15 +45,16 @@ def micro_batch_to_record_batch(index: int, micro_batch: MicroBatch) -> pa.Recor
     for f in SAMPLE_FIELDS:
         values = written[f.name] if f.written else [getattr(s, f.name) for s in samples]
         columns.append(pa.array(values, f.arrow_type))
-    for f in TOKEN_FIELDS:
-        if f.written:
-            flat = written[f.name]
+    for t in TOKEN_FIELDS:
+        flat: np.ndarray
+        if t.written:
+            flat = written[t.name]
         else:  # as the declared dtype first: a mask given as ints must still land as 0/1
-            parts = [np.asarray(getattr(s, f.name), dtype=f.dtype) for s in samples]
-            flat = np.concatenate(parts) if parts else np.empty(0, f.dtype)
-        if f.dtype == np.bool_:
+            parts = [np.asarray(getattr(s, t.name), dtype=t.dtype) for s in samples]
+            flat = np.concatenate(parts) if parts else np.empty(0, t.dtype)
+        if t.dtype == np.bool_:
             flat = flat.view(np.uint8)
-        columns.append(pa.ListArray.from_arrays(list_offsets, pa.array(flat, f.arrow_type)))
+        columns.append(pa.ListArray.from_arrays(list_offsets, pa.array(flat, t.arrow_type)))
     return pa.RecordBatch.from_arrays(columns, schema=TRAIN_BATCH_SCHEMA)
 
 
@@ -170,7 +171,7 @@ def _kinds(num_turns: int) -> np.ndarray:
     return kinds
 
 
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
+def _concat(parts: Sequence[np.ndarray | Sequence[int]]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
 
 

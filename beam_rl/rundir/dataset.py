@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from beam_rl.rundir.layout import WINDOW_FILE
 from beam_rl.rundir.steps import StepStore, open_arrow_file
-from schemas.commit_record import CommitRecord, rank_file_name
+from schemas.commit_record import WINDOW_FILE, CommitRecord, rank_file_name
 from schemas.train_batch import TRAIN_BATCH_SCHEMA, check_schema
 from schemas.window import ROLLOUT_RECORD_SCHEMA
 

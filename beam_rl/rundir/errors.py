@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 class RunDirError(OSError):
@@ -30,5 +31,5 @@ class StepCorruptError(RunDirError):
         self.file = file
         self.what = what
 
-    def __reduce__(self):  # pickled across processes (Beam workers) with its own arguments
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled across processes (Beam workers) with its own arguments
         return type(self), (self.step, self.file, self.what)

@@ -16,9 +16,10 @@ from pydantic import TypeAdapter, ValidationError
 from beam_rl.rundir.arrow import rollouts_to_table, samples_to_table
 from beam_rl.rundir.atomic import atomic_write, fsync_directory, is_temp, json_bytes, json_default, remove
 from beam_rl.rundir.errors import RunDirError, StepAlreadyCommittedError, StepCorruptError, StepNotCommittedError
-from beam_rl.rundir.layout import COMMIT_FILE, WINDOW_FILE, RunLayout, step_dirs
+from beam_rl.rundir.layout import COMMIT_FILE, RunLayout, step_dirs
 from beam_rl.types import Rollout, RolloutRecord, TrainBatch
 from schemas.commit_record import (
+    WINDOW_FILE,
     CommitRecord,
     CommitRecordError,
     FileEntry,
@@ -279,10 +280,11 @@ def _write_checksummed(path: Path, table: pa.Table) -> FileEntry:
         _write_arrow_file(out, table)
 
     atomic_write(path, write, fsync_dir=False)
+    assert out is not None  # atomic_write called write
     return out.entry()
 
 
-def _write_arrow_file(f: BinaryIO, table: pa.Table) -> None:
+def _write_arrow_file(f: BinaryIO | _ChecksummingFile, table: pa.Table) -> None:
     # IPC *file* format (not stream): it has a footer, so readers can memory-map it and seek to any batch.
     with pa.ipc.new_file(f, table.schema) as writer:
         for record_batch in table.to_batches():

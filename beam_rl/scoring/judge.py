@@ -102,7 +102,7 @@ class Judge:
                 await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
             try:
                 status, body = await self._post(payload)
-            except asyncio.TimeoutError:  # aiohttp's total timeout (TimeoutError itself from Python 3.11)
+            except TimeoutError:  # aiohttp's total timeout (TimeoutError itself from Python 3.11)
                 raise RewardUnavailable(f"judge {self.endpoint} timed out after {self.config.timeout_s} s") from None
             except aiohttp.ClientError as err:
                 failure = f"{type(err).__name__}: {err}"

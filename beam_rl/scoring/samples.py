@@ -50,12 +50,14 @@ def trace_to_samples(rollout: Rollout) -> list[Sample]:
 def _check_finite(tokens: RolloutTokens, rollout: Rollout) -> None:
     # A None or NaN logprob means the server response was not what we asked for (logprobs=0 unset):
     # training on it would silently poison the importance ratio.
-    bad = np.flatnonzero(~np.isfinite(tokens.logprobs))
+    logprobs = tokens.logprobs
+    assert logprobs is not None  # a rollout's own tokens hold their arrays
+    bad = np.flatnonzero(~np.isfinite(logprobs))
     if bad.size:
         starts = np.cumsum(tokens.segments)[1::2]  # where each turn's completion starts
         turn = int(np.searchsorted(starts, bad[0], side="right")) - 1
         raise ValueError(f"rollout {rollout.rollout_id} turn {turn}: logprob {int(bad[0] - starts[turn])} "
-                         f"is {tokens.logprobs[bad[0]]}")
+                         f"is {logprobs[bad[0]]}")
 
 
 def share_sample_tokens(records: Sequence[RolloutRecord], samples: Iterable[Sample]) -> None:
@@ -82,7 +84,8 @@ def without_token_arrays(records: Sequence[RolloutRecord], rollout_ids: set[str]
     stripped = {}
     for record in records:
         if id(record) not in stripped and record.tokens is not None and record.rollout_id in rollout_ids:
-            tokens = dataclasses.replace(record.tokens, **dict.fromkeys(SHARED_TOKEN_ARRAYS))
+            arrays: dict[str, Any] = dict.fromkeys(SHARED_TOKEN_ARRAYS)  # None: left out
+            tokens = dataclasses.replace(record.tokens, **arrays)
             stripped[id(record)] = dataclasses.replace(record, tokens=tokens)
     return stripped
 

@@ -48,7 +48,7 @@ class CommittedSteps:
         new = []
         for step in steps:
             record = self._run_dir.read_commit(step)
-            offsets = {tuple(o) for o in record.offsets}
+            offsets = set(record.offsets)
             self.consumed |= offsets
             window = record.window
             if window.rollouts:  # stale rollouts count: their room went to no one, but fresh they would train

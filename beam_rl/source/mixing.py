@@ -71,7 +71,7 @@ class EnvMix:
         self.targets = {t.name: t for t in targets}
         self.by = by
         self.shards = shards
-        self.trained: dict[str, int] = {name: 0 for name in self.targets}  # the whole run's committed steps
+        self.trained: dict[str, int] = dict.fromkeys(self.targets, 0)  # the whole run's committed steps
         self._recent: collections.deque[_StepFigures] = collections.deque(maxlen=self.recent_steps)
         self.last_step = 0
 
@@ -80,8 +80,9 @@ class EnvMix:
         """The run's mix, or None when its environments set no ratio (they take turns)."""
         if not any(e.ratio is not None for e in config.envs):
             return None
-        total = sum(e.ratio for e in config.envs)
-        return cls([EnvTarget(e.name, e.ratio / total, e.group_size) for e in config.envs],
+        ratios = [e.ratio or 0.0 for e in config.envs]  # set on every environment (RunConfig checks)
+        total = sum(ratios)
+        return cls([EnvTarget(e.name, ratio / total, e.group_size) for e, ratio in zip(config.envs, ratios)],
                    config.dispatch.mix_by, shards)
 
     # -- what committed steps say --------------------------------------------------------------
@@ -166,7 +167,7 @@ class EnvMix:
         """For status and `beam-rl inspect`: per environment its target, trained share, acceptance, cap."""
         shares, caps = self.shares(), self.caps(permits) or {}
         return {env: {"target": round(t.share, 4), "trained": self.trained[env],
-                      "trained_share": None if shares[env] is None else round(shares[env], 4),
+                      "trained_share": None if (share := shares[env]) is None else round(share, 4),
                       "acceptance": round(self.acceptance(env), 3), "cap": caps.get(env)}
                 for env, t in self.targets.items()}
 

@@ -14,8 +14,9 @@ environment's rows come in row order or, shuffled, in an order of the epoch's ow
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -71,9 +72,9 @@ class PromptSchedule:
     def position(self, offset: Offset) -> int:
         return self._position[tuple(offset)]  # type: ignore[index]
 
-    def positions_of(self, offsets) -> set[int]:
+    def positions_of(self, offsets: Iterable[Offset]) -> set[int]:
         """The positions of those offsets this schedule has (a changed dataset may lack some)."""
-        return {self._position[tuple(o)] for o in offsets if tuple(o) in self._position}
+        return {self._position[o] for o in map(tuple, offsets) if o in self._position}
 
     def group_size(self, position: int) -> int:
         return self._envs[self.offset(position)[0]].group_size

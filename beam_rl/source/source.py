@@ -259,6 +259,7 @@ class RolloutSource:
                                       for position in itertools.chain(self._admitted.values(), self._in_transit))
         candidates = []
         for stream, env in enumerate(self.schedule.stream_envs):
+            assert env is not None  # a mix draws from one stream per environment
             if self._draws[stream] >= self._stream_draws[stream]:
                 continue
             if caps is None or inflight[env] == 0 or inflight[env] + self._mix.targets[env].group_size <= caps[env]:
@@ -370,11 +371,11 @@ class RolloutSource:
         if update is not None:
             # The earliest step that could still train a rollout is version + 1, where its staleness is
             # version - its oldest token's; past max_off_policy_steps it could only ever be filtered out.
-            regenerated, cancelled = self._dispatcher.handle_stale(
+            regenerated, stale = self._dispatcher.handle_stale(
                 update.version - self.spec.config.off_policy.max_off_policy_steps)
             self._run_dir.append_metrics({"weight_update": {
                 "t": time.time(), "shard": self.shard.index, **update.as_dict(),
-                "regenerated_rollouts": regenerated, "cancelled_stale_rollouts": cancelled}})
+                "regenerated_rollouts": regenerated, "cancelled_stale_rollouts": stale}})
         rounds = self._evals.due(self._commits.last_step)
         if rounds:
             self._dispatcher.add_groups(rounds)

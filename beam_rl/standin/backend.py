@@ -109,7 +109,9 @@ class Backend(Protocol):
 
     vocab_size: int
     max_model_len: int
-    prefix_cache: PrefixCounters
+
+    @property
+    def prefix_cache(self) -> PrefixCounters: ...
 
     @property
     def weights(self) -> Weights:

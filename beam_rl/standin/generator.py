@@ -108,7 +108,7 @@ class ModelGenerator:
     def __init__(self, model_dir: str | pathlib.Path, device: str = "cpu", dtype: str = "float32") -> None:
         self.model_dir = pathlib.Path(model_dir)
         self.device = torch.device(device)
-        self.model = load_tiny_model(self.model_dir).to(device=self.device, dtype=getattr(torch, dtype))
+        self.model = load_tiny_model(self.model_dir).to(device=self.device, dtype=getattr(torch, dtype))  # type: ignore[call-arg]
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = int(config.max_position_embeddings)
@@ -142,10 +142,10 @@ class ModelGenerator:
         self.adapters.add(name)
 
     def unload_adapter(self, name: str) -> None:
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.tuners.lora import LoraLayer
 
         for module in self.model.modules():
-            if isinstance(module, BaseTunerLayer) and name in module.lora_A:
+            if isinstance(module, LoraLayer) and name in module.lora_A:
                 module.delete_adapter(name)
         self.adapters.discard(name)
 
@@ -220,7 +220,7 @@ class ModelGenerator:
         tensors: dict[str, torch.Tensor] = {}
         for file in files:
             with safe_open(str(file), framework="pt") as reader:
-                for name in reader.keys():
+                for name in reader.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                     tensors[name] = reader.get_tensor(name)
         expected = dict(self._shapes)
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))

@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 import threading
+from typing import Any
 
 from beam_rl import processes
 
@@ -64,10 +65,11 @@ def spawn_subprocess_server(
 
 def wait_until_ready(proc: subprocess.Popen, ready_timeout_s: float = 120.0) -> str:
     """The server's base URL once it prints `READY <url>`; kills it if it does not within the timeout."""
-    assert proc.stdout is not None
+    stdout = proc.stdout
+    assert stdout is not None
     first_line: list[str] = []
     # readline() has no timeout; a reader thread lets a server that never gets ready fail cleanly.
-    reader = threading.Thread(target=lambda: first_line.append(proc.stdout.readline()), daemon=True)
+    reader = threading.Thread(target=lambda: first_line.append(stdout.readline()), daemon=True)
     reader.start()
     reader.join(ready_timeout_s)
     line = first_line[0].strip() if first_line else ""
@@ -76,6 +78,11 @@ def wait_until_ready(proc: subprocess.Popen, ready_timeout_s: float = 120.0) -> 
         proc.wait()
         raise RuntimeError(
             f"inference server not ready within {ready_timeout_s:g}s (exit code {proc.returncode}, "
-            f"first line {line!r}); command: {' '.join(map(str, proc.args))}"
+            f"first line {line!r}); command: {_command(proc.args)}"
         )
     return line.split(" ", 1)[1]
+
+
+def _command(args: Any) -> str:
+    """Popen's `args` as a shell line: a list of words, or one string or path."""
+    return " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)

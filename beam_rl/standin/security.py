@@ -19,6 +19,7 @@ import ssl
 from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 READ_ONLY_METHODS = frozenset({"GET", "HEAD"})
@@ -33,7 +34,7 @@ def needs_key(request: web.Request) -> bool:
     return request.path.startswith(GUARDED_PREFIXES) or request.method not in READ_ONLY_METHODS
 
 
-def api_key_middleware(keys: Sequence[str]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def api_key_middleware(keys: Sequence[str]) -> Middleware:
     """Answers 401 `{"error": "Unauthorized"}` (vLLM's body) to a request `needs_key` guards, unless it carries
     `Authorization: Bearer <one of keys>`."""
     digests = [hashlib.sha256(key.encode()).digest() for key in keys]

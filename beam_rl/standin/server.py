@@ -22,14 +22,16 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.processes import keep_triton_out
 from beam_rl.standin.backend import Backend, PauseGate, PauseState
 from beam_rl.standin.faults import (
@@ -48,7 +50,6 @@ from beam_rl.standin.protocol import (
     CompletionRequest,
     GenerateRequest,
     RequestError,
-    SamplingRequest,
     error_response,
 )
 from beam_rl.standin.responses import (
@@ -60,7 +61,7 @@ from beam_rl.standin.responses import (
     dumps,
     generate_body,
 )
-from beam_rl.standin.security import api_key_middleware, server_ssl_context
+from beam_rl.standin.security import Handler, api_key_middleware, server_ssl_context
 from beam_rl.standin.simulated import (
     SimulatedEngine,
     SimulatedParams,
@@ -68,12 +69,11 @@ from beam_rl.standin.simulated import (
     simulated_params_from_args,
 )
 from beam_rl.standin.stepped import InstantBackend, ModelBackend
-from beam_rl.model.tokenizer import load_tokenizer
 
-__all__ = ["EmbeddedServer", "FaultConfig", "start_subprocess_server", "main"]
+__all__ = ["EmbeddedServer", "FaultConfig", "main", "start_subprocess_server"]
 
 Mode = Literal["model", "instant", "simulated"]
-R = TypeVar("R", bound=SamplingRequest)
+R = TypeVar("R", bound=BaseModel)
 DIED_EXIT_CODE = 70  # a subprocess server killed by the die_after_tokens fault exits with this
 
 
@@ -152,8 +152,9 @@ class EmbeddedServer:
         self._exit_on_death = exit_on_death
         self._dead = False  # died of die_after_tokens, in-process: answers nothing until started again
         keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
-        self._middlewares = [self._crashed, *([api_key_middleware(keys)] if keys else [])]
-        self._ssl = server_ssl_context(str(ssl_certfile), ssl_keyfile and str(ssl_keyfile)) if ssl_certfile else None
+        self._middlewares: list[Middleware] = [self._crashed, *([api_key_middleware(keys)] if keys else [])]
+        self._ssl = (server_ssl_context(str(ssl_certfile), str(ssl_keyfile) if ssl_keyfile else None) if ssl_certfile
+                     else None)
         self._metrics_collector = ServerMetrics(self)
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
@@ -231,25 +232,25 @@ class EmbeddedServer:
             raise RuntimeError("server was stopped; start a new EmbeddedServer")
         started = threading.Event()
         failure: list[BaseException] = []
-        self._loop = asyncio.new_event_loop()
+        loop = self._loop = asyncio.new_event_loop()
 
         def serve() -> None:
-            asyncio.set_event_loop(self._loop)
+            asyncio.set_event_loop(loop)
             try:
-                self._loop.run_until_complete(self.start_async())
-            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+                loop.run_until_complete(self.start_async())
+            except BaseException as exc:  # handed to the starting thread
                 failure.append(exc)
                 started.set()
                 return
             started.set()
-            self._loop.run_forever()
-            self._loop.run_until_complete(self.stop_async())
+            loop.run_forever()
+            loop.run_until_complete(self.stop_async())
             # Requests still hanging (hang fault, paused) would otherwise die with the loop, unawaited.
-            leftover = asyncio.all_tasks(self._loop)
+            leftover = asyncio.all_tasks(loop)
             for task in leftover:
                 task.cancel()
-            self._loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
-            self._loop.close()
+            loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+            loop.close()
 
         self._thread = threading.Thread(target=serve, name=f"embedded-vllm-{id(self):x}", daemon=True)
         self._thread.start()
@@ -346,7 +347,8 @@ class EmbeddedServer:
         finally:
             seen.ended = time.time()
 
-    async def _choices(self, params: GenerationParams, empty: bool, progress: bool) -> AsyncIterator[list[ChoiceResult]]:
+    async def _choices(self, params: GenerationParams, empty: bool, progress: bool,
+                       ) -> AsyncGenerator[list[ChoiceResult], None]:
         """The request's choices as they grow: generated, scripted (fault `replies`) or empty (fault)."""
         if empty:
             await asyncio.sleep(self.faults.config.latency_s)
@@ -365,7 +367,7 @@ class EmbeddedServer:
 
         async def respond(source: AsyncIterator[list[ChoiceResult]]) -> web.Response:
             choices: list[ChoiceResult] = []
-            async for choices in source:
+            async for choices in source:  # noqa: B007 (the last list holds every choice, finished)
                 pass
             return web.json_response(build(self.texts, self.served_model_name, params, body, choices), dumps=dumps)
 
@@ -398,8 +400,9 @@ class EmbeddedServer:
         except ValidationError as exc:
             raise RequestError(400, f"invalid {what}: {exc}") from None
         adapters = self.lora.loaded if self.lora is not None else {}
-        if self._strict_model_name and body.model not in (None, self.served_model_name, *adapters):
-            raise RequestError(404, f"The model `{body.model}` does not exist.", "NotFoundError")
+        name = getattr(body, "model", None)  # every request names one
+        if self._strict_model_name and name not in (None, self.served_model_name, *adapters):
+            raise RequestError(404, f"The model `{name}` does not exist.", "NotFoundError")
         return body
 
     def _with_adapter(self, body: Any, params: GenerationParams) -> GenerationParams:
@@ -440,7 +443,7 @@ class EmbeddedServer:
         raise asyncio.CancelledError
 
     @web.middleware
-    async def _crashed(self, request: web.Request, handler) -> web.StreamResponse:
+    async def _crashed(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self._dead:
             if request.transport is not None:
                 request.transport.abort()

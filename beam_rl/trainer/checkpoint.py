@@ -35,11 +35,11 @@ def publish_weights(
     A peft model publishes its adapter alone (adapter_config.json, adapter_model.safetensors), which servers
     load as a LoRA adapter over the model they serve.
     """
-    source = Path(source_dir if source_dir is not None else model.name_or_path)
+    source = Path(source_dir if source_dir is not None else str(model.name_or_path))
     adapter = hasattr(model, "peft_config")
     with run_dir.publish_weights_dir(step) as directory:
         with quiet_progress_bars():
-            model.save_pretrained(str(directory))
+            model.save_pretrained(str(directory))  # type: ignore[operator]  # a transformers or peft model
         if source.is_dir() and not adapter:
             for path in sorted(source.iterdir()):
                 if _is_model_side_file(path):

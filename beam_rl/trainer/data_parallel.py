@@ -35,7 +35,7 @@ import torch.distributed as dist
 # would hold the default group for good: destroy_process_group could not release it, and its gloo threads
 # would still run while the interpreter exits, which aborts a rank now and then ('terminate called without
 # an active exception'). Imported here, before any group exists, they bind None.
-import torch.distributed.nn  # noqa: F401  isort: skip
+import torch.distributed.nn  # isort: skip
 
 from beam_rl.config import RunConfig, TrainerSection
 from beam_rl.processes import free_port, keep_triton_out
@@ -129,13 +129,14 @@ def launch(run_dir: str | os.PathLike[str], model_dir: str | os.PathLike[str], t
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     rank_args = (str(run_dir), str(model_dir), trainer, max_steps, seed)
-    mp.start_processes(_spawned_rank, args=(nproc, free_port(), rank_args), nprocs=nproc, start_method="spawn")
+    # (torch.multiprocessing re-exports start_processes without marking it as exported)
+    mp.start_processes(_spawned_rank, args=(nproc, free_port(), rank_args), nprocs=nproc, start_method="spawn")  # type: ignore[attr-defined]
 
 
 def main(argv: list[str] | None = None) -> None:
     """torchrun's entry: `torchrun --nproc-per-node N -m beam_rl.trainer.data_parallel --run-dir RUN`."""
-    from beam_rl.model.location import model_dir
     from beam_rl.config import config_from_dict, load_config
+    from beam_rl.model.location import model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True)

@@ -38,7 +38,7 @@ def sampled_token_logprobs(
 
 def check_packed_attention(model: torch.nn.Module, atol: float = 1e-4) -> None:
     """Raise RuntimeError unless the model keeps attention inside each packed sample (see sampled_token_logprobs)."""
-    embeddings = model.get_input_embeddings().weight
+    embeddings: torch.Tensor = model.get_input_embeddings().weight  # type: ignore[operator]  # a transformers model
     vocab, device = int(embeddings.shape[0]), embeddings.device
     first = torch.arange(1, 6, device=device) % vocab
     second = torch.arange(6, 10, device=device) % vocab

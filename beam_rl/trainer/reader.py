@@ -120,18 +120,18 @@ def _micro_batch_arrays(record_batch: pa.RecordBatch, source: str) -> MicroBatch
     arrays["micro_batch"] = int(index[0]) if len(index) else -1
     seq_lens = arrays["seq_lens"]
     cu_seqlens = None
-    for f in TOKEN_FIELDS:
-        column: pa.ListArray = record_batch.column(f.name)
-        offsets = _view(column.offsets, np.int32, source, f.name)
+    for t in TOKEN_FIELDS:
+        tokens: pa.ListArray = record_batch.column(t.name)
+        offsets = _view(tokens.offsets, np.int32, source, t.name)
         # `.values` is the whole child array, even for a sliced list; the offsets say which part is ours.
-        values = _view(column.values, numpy_dtype(f.arrow_type), source, f.name)[offsets[0] : offsets[-1]]
+        values = _view(tokens.values, numpy_dtype(t.arrow_type), source, t.name)[offsets[0] : offsets[-1]]
         if cu_seqlens is None:
             cu_seqlens = offsets if offsets[0] == 0 else offsets - offsets[0]
             if not np.array_equal(np.diff(cu_seqlens), seq_lens):
-                raise SchemaError(f"{source}: seq_len disagrees with the length of {f.name!r}")
+                raise SchemaError(f"{source}: seq_len disagrees with the length of {t.name!r}")
         elif not np.array_equal(np.diff(offsets), seq_lens):
-            raise SchemaError(f"{source}: column {f.name!r} disagrees with seq_len on some sample's token count")
-        arrays[f.name] = values.view(f.dtype)  # the stored uint8 of a bool field, seen as bool
+            raise SchemaError(f"{source}: column {t.name!r} disagrees with seq_len on some sample's token count")
+        arrays[t.name] = values.view(t.dtype)  # the stored uint8 of a bool field, seen as bool
     arrays["cu_seqlens"] = cu_seqlens
     return arrays
 

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from beam_rl.config import LoraSection, TrainerSection
+from beam_rl.model.tiny import load_tiny_model
 from beam_rl.rundir import RunDir
 from beam_rl.rundir.checkpoint_shapes import validate_checkpoint
-from beam_rl.model.tiny import load_tiny_model
 from beam_rl.trainer.checkpoint import (
     load_optimizer_state,
     prune_optimizer_states,
@@ -284,7 +284,7 @@ def with_lora(model: torch.nn.Module, lora: LoraSection, seed: int,
     (B = 0, so it starts as the base model; A drawn from `seed`)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; scales by a float target_modules=list(lora.target_modules),
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # peft asks transformers a question it deprecated (is_gradient_checkpointing): the user can do nothing.
