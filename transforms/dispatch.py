@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import List, Tuple
 
 import apache_beam as beam
 from apache_beam.io.iobase import RestrictionProgress, RestrictionTracker
 from apache_beam.transforms.core import RestrictionProvider
+from apache_beam.transforms.window import TimestampedValue
 from apache_beam.typehints.native_type_compatibility import convert_to_beam_type
 from apache_beam.utils import shared
 from apache_beam.utils.timestamp import Duration, Timestamp
@@ -35,7 +35,7 @@ POLL_S = 0.02
 
 # (run id, (shard index, offsets in the shard)): plain values with a deterministic coder, which Flink needs
 # to key the source's residuals; pairs, because Prism 2.62 knows no coder of longer tuples.
-ShardElement = Tuple[str, Tuple[int, int]]
+ShardElement = tuple[str, tuple[int, int]]
 
 
 class _RangeTracker(RestrictionTracker):
@@ -165,6 +165,9 @@ def _key_for(group_id: str, subtask: int, parallelism: int, coder) -> str:
     raise AssertionError("no key found")  # each salt hits a subtask with probability 1/parallelism
 
 
+_RANGES, _WATERMARK = _Ranges(), WatermarkFromStart()  # what Beam asks of the restriction and the watermark
+
+
 class _DispatchFn(beam.DoFn):
     def __init__(self, spec: SourceSpec) -> None:
         self._spec = spec
@@ -179,8 +182,8 @@ class _DispatchFn(beam.DoFn):
         self._sources.close()
 
     @beam.DoFn.unbounded_per_element()
-    def process(self, element: ShardElement, tracker=beam.DoFn.RestrictionParam(_Ranges()),
-                watermark=beam.DoFn.WatermarkEstimatorParam(WatermarkFromStart())):
+    def process(self, element: ShardElement, tracker=beam.DoFn.RestrictionParam(_RANGES),
+                watermark=beam.DoFn.WatermarkEstimatorParam(_WATERMARK)):
         _, (shard, _) = element
         restriction = tracker.current_restriction()
         source = self._sources.get(self._parts, shard, restriction)
@@ -206,8 +209,8 @@ class _DispatchFn(beam.DoFn):
             parts: dict[str, list[Rollout]] = {}
             for rollout in source.poll(POLL_S):
                 parts.setdefault(rollout.group_id, []).append(rollout)
-            for group_id, part in parts.items():
-                yield beam.window.TimestampedValue((self._keys.key(part[0], source), part), now)
+            for part in parts.values():
+                yield TimestampedValue((self._keys.key(part[0], source), part), now)
             # The tokens of the rollouts generating are taken as the call ends: its residual is what a
             # checkpoint holds. One reading of the clock decides both, so a call never defers without them.
             ending = time.monotonic() >= deadline
@@ -262,5 +265,5 @@ class DispatchRollouts(beam.PTransform):
         return (pbegin
                 | beam.Impulse()
                 | "Shards" >> beam.FlatMap(lambda _: elements).with_output_types(ShardElement)
-                | beam.ParDo(_DispatchFn(self._spec)).with_output_types(Tuple[str, List[Rollout]])
+                | beam.ParDo(_DispatchFn(self._spec)).with_output_types(tuple[str, list[Rollout]])
                 .with_outputs(END_OF_INPUT, main="rollouts"))

@@ -3,8 +3,6 @@ has come back, appends the round's summary to the run's metrics."""
 
 from __future__ import annotations
 
-from typing import List, Tuple
-
 import apache_beam as beam
 from apache_beam.transforms import userstate
 
@@ -27,7 +25,7 @@ class _CollectRound(beam.DoFn):
         self._parts = wiring.eval_parts(self._config)
         self._dir = RunDir(self._run_dir)
 
-    def process(self, keyed: Tuple[int, List[RolloutRecord]], groups=beam.DoFn.StateParam(GROUPS)):
+    def process(self, keyed: tuple[int, list[RolloutRecord]], groups=beam.DoFn.StateParam(GROUPS)):
         after_step, group = keyed
         arrived = [*groups.read(), group]
         if len(arrived) < self._parts.prompts_per_round:

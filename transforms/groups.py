@@ -8,8 +8,6 @@ the stage spreads groups, and the scoring fused after it, over the runner's work
 
 from __future__ import annotations
 
-from typing import List, Tuple
-
 import apache_beam as beam
 from apache_beam.transforms import userstate
 
@@ -20,7 +18,7 @@ from transforms.coders import DomainCoder
 class _CollectGroup(beam.DoFn):
     ARRIVED = userstate.BagStateSpec("arrived", DomainCoder())  # the group's rollouts so far
 
-    def process(self, keyed: Tuple[str, List[Rollout]], arrived=beam.DoFn.StateParam(ARRIVED)):
+    def process(self, keyed: tuple[str, list[Rollout]], arrived=beam.DoFn.StateParam(ARRIVED)):
         _, part = keyed  # keyed by the group (transforms/dispatch.py chooses the key)
         if len(part) < part[0].group_size:
             group = [*arrived.read(), *part]
@@ -39,4 +37,4 @@ class CompleteGroups(beam.PTransform):
     """(a group's key, some of its rollouts) -> (group id, the group's rollouts ordered by attempt), once per group."""
 
     def expand(self, rollouts):
-        return rollouts | beam.ParDo(_CollectGroup()).with_output_types(Tuple[str, List[Rollout]])
+        return rollouts | beam.ParDo(_CollectGroup()).with_output_types(tuple[str, list[Rollout]])

@@ -10,7 +10,7 @@ followed by an InputExhausted marker for the writer.
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any
 
 import apache_beam as beam
 from apache_beam.coders import PickleCoder
@@ -48,7 +48,7 @@ class _PackFn(beam.DoFn):
         self._dir = RunDir(self._run_dir)
         self._parts = wiring.packing_parts(self._config, self._check_staleness)
 
-    def process(self, keyed: Tuple[str, Any], state=beam.DoFn.StateParam(STATE),
+    def process(self, keyed: tuple[str, Any], state=beam.DoFn.StateParam(STATE),
                 pending=beam.DoFn.StateParam(PENDING)):
         _, items = keyed
         packer = Packer.load(state.read(), pending.read(), new_builder=self._new_builder, steps=self._dir)
@@ -91,7 +91,8 @@ class _PerBundle(beam.DoFn):
 
     def _flush(self) -> WindowedValue:
         items, self._items = self._items, []
-        return WindowedValue(items, self._latest, [GlobalWindow()])
+        assert self._latest is not None  # set with the first item
+        return WindowedValue(items, self._latest, (GlobalWindow(),))
 
 
 class PackBatches(beam.PTransform):
@@ -104,6 +105,6 @@ class PackBatches(beam.PTransform):
                 # Up to a bundle's worth of groups per element: the packer's state is read and written
                 # once per element, and on Prism each element for the single key cost a bundle round
                 # trip (the runner's CPU per rollout fell ~3x; bench/history.md).
-                | "PerBundle" >> beam.ParDo(_PerBundle()).with_output_types(List[PackerItem])
-                | "OneKey" >> beam.Map(lambda x: (_PACKER_KEY, x)).with_output_types(Tuple[str, List[PackerItem]])
+                | "PerBundle" >> beam.ParDo(_PerBundle()).with_output_types(list[PackerItem])
+                | "OneKey" >> beam.Map(lambda x: (_PACKER_KEY, x)).with_output_types(tuple[str, list[PackerItem]])
                 | beam.ParDo(self._fn).with_output_types(PackerOutput))

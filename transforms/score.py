@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator, List
+from collections.abc import Iterator
+from typing import Any
 
 import apache_beam as beam
 from apache_beam.utils.shared import Shared
@@ -66,7 +67,7 @@ class _ScoreFn(beam.DoFn):
         rewarder = getattr(self, "_rewarder", None)
         if rewarder is not None:
             rewarder.close()
-        self._loop = self._rewarder = None  # the Shared loop stops once no instance holds it
+        self._loop = self._rewarder = None  # type: ignore[assignment]  # the Shared loop stops once no instance holds it
 
     @contextlib.contextmanager
     def _recording_failure(self) -> Iterator[None]:
@@ -128,4 +129,4 @@ class ScoreGroups(beam.PTransform):
                 .with_outputs(EVALUATION, main="scored"))
 
 
-EvalGroup = List[RolloutRecord]
+EvalGroup = list[RolloutRecord]

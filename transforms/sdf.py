@@ -3,7 +3,7 @@ watermark that starts at the restriction's creation rather than at -inf or +inf.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
 from apache_beam.io.watermark_estimators import ManualWatermarkEstimator

@@ -42,7 +42,7 @@ def unclean_fates(rollouts: Iterable[Rollout | RolloutRecord], post_filters: fro
         tokens = r.completion_tokens
         if not tokens or (r.ok and (r.filtered is None or r.filtered in post_filters)):
             continue
-        if r.ok:
+        if r.ok and r.filtered is not None:  # always, past the test above
             fates[FILTERED + r.filtered] += tokens
         elif r.status is RolloutStatus.REWARD_ERROR:
             fates[REWARD_ERROR] += tokens

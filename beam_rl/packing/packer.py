@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from beam_rl.types import MicroBatch, Rollout, Sample
+from beam_rl.types import MicroBatch, Rollout, RolloutRecord, Sample
 
 
 def pack_micro_batches(samples: Sequence[Sample], seq_len: int) -> list[MicroBatch]:
@@ -79,7 +79,7 @@ class BatchCutter:
             self.token_budget is not None and num_tokens >= self.token_budget
         )
 
-    def cut(self, groups: Sequence[Sequence[Rollout]]) -> int:
+    def cut(self, groups: Sequence[Sequence[Rollout | RolloutRecord]]) -> int:
         """How many leading groups of clean rollouts make a full batch; 0 while not full."""
         num_rollouts = num_tokens = 0
         for taken, group in enumerate(groups, start=1):

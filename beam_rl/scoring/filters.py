@@ -49,10 +49,10 @@ class RolloutFilter(abc.ABC):
         if self.mode not in MODES:
             raise ValueError(f"filter {self.name}: mode {self.mode!r} is not one of {MODES}")
 
-    def flags(self, rollouts: Sequence[Rollout], step: int | None) -> list[bool]:
+    def flags(self, rollouts: Sequence[Rollout | RolloutRecord], step: int | None) -> list[bool]:
         return [self.detect(r) for r in rollouts]
 
-    def detect(self, rollout: Rollout) -> bool:
+    def detect(self, rollout: Rollout | RolloutRecord) -> bool:
         raise NotImplementedError(f"filter {self.name} decides per group, not per rollout")
 
 
@@ -68,7 +68,7 @@ class ZeroAdvantageFilter(RolloutFilter):
     # Enforced by default (as in beam_rl.config): such a group only costs trainer time.
     mode: FilterMode = "enforce"
 
-    def flags(self, rollouts: Sequence[Rollout], step: int | None) -> list[bool]:
+    def flags(self, rollouts: Sequence[Rollout | RolloutRecord], step: int | None) -> list[bool]:
         rewards: dict[str, list[float]] = defaultdict(list)
         for r in rollouts:
             rewards[r.group_id].append(r.reward)
@@ -100,7 +100,7 @@ class GibberishFilter(RolloutFilter):
                 f"got {self.vocab_size}, {self.token_id_frac}"
             )
 
-    def detect(self, rollout: Rollout) -> bool:
+    def detect(self, rollout: Rollout | RolloutRecord) -> bool:
         ids, logprobs = _completion_arrays(rollout)
         rare = ids > self.token_id_frac * self.vocab_size
         surprising = logprobs < -math.log(self.vocab_size) - self.logprob_offset
@@ -128,7 +128,7 @@ class RepetitionFilter(RolloutFilter):
                 f"got {self.window}, {self.prob_threshold}"
             )
 
-    def detect(self, rollout: Rollout) -> bool:
+    def detect(self, rollout: Rollout | RolloutRecord) -> bool:
         threshold = math.log(self.prob_threshold)
         for turn in rollout.turns:
             if len(turn.logprobs) < self.window:
@@ -145,7 +145,7 @@ class OverlongFilter(RolloutFilter):
 
     name: ClassVar[str] = "overlong"
 
-    def detect(self, rollout: Rollout) -> bool:
+    def detect(self, rollout: Rollout | RolloutRecord) -> bool:
         return rollout.truncated
 
 
@@ -185,7 +185,7 @@ class StaleFilter(RolloutFilter):
         if self.max_off_policy_steps < 0:
             raise ValueError(f"filter stale: max_off_policy_steps must be >= 0, got {self.max_off_policy_steps}")
 
-    def flags(self, rollouts: Sequence[Rollout], step: int | None) -> list[bool]:
+    def flags(self, rollouts: Sequence[Rollout | RolloutRecord], step: int | None) -> list[bool]:
         if step is None:
             raise ValueError("filter stale needs the step the batch trains: pass apply_filters(..., step=s)")
         oldest_allowed = step - 1 - self.max_off_policy_steps
@@ -208,7 +208,7 @@ def make_filter(name: str, **params: Any) -> RolloutFilter:
 
 
 def apply_filters(
-    filters: Sequence[RolloutFilter], rollouts: Sequence[Rollout], *, step: int | None = None
+    filters: Sequence[RolloutFilter], rollouts: Sequence[Rollout | RolloutRecord], *, step: int | None = None
 ) -> FilterCounts:
     """Run every filter that is not off over the ok rollouts; count detections, enforce where asked.
 
@@ -233,7 +233,7 @@ def apply_filters(
     return counts
 
 
-def _completion_arrays(rollout: Rollout) -> tuple[np.ndarray, np.ndarray]:
+def _completion_arrays(rollout: Rollout | RolloutRecord) -> tuple[np.ndarray, np.ndarray]:
     ids = [t.completion_ids for t in rollout.turns]
     logprobs = [t.logprobs for t in rollout.turns]
     if not ids:
