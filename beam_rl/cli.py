@@ -73,8 +73,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for line in _live_lines(run_dir):
         console.print(line)
     for path in stray:
-        console.print(f"[yellow]{escape(str(path))}: not listed in its step's commit record; "
-                      "readers ignore it[/yellow]")
+        console.print(
+            f"[yellow]{escape(str(path))}: not listed in its step's commit record; readers ignore it[/yellow]"
+        )
     for problem in damaged:
         console.print(f"[red]{escape(str(problem))}[/red]")
     return 2 if damaged else 0
@@ -108,10 +109,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     console.print(f"run {escape(str(run_dir.path))}: {steps}")
     if status:
         shards = status.get("shards", 1)
-        console.print(f"dispatch ({shards} shard{'s' if shards > 1 else ''}), "
-                      f"{time.time() - status.get('updated_at', 0):.0f}s ago: policy v{status.get('policy_version', 0)}, {status.get('inflight', 0)} in flight; "
-                      f"rollouts ok {status.get('ok', 0)}, errored {status.get('errored', 0)}, "
-                      f"cancelled {status.get('cancelled', 0)}")
+        console.print(
+            f"dispatch ({shards} shard{'s' if shards > 1 else ''}), "
+            f"{time.time() - status.get('updated_at', 0):.0f}s ago: policy v{status.get('policy_version', 0)}, {status.get('inflight', 0)} in flight; "
+            f"rollouts ok {status.get('ok', 0)}, errored {status.get('errored', 0)}, "
+            f"cancelled {status.get('cancelled', 0)}"
+        )
     for line in _live_lines(run_dir):
         console.print(line)
     return 0
@@ -127,8 +130,9 @@ def _decision_lines(run_dir: RunDir, steps: list[int]) -> list[str]:
         config = config_from_dict(run_dir.read_config(), source=str(run_dir.config_path))
     except (RunDirError, ValueError):
         return []
-    return [escape(line) for describe in (curriculum.describe, mixing.describe)
-            for line in describe(run_dir, config, steps)]
+    return [
+        escape(line) for describe in (curriculum.describe, mixing.describe) for line in describe(run_dir, config, steps)
+    ]
 
 
 def _cmd_inspect_samples(args: argparse.Namespace) -> int:
@@ -161,12 +165,16 @@ def _cmd_inspect_samples(args: argparse.Namespace) -> int:
         return 2
     model = args.tokenizer or _run_model_name(run_dir)
     if model is None:
-        console.print(f"[red]{escape(str(run_dir.path))} holds no config.json to name its tokenizer: "
-                      "give --tokenizer (tiny, or a local model directory)[/red]")
+        console.print(
+            f"[red]{escape(str(run_dir.path))} holds no config.json to name its tokenizer: "
+            "give --tokenizer (tiny, or a local model directory)[/red]"
+        )
         return 2
     text = TokenText(tokenizer_for(model))
-    console.print(f"step {step}: {len(rows)} of the {window.num_rows} rollouts in its window "
-                  f"({escape(str(run_dir.window_path(step)))})")
+    console.print(
+        f"step {step}: {len(rows)} of the {window.num_rows} rollouts in its window "
+        f"({escape(str(run_dir.window_path(step)))})"
+    )
     console.print(describe(fates))
     for row in rows:
         console.print(rollout_panel(row, text))
@@ -201,8 +209,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             if result.identical:
                 identical += 1
                 files = ", ".join(result.identical_files) or "no rank file"
-                console.print(f"[green]step {result.step}: identical[/green] ({files} byte for byte; "
-                              "window.arrow advantage and filtered; COMMIT.json group ids and window stats)")
+                console.print(
+                    f"[green]step {result.step}: identical[/green] ({files} byte for byte; "
+                    "window.arrow advantage and filtered; COMMIT.json group ids and window stats)"
+                )
             else:
                 first, *rest = result.differences
                 console.print(f"[red]step {result.step}: {escape(str(first))}[/red]")
@@ -242,12 +252,21 @@ def preflight(config: RunConfig, source: str) -> RunDir:
     for name, split, rows, skipped in loaded:
         if not skipped:
             continue
-        console.print(f"[yellow]{name} ({split}): skipped {len(skipped)} bad rows, kept {rows} "
-                      f"(run.bad_rows = \"skip\"); first: {escape(str(skipped[0]))}[/yellow]")
-        run_dir.append_metrics({"dataset": {
-            "env": name, "split": split, "rows": rows, "skipped_rows": len(skipped),
-            "errors": [str(err) for err in skipped[:100]],  # enough to fix the file, bounded
-        }})
+        console.print(
+            f"[yellow]{name} ({split}): skipped {len(skipped)} bad rows, kept {rows} "
+            f"(run.bad_rows = \"skip\"); first: {escape(str(skipped[0]))}[/yellow]"
+        )
+        run_dir.append_metrics(
+            {
+                "dataset": {
+                    "env": name,
+                    "split": split,
+                    "rows": rows,
+                    "skipped_rows": len(skipped),
+                    "errors": [str(err) for err in skipped[:100]],  # enough to fix the file, bounded
+                }
+            }
+        )
     return run_dir
 
 
@@ -319,9 +338,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     last = RunDir(config.run.dir).last_committed_step()
     if _run_complete(config, last):
-        console.print(f"{config.run.dir} is complete: steps 1..{last} are committed"
-                      + (" and trained" if config.trainer.kind == "reference" else "")
-                      + f"; `beam-rl report {config.run.dir}` shows them")
+        console.print(
+            f"{config.run.dir} is complete: steps 1..{last} are committed"
+            + (" and trained" if config.trainer.kind == "reference" else "")
+            + f"; `beam-rl report {config.run.dir}` shows them"
+        )
         return 0
     run_dir = preflight(config, source)
     if last is not None:
@@ -352,8 +373,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from beam_rl.trainer.reference import run_trainer
 
     run_dir = RunDir(args.run_dir)
-    config = load_config(args.config) if args.config else config_from_dict(
-        run_dir.read_config(), source=str(run_dir.config_path))
+    config = (
+        load_config(args.config)
+        if args.config
+        else config_from_dict(run_dir.read_config(), source=str(run_dir.config_path))
+    )
     from beam_rl.job.preflight import model_problems, published_weights_problems, refuse
 
     source = args.config or str(run_dir.config_path)
@@ -364,8 +388,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if nproc > 1:
         from beam_rl.trainer.data_parallel import launch
 
-        launch(run_dir.path, location.model_dir(config), config.trainer, config.run.max_steps, nproc,
-               seed=config.run.seed)
+        launch(
+            run_dir.path, location.model_dir(config), config.trainer, config.run.max_steps, nproc, seed=config.run.seed
+        )
         return 0
     torch.set_num_threads(config.trainer.threads)
     run_trainer(run_dir, location.model_dir(config), config.trainer, config.run.max_steps, seed=config.run.seed)
@@ -447,7 +472,9 @@ def _cmd_servers(args: argparse.Namespace) -> int:
         return 2
     discovery = run_dir.read_config().get("inference", {}).get("discovery") if run_dir.config_path.is_file() else None
     if discovery not in (None, "file"):
-        console.print(f"[yellow]this run's inference.discovery is {discovery!r}: it does not read {servers.path}[/yellow]")
+        console.print(
+            f"[yellow]this run's inference.discovery is {discovery!r}: it does not read {servers.path}[/yellow]"
+        )
     if args.action == "list":
         console.print(_fleet_table(run_dir, listed, fleet))
     return 0
@@ -463,12 +490,25 @@ def _fleet_table(run_dir: RunDir, listed: list, fleet: Fleet | None) -> Table:
         line = next((x for x in listed if x.url == url), None)
         placement, state = placed.get(url), live.get(url, {})
         joined = state.get("joined_at") or (placement.joined_at if placement else None)
-        status = ("joining" if state.get("joining") else "draining" if state.get("draining")
-                  else "healthy" if state.get("healthy") else "down" if state else "-")
-        table.add_row(url, "embedded" if line and line.embedded else "yes" if line else "no",
-                      str(placement.shard) if placement else "-",
-                      time.strftime("%H:%M:%S", time.localtime(joined)) if joined else "-", status,
-                      str(state.get("inflight", "-")))
+        status = (
+            "joining"
+            if state.get("joining")
+            else "draining"
+            if state.get("draining")
+            else "healthy"
+            if state.get("healthy")
+            else "down"
+            if state
+            else "-"
+        )
+        table.add_row(
+            url,
+            "embedded" if line and line.embedded else "yes" if line else "no",
+            str(placement.shard) if placement else "-",
+            time.strftime("%H:%M:%S", time.localtime(joined)) if joined else "-",
+            status,
+            str(state.get("inflight", "-")),
+        )
     return table
 
 
@@ -498,55 +538,85 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="the whole RL loop: servers, rollout pipeline, reference trainer")
     _config_arguments(run)
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its run directory "
-                     "(its config.json), instead of CONFIG")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a killed run from its run directory (its config.json), instead of CONFIG",
+    )
     run.set_defaults(func=_cmd_run)
 
     train = sub.add_parser("train", help="the reference trainer, reading and publishing in a run directory")
-    train.add_argument("--run-dir", required=True, help="the run directory to read steps from and publish "
-                       "weights into")
+    train.add_argument("--run-dir", required=True, help="the run directory to read steps from and publish weights into")
     train.add_argument("--config", help="default: the run directory's config.json")
-    train.add_argument("--nproc", type=int, default=None,
-                       help="data-parallel ranks, each reading its own rank file (batch.trainer_ranks); 1: the "
-                            "reference trainer, standing in for every rank (default: trainer.nproc)")
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="data-parallel ranks, each reading its own rank file (batch.trainer_ranks); 1: the "
+        "reference trainer, standing in for every rank (default: trainer.nproc)",
+    )
     train.set_defaults(func=_cmd_train)
 
     report = sub.add_parser("report", help="the step table and a PNG plot of reward, lag and throughput")
     report.add_argument("run_dir", help="a run directory")
-    report.add_argument("--steps", metavar="A:B", help="the steps of the latency table and timeline.png, both "
-                        "included (A:, :B, N); default: all")
+    report.add_argument(
+        "--steps",
+        metavar="A:B",
+        help="the steps of the latency table and timeline.png, both included (A:, :B, N); default: all",
+    )
     report.set_defaults(func=_cmd_report)
 
-    inspect = sub.add_parser("inspect", help="print a table of a run directory's committed steps, or "
-                             "rollouts of one step as text")
+    inspect = sub.add_parser(
+        "inspect", help="print a table of a run directory's committed steps, or rollouts of one step as text"
+    )
     inspect.add_argument("run_dir", help="a run directory (committed or not)")
     inspect.add_argument("--step", type=int, metavar="N", help="show rollouts of step N's window as text")
     inspect.add_argument("--samples", type=int, default=4, metavar="K", help="how many (the first K; default 4)")
-    inspect.add_argument("--rollout", action="append", metavar="ID", help="show this rollout (or every rollout "
-                         "of this group) instead; repeatable; without --step, the step is found")
+    inspect.add_argument(
+        "--rollout",
+        action="append",
+        metavar="ID",
+        help="show this rollout (or every rollout "
+        "of this group) instead; repeatable; without --step, the step is found",
+    )
     inspect.add_argument("--tokenizer", help="tiny, or a local model directory (default: the run's model)")
     inspect.set_defaults(func=_cmd_inspect)
 
-    replay = sub.add_parser("replay", help="redo scoring, filtering, advantages and packing of committed steps "
-                            "from their windows and compare with the committed files, bit for bit")
+    replay = sub.add_parser(
+        "replay",
+        help="redo scoring, filtering, advantages and packing of committed steps "
+        "from their windows and compare with the committed files, bit for bit",
+    )
     replay.add_argument("run_dir", help="a run directory with committed steps")
     which = replay.add_mutually_exclusive_group(required=True)
     which.add_argument("--step", type=int, metavar="N", help="replay committed step N")
     which.add_argument("--all", action="store_true", help="every committed step")
-    replay.add_argument("--config", help="the run's TOML config (default: the run directory's config.json; a "
-                        "`beam-rl rollouts` run writes none)")
-    replay.add_argument("--staleness", choices=("auto", "on", "off"), default="auto",
-                        help="whether the run's packer checked staleness; auto: on for a `beam-rl run` run "
-                        "(it has a config.json), off for a `beam-rl rollouts` one")
+    replay.add_argument(
+        "--config",
+        help="the run's TOML config (default: the run directory's config.json; a `beam-rl rollouts` run writes none)",
+    )
+    replay.add_argument(
+        "--staleness",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="whether the run's packer checked staleness; auto: on for a `beam-rl run` run "
+        "(it has a config.json), off for a `beam-rl rollouts` one",
+    )
     replay.set_defaults(func=_cmd_replay)
 
-    status = sub.add_parser("status", help="a run's state as it goes on (or as it stopped): committed steps, "
-                            "rollouts in flight and their outcomes, errors by cause with an example each")
+    status = sub.add_parser(
+        "status",
+        help="a run's state as it goes on (or as it stopped): committed steps, "
+        "rollouts in flight and their outcomes, errors by cause with an example each",
+    )
     status.add_argument("run_dir", help="a run directory")
     status.set_defaults(func=_cmd_status)
 
-    servers = sub.add_parser("servers", help="add a server to a running run's fleet, remove one (it drains), or "
-                             "list them (inference.discovery = \"file\")")
+    servers = sub.add_parser(
+        "servers",
+        help="add a server to a running run's fleet, remove one (it drains), or "
+        "list them (inference.discovery = \"file\")",
+    )
     servers.add_argument("action", choices=("add", "remove", "list"), help="add or remove a server, or list the fleet")
     servers.add_argument("run_dir", help="the run directory whose fleet it is")
     servers.add_argument("url", nargs="?", help="the server's base URL (add, remove)")
@@ -557,8 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     keep_triton_out()
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the rest
     # Beam warns at import that the Google Cloud Storage filesystem is not installed: runs here use local paths.
     logging.getLogger("apache_beam.io.filesystems").setLevel(logging.ERROR)
@@ -577,15 +648,19 @@ def main(argv: list[str] | None = None) -> int:
         # The job cancelled the pipeline and stopped its servers and trainer on the way out;
         # committed steps are whole, and `beam-rl run --resume RUN_DIR` continues after them.
         signum = getattr(err, "signal", signal.SIGINT)
-        console.print(f"[yellow]interrupted ({signum.name}): committed steps are kept; "
-                      "`beam-rl run --resume RUN_DIR` continues[/yellow]")
+        console.print(
+            f"[yellow]interrupted ({signum.name}): committed steps are kept; "
+            "`beam-rl run --resume RUN_DIR` continues[/yellow]"
+        )
         return 128 + signum
     except Exception as err:  # anything no clause above knows: still one line, the traceback with -v
         if args.verbose:
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        console.print(f"[red]beam-rl {args.command} failed: {type(err).__name__}"
-                      f"{': ' + escape(first) if first else ''} (`beam-rl -v {args.command} ...` shows where)[/red]")
+        console.print(
+            f"[red]beam-rl {args.command} failed: {type(err).__name__}"
+            f"{': ' + escape(first) if first else ''} (`beam-rl -v {args.command} ...` shows where)[/red]"
+        )
         return 1
 
 

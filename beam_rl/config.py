@@ -41,8 +41,11 @@ def has_credentials(text: str) -> bool:
     return _URL_USERINFO.match(text.strip()) is not None
 
 
-def _credential_problems(value: Any, loc: tuple[str | int, ...] = (), table: dict[str, Any] | None = None,
-                         ) -> list[tuple[str, str]]:
+def _credential_problems(
+    value: Any,
+    loc: tuple[str | int, ...] = (),
+    table: dict[str, Any] | None = None,
+) -> list[tuple[str, str]]:
     """(key path, message) of every string under `value`, a raw config at `loc` (in `table`, the TOML table
     that holds it), that is a URL with credentials. The message never quotes the URL: it holds the secret."""
     if isinstance(value, dict):
@@ -272,8 +275,9 @@ class CurriculumSection(_Section):
     @model_validator(mode="after")
     def _thresholds_apart(self) -> CurriculumSection:
         if self.hard_threshold >= self.easy_threshold:
-            raise ValueError(f"hard_threshold ({self.hard_threshold}) must be below easy_threshold "
-                             f"({self.easy_threshold})")
+            raise ValueError(
+                f"hard_threshold ({self.hard_threshold}) must be below easy_threshold ({self.easy_threshold})"
+            )
         return self
 
 
@@ -529,74 +533,107 @@ class RunConfig(_Section):
         batch, inference = self.batch, self.inference
         seen: dict[str, int] = {}
         for i, env in enumerate(self.envs):
-            problems += [(f"envs[{i}].{key}", msg) for key, msg in algorithm_problems(env.algorithm, env.algorithm_args)]
+            problems += [
+                (f"envs[{i}].{key}", msg) for key, msg in algorithm_problems(env.algorithm, env.algorithm_args)
+            ]
             if env.name in seen:
                 problems.append((f"envs[{i}].name", f"duplicate {env.name!r} (also envs[{seen[env.name]}])"))
             seen.setdefault(env.name, i)
             if env.reward.min_scored is not None and env.reward.min_scored > env.group_size:
-                problems.append((f"envs[{i}].reward.min_scored",
-                                 f"{env.reward.min_scored} is above envs[{i}].group_size ({env.group_size}): "
-                                 "no group could ever be trained"))
+                problems.append(
+                    (
+                        f"envs[{i}].reward.min_scored",
+                        f"{env.reward.min_scored} is above envs[{i}].group_size ({env.group_size}): "
+                        "no group could ever be trained",
+                    )
+                )
             # Batches are cut on whole groups, so a step must hold a whole number of every env's groups.
             if batch.rollouts_per_step % env.group_size:
-                problems.append((
-                    "batch.rollouts_per_step",
-                    f"{batch.rollouts_per_step} is not a multiple of envs[{i}].group_size "
-                    f"({env.group_size}, env {env.name!r})",
-                ))
+                problems.append(
+                    (
+                        "batch.rollouts_per_step",
+                        f"{batch.rollouts_per_step} is not a multiple of envs[{i}].group_size "
+                        f"({env.group_size}, env {env.name!r})",
+                    )
+                )
             # A group-mode request holds group_size permits at once; fewer permits (a shard's share of
             # them) would never admit it.
             shard_permits = inference.max_inflight // self.dispatch.shards
             if env.mode == "group" and env.group_size > shard_permits:
-                problems.append((
-                    "inference.max_inflight",
-                    f"{inference.max_inflight} permits ({shard_permits} per dispatch shard) cannot admit a group "
-                    f"of envs[{i}].group_size ({env.group_size}) in group mode",
-                ))
+                problems.append(
+                    (
+                        "inference.max_inflight",
+                        f"{inference.max_inflight} permits ({shard_permits} per dispatch shard) cannot admit a group "
+                        f"of envs[{i}].group_size ({env.group_size}) in group mode",
+                    )
+                )
         with_ratio = [i for i, env in enumerate(self.envs) if env.ratio is not None]
         if with_ratio and len(with_ratio) < len(self.envs):
             missing = next(i for i in range(len(self.envs)) if i not in with_ratio)
-            problems.append((f"envs[{missing}].ratio", f"unset, but envs[{with_ratio[0]}].ratio is set: set a ratio "
-                                                       "on every environment or on none"))
+            problems.append(
+                (
+                    f"envs[{missing}].ratio",
+                    f"unset, but envs[{with_ratio[0]}].ratio is set: set a ratio on every environment or on none",
+                )
+            )
         if self.trainer.nproc > 1 and self.trainer.nproc != batch.trainer_ranks:
-            problems.append(("trainer.nproc", f"{self.trainer.nproc} ranks, but batch.trainer_ranks = "
-                                              f"{batch.trainer_ranks} rank files a step"))
+            problems.append(
+                (
+                    "trainer.nproc",
+                    f"{self.trainer.nproc} ranks, but batch.trainer_ranks = {batch.trainer_ranks} rank files a step",
+                )
+            )
         off = self.off_policy
         if off.max_off_policy_steps < off.max_async_level:
-            problems.append((
-                "off_policy.max_off_policy_steps",
-                f"{off.max_off_policy_steps} is below off_policy.max_async_level ({off.max_async_level}): "
-                "every rollout the source runs ahead would be dropped as stale",
-            ))
+            problems.append(
+                (
+                    "off_policy.max_off_policy_steps",
+                    f"{off.max_off_policy_steps} is below off_policy.max_async_level ({off.max_async_level}): "
+                    "every rollout the source runs ahead would be dropped as stale",
+                )
+            )
         if not inference.urls and inference.embedded_servers == 0 and inference.discovery == "static":
             problems.append(("inference.embedded_servers", "0 with no inference.urls leaves no server to generate"))
         if inference.max_tokens >= self.model.max_context:
-            problems.append((
-                "inference.max_tokens",
-                f"{inference.max_tokens} leaves no room for a prompt in model.max_context ({self.model.max_context})",
-            ))
+            problems.append(
+                (
+                    "inference.max_tokens",
+                    f"{inference.max_tokens} leaves no room for a prompt in model.max_context ({self.model.max_context})",
+                )
+            )
         # A sample is a whole trajectory (up to max_context tokens) and is never split across micro-batches.
         if batch.seq_len < self.model.max_context:
-            problems.append((
-                "batch.seq_len",
-                f"{batch.seq_len} is below model.max_context ({self.model.max_context}): "
-                "a long trajectory could not be packed",
-            ))
+            problems.append(
+                (
+                    "batch.seq_len",
+                    f"{batch.seq_len} is below model.max_context ({self.model.max_context}): "
+                    "a long trajectory could not be packed",
+                )
+            )
         servers = len(inference.urls) or inference.embedded_servers
-        if inference.discovery == "static" and servers > 0 and (problem := shards_problem(self.dispatch.shards, servers)):
+        if (
+            inference.discovery == "static"
+            and servers > 0
+            and (problem := shards_problem(self.dispatch.shards, servers))
+        ):
             problems.append(("dispatch.shards", problem))
         if self.dispatch.shards > inference.max_inflight:
-            problems.append(("dispatch.shards", f"{self.dispatch.shards} shards cannot share "
-                                                f"inference.max_inflight = {inference.max_inflight} permits"))
+            problems.append(
+                (
+                    "dispatch.shards",
+                    f"{self.dispatch.shards} shards cannot share "
+                    f"inference.max_inflight = {inference.max_inflight} permits",
+                )
+            )
         runner = self.runner
         if runner.name == "flink" and not runner.flink_master:
             problems.append(("runner.flink_master", 'required when runner.name = "flink" (host:port of the cluster)'))
         if runner.name == "flink" and runner.flink_master == "[local]":
             problems.append(("runner.flink_master", '"[local]" is an embedded Flink: use runner.name = "flink-local"'))
         if runner.state_backend and not runner.state_backend_storage_path:
-            problems.append((
-                "runner.state_backend_storage_path", f"required when runner.state_backend = {runner.state_backend!r}"
-            ))
+            problems.append(
+                ("runner.state_backend_storage_path", f"required when runner.state_backend = {runner.state_backend!r}")
+            )
         if problems:
             raise _CrossFieldErrors(problems)
         return self
@@ -626,7 +663,7 @@ def load_config(path: str | Path) -> RunConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), [("", f"not valid TOML: {exc}")]) from None
     except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib decodes the whole file first
-        line = exc.object[:exc.start].count(b"\n") + 1
+        line = exc.object[: exc.start].count(b"\n") + 1
         raise ConfigError(str(path), [("", f"not valid UTF-8 (line {line})")]) from None
     except OSError as exc:  # a directory, no permission, an I/O error
         raise ConfigError(str(path), [("", f"unreadable: {exc.strerror or exc}")]) from None
@@ -688,8 +725,9 @@ def _allowed_keys(parent: tuple[str | int, ...]) -> list[str]:
         if get_origin(annotation) is list:
             annotation = get_args(annotation)[0]
         if get_origin(annotation) in (Union, types.UnionType):  # an optional section: `judge: JudgeSection | None`
-            annotation = next((arg for arg in get_args(annotation) if isinstance(arg, type)
-                               and issubclass(arg, BaseModel)), None)
+            annotation = next(
+                (arg for arg in get_args(annotation) if isinstance(arg, type) and issubclass(arg, BaseModel)), None
+            )
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation

@@ -43,5 +43,4 @@ def warn_if_open(host: str, port: int, what: str, setting: str) -> None:
     """One warning when `host` puts `port` beyond loopback: the port, the address, what it exposes and the
     setting that opened it."""
     if not is_loopback(host):
-        _LOG.warning("port %d listens on %s, beyond loopback (%s): %s", port, host or "every interface", setting,
-                     what)
+        _LOG.warning("port %d listens on %s, beyond loopback (%s): %s", port, host or "every interface", setting, what)

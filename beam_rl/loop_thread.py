@@ -45,8 +45,9 @@ class LoopThread:
         self.close()
 
 
-def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread,
-               closers: list[Callable[[], Awaitable[None]]]) -> None:
+def _stop_loop(
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, closers: list[Callable[[], Awaitable[None]]]
+) -> None:
     if loop.is_closed():
         return
     on_loop_thread = thread is threading.current_thread()

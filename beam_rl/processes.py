@@ -170,8 +170,11 @@ class Supervisor:
         child = self.failed()
         if child is not None:
             cause = (_last_line(child.log) or _full_disk(child.log)) if child.log else None
-            raise ChildFailedError(f"the {child.name} exited with status {child.exit_code()}"
-                                   + (f" ({cause})" if cause else "") + f"; see {child.log}")
+            raise ChildFailedError(
+                f"the {child.name} exited with status {child.exit_code()}"
+                + (f" ({cause})" if cause else "")
+                + f"; see {child.log}"
+            )
 
     def stop(self) -> None:
         """Stop every part, newest first; each is stopped even when an earlier stop raised, and the
@@ -198,8 +201,12 @@ class Supervisor:
         if errors and exc is None:
             raise errors[0]
         for err in errors:  # the error that ended the block is the one to see; the traceback with -v
-            _LOG.warning("stopping a part of the job failed while handling %r: %s: %s", exc, type(err).__name__,
-                         str(err).strip().splitlines()[0] if str(err).strip() else "")
+            _LOG.warning(
+                "stopping a part of the job failed while handling %r: %s: %s",
+                exc,
+                type(err).__name__,
+                str(err).strip().splitlines()[0] if str(err).strip() else "",
+            )
             _LOG.info("stopping a part of the job failed", exc_info=err)
 
 

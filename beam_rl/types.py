@@ -228,15 +228,21 @@ class RolloutTokens:
             logprobs += [np.zeros(len(env), np.float32), _as_logprobs(turn, rollout, i)]
             versions += [np.full(len(env), -1, np.int32), _as_versions(turn, rollout, i)]
             segments += [len(env), len(completion)]
-        return cls(np.concatenate(ids), np.concatenate(logprobs), np.concatenate(versions), tuple(segments),
-                   [t.finish_reason for t in rollout.turns])
+        return cls(
+            np.concatenate(ids),
+            np.concatenate(logprobs),
+            np.concatenate(versions),
+            tuple(segments),
+            [t.finish_reason for t in rollout.turns],
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RolloutTokens):
             return NotImplemented
         arrays = ("input_ids", "logprobs", "policy_versions")
         return (self.segments, self.finish_reasons) == (other.segments, other.finish_reasons) and all(
-            _same(getattr(self, name), getattr(other, name)) for name in arrays)
+            _same(getattr(self, name), getattr(other, name)) for name in arrays
+        )
 
     @property
     def num_turns(self) -> int:
@@ -379,8 +385,10 @@ def _as_ids(ids: list[int], rollout: Rollout, what: str) -> np.ndarray:
 
 def _as_logprobs(turn: Turn, rollout: Rollout, i: int) -> np.ndarray:
     if len(turn.logprobs) != len(turn.completion_ids):
-        raise ValueError(f"rollout {rollout.rollout_id} turn {i}: {len(turn.logprobs)} logprobs "
-                         f"for {len(turn.completion_ids)} completion ids")
+        raise ValueError(
+            f"rollout {rollout.rollout_id} turn {i}: {len(turn.logprobs)} logprobs "
+            f"for {len(turn.completion_ids)} completion ids"
+        )
     try:
         return np.asarray(turn.logprobs, dtype=np.float32).reshape(-1)
     except (TypeError, ValueError):
@@ -396,8 +404,9 @@ def _as_versions(turn: Turn, rollout: Rollout, i: int) -> np.ndarray:
     if not turn.policy_versions:
         return np.full(n, -1, np.int32)  # unknown
     if len(turn.policy_versions) != n:
-        raise ValueError(f"rollout {rollout.rollout_id} turn {i}: {len(turn.policy_versions)} policy versions "
-                         f"for {n} completion ids")
+        raise ValueError(
+            f"rollout {rollout.rollout_id} turn {i}: {len(turn.policy_versions)} policy versions for {n} completion ids"
+        )
     return np.asarray(turn.policy_versions, dtype=np.int32)
 
 

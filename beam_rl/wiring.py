@@ -69,19 +69,28 @@ def build_envs(config: RunConfig) -> dict[str, Environment]:
 def build_schedule(config: RunConfig, envs: dict[str, Environment], split: str | None = None) -> PromptSchedule:
     """The training prompts: one stream taking turns, or a stream per environment when they are mixed by
     ratio (the source then chooses the stream, beam_rl/source/mixing.py)."""
-    return PromptSchedule([
-        EnvSchedule(e.name, envs[e.name].load_rows(split or e.split)[:e.limit], e.group_size, e.epochs,
-                    shuffle_seed=config.run.seed if e.curriculum is not None and e.curriculum.shuffle else None)
-        for e in config.envs
-    ], stream_per_env=any(e.ratio is not None for e in config.envs))
+    return PromptSchedule(
+        [
+            EnvSchedule(
+                e.name,
+                envs[e.name].load_rows(split or e.split)[: e.limit],
+                e.group_size,
+                e.epochs,
+                shuffle_seed=config.run.seed if e.curriculum is not None and e.curriculum.shuffle else None,
+            )
+            for e in config.envs
+        ],
+        stream_per_env=any(e.ratio is not None for e in config.envs),
+    )
 
 
 def eval_schedule(config: RunConfig, envs: dict[str, Environment]) -> PromptSchedule:
     """The held-out prompts of an evaluation round: each environment's eval split (its first eval.limit
     rows), once, `eval.samples_per_prompt` rollouts each."""
     ev = config.eval
-    return PromptSchedule([EnvSchedule(e.name, envs[e.name].load_rows("eval")[:ev.limit], ev.samples_per_prompt, 1)
-                           for e in config.envs])
+    return PromptSchedule(
+        [EnvSchedule(e.name, envs[e.name].load_rows("eval")[: ev.limit], ev.samples_per_prompt, 1) for e in config.envs]
+    )
 
 
 def algorithms(config: RunConfig) -> dict[str, AdvantageAlgorithm]:
@@ -92,10 +101,16 @@ def pre_batch_filters(config: RunConfig) -> list[RolloutFilter]:
     f = config.filters
     return [
         make_filter("zero_advantage", mode=f.zero_advantage.mode),
-        make_filter("gibberish", mode=f.gibberish.mode, vocab_size=vocab_size(config),
-                    token_id_frac=f.gibberish.token_id_frac, logprob_offset=f.gibberish.logprob_offset),
-        make_filter("repetition", mode=f.repetition.mode, window=f.repetition.window,
-                    prob_threshold=f.repetition.prob_threshold),
+        make_filter(
+            "gibberish",
+            mode=f.gibberish.mode,
+            vocab_size=vocab_size(config),
+            token_id_frac=f.gibberish.token_id_frac,
+            logprob_offset=f.gibberish.logprob_offset,
+        ),
+        make_filter(
+            "repetition", mode=f.repetition.mode, window=f.repetition.window, prob_threshold=f.repetition.prob_threshold
+        ),
         make_filter("overlong", mode=f.overlong.mode),
     ]
 
@@ -109,25 +124,27 @@ def post_batch_filters(config: RunConfig, check_staleness: bool = True) -> list[
 
 def batch_builder(config: RunConfig, next_step: int, check_staleness: bool = True) -> BatchBuilder:
     b = config.batch
-    cutter = BatchCutter(rollouts_per_step=None if b.token_budget else b.rollouts_per_step,
-                         token_budget=b.token_budget)
-    return BatchBuilder(cutter, b.seq_len, b.trainer_ranks, post_batch_filters(config, check_staleness),
-                        next_step=next_step)
+    cutter = BatchCutter(rollouts_per_step=None if b.token_budget else b.rollouts_per_step, token_budget=b.token_budget)
+    return BatchBuilder(
+        cutter, b.seq_len, b.trainer_ranks, post_batch_filters(config, check_staleness), next_step=next_step
+    )
 
 
 def sampling_params(config: RunConfig, envs: dict[str, Environment]) -> dict[str, SamplingParams]:
     inf = config.inference
     return {
-        name: SamplingParams(max_tokens=inf.max_tokens, temperature=inf.temperature,
-                             stop_token_ids=tuple(env.stop_token_ids()))
+        name: SamplingParams(
+            max_tokens=inf.max_tokens, temperature=inf.temperature, stop_token_ids=tuple(env.stop_token_ids())
+        )
         for name, env in envs.items()
     }
 
 
 def checkpoint_validator(config: RunConfig) -> Callable[[Path], object]:
     """Checks a published checkpoint against the policy model's tensor names and shapes."""
-    return functools.partial(validate_checkpoint, reference_model_dir=model_dir(config),
-                             lora=config.trainer.lora is not None)
+    return functools.partial(
+        validate_checkpoint, reference_model_dir=model_dir(config), lora=config.trainer.lora is not None
+    )
 
 
 # A source whose dispatch transform stopped calling it (the job was cancelled, or the runner restored the
@@ -143,25 +160,42 @@ def api_key(config: RunConfig) -> str | None:
         return None
     key = os.environ.get(name)
     if not key:
-        raise ValueError(f"inference.api_key_env names the environment variable {name}, which is not set "
-                         "(or empty): export the servers' API key in it")
+        raise ValueError(
+            f"inference.api_key_env names the environment variable {name}, which is not set "
+            "(or empty): export the servers' API key in it"
+        )
     return key
 
 
 def inference_client(config: RunConfig, url: str, key: str | None, version: int = 0) -> InferenceClient:
     """The client of one inference server, as the run's config sets it up."""
     inf = config.inference
-    return InferenceClient(url, model=config.model.name, timeout_s=inf.request_timeout_s,
-                           max_retries=inf.max_retries, backoff_s=inf.retry_backoff_s, stream=inf.stream,
-                           stream_interval=config.stream_interval,
-                           api_key=key, ca_bundle=inf.ca_bundle, version=version, route=inf.route,
-                           lora=config.trainer.lora is not None, vocab_size=vocab_size(config),
-                           max_response_bytes=inf.max_response_mb << 20)
+    return InferenceClient(
+        url,
+        model=config.model.name,
+        timeout_s=inf.request_timeout_s,
+        max_retries=inf.max_retries,
+        backoff_s=inf.retry_backoff_s,
+        stream=inf.stream,
+        stream_interval=config.stream_interval,
+        api_key=key,
+        ca_bundle=inf.ca_bundle,
+        version=version,
+        route=inf.route,
+        lora=config.trainer.lora is not None,
+        vocab_size=vocab_size(config),
+        max_response_bytes=inf.max_response_mb << 20,
+    )
 
 
-def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str, Environment],
-                      policy_version: Callable[[], int], max_inflight: int | None = None,
-                      start_cap: int | None = None) -> DispatcherThread:
+def dispatcher_thread(
+    config: RunConfig,
+    server_urls: list[str],
+    envs: dict[str, Environment],
+    policy_version: Callable[[], int],
+    max_inflight: int | None = None,
+    start_cap: int | None = None,
+) -> DispatcherThread:
     """A dispatcher on its own event-loop thread, with one client per inference server and
     `max_inflight` permits (default: the config's); a concurrency controller starts at `start_cap` (default:
     dispatch.concurrency.start)."""
@@ -174,17 +208,30 @@ def dispatcher_thread(config: RunConfig, server_urls: list[str], envs: dict[str,
         # At version 0 like the WeightSync that then brings them to the newest published weights.
         clients = [inference_client(config, url, key) for url in server_urls]
         ceiling = max_inflight or inf.max_inflight
-        return Dispatcher(clients, envs, modes, sampling, ceiling,
-                          policy_version, emit, seed=config.run.seed, max_redispatches=inf.max_redispatches,
-                          max_regenerations=config.off_policy.max_regenerations,
-                          stale_rule=config.off_policy.stale_rule, restore=restore,
-                          concurrency=concurrency_for(config, ceiling, start_cap),
-                          max_off_policy_steps=config.off_policy.max_off_policy_steps,
-                          max_context=config.model.max_context)
+        return Dispatcher(
+            clients,
+            envs,
+            modes,
+            sampling,
+            ceiling,
+            policy_version,
+            emit,
+            seed=config.run.seed,
+            max_redispatches=inf.max_redispatches,
+            max_regenerations=config.off_policy.max_regenerations,
+            stale_rule=config.off_policy.stale_rule,
+            restore=restore,
+            concurrency=concurrency_for(config, ceiling, start_cap),
+            max_off_policy_steps=config.off_policy.max_off_policy_steps,
+            max_context=config.model.max_context,
+        )
 
-    return DispatcherThread(build, abandoned_after_s=ABANDONED_SOURCE_S,
-                            connect=lambda url: inference_client(config, url, key),
-                            drain_timeout_s=inf.drain_timeout_s)
+    return DispatcherThread(
+        build,
+        abandoned_after_s=ABANDONED_SOURCE_S,
+        connect=lambda url: inference_client(config, url, key),
+        drain_timeout_s=inf.drain_timeout_s,
+    )
 
 
 def concurrency_for(config: RunConfig, ceiling: int, start_cap: int | None = None) -> ConcurrencyController:
@@ -194,12 +241,17 @@ def concurrency_for(config: RunConfig, ceiling: int, start_cap: int | None = Non
     return concurrency_controller(c.mode, ceiling, start=start, kv_soft_cap=c.kv_soft_cap)
 
 
-
 class StartDispatcher(Protocol):
     """`dispatcher_thread` with the config given: a dispatcher on its own thread over `server_urls`."""
 
-    def __call__(self, server_urls: list[str], envs: dict[str, Environment], policy_version: Callable[[], int],
-                 max_inflight: int | None = None, start_cap: int | None = None) -> DispatcherThread: ...
+    def __call__(
+        self,
+        server_urls: list[str],
+        envs: dict[str, Environment],
+        policy_version: Callable[[], int],
+        max_inflight: int | None = None,
+        start_cap: int | None = None,
+    ) -> DispatcherThread: ...
 
 
 # -- the bundles each stage keeps -------------------------------------------------------------------
@@ -243,20 +295,33 @@ class DispatchParts:
         start_cap = _committed_start_cap(config, run_dir, commits.last_step, servers)
         errors = ErrorTally()
         return SourceParts(
-            envs=self.envs, schedule=self.schedule, run_dir=run_dir, commits=commits,
-            curriculum=curriculum, mix=mix, fleet_changes=fleet.changed if fleet is not None else None,
+            envs=self.envs,
+            schedule=self.schedule,
+            run_dir=run_dir,
+            commits=commits,
+            curriculum=curriculum,
+            mix=mix,
+            fleet_changes=fleet.changed if fleet is not None else None,
             permits=permits,
-            limits=limits_for(config.batch.rollouts_per_step, min(e.group_size for e in config.envs), permits,
-                              config.off_policy.max_async_level, spec.with_trainer, shard.count,
-                              max_off_policy_steps=config.off_policy.max_off_policy_steps),
+            limits=limits_for(
+                config.batch.rollouts_per_step,
+                min(e.group_size for e in config.envs),
+                permits,
+                config.off_policy.max_async_level,
+                spec.with_trainer,
+                shard.count,
+                max_off_policy_steps=config.off_policy.max_off_policy_steps,
+            ),
             evals=EvalRounds(config.eval, self.eval_schedule, shard, commits.last_step),
             status=StatusBoard(run_dir, shard.index),
             servers_down=ServersDownWatch(servers, inf.all_servers_down_timeout_s, inf.startup_timeout_s),
             errors=errors,
-            progress=ProgressWatch(config.run.stop_after_errored_groups, config.run.stop_after_failing_s, errors,
-                                   time.monotonic()),
+            progress=ProgressWatch(
+                config.run.stop_after_errored_groups, config.run.stop_after_failing_s, errors, time.monotonic()
+            ),
             start_dispatcher=lambda policy_version: self.dispatcher_thread(
-                servers, self.envs, policy_version, permits, start_cap),
+                servers, self.envs, policy_version, permits, start_cap
+            ),
             weight_sync=lambda update: WeightSync(run_dir, update=update, validate=self.validate_checkpoint),
         )
 
@@ -285,9 +350,12 @@ def dispatch_parts(spec: SourceSpec) -> DispatchParts:
 
 def group_scoring(config: RunConfig) -> GroupScoring:
     """How every group of the run is scored: the Score step's rules, and replay's."""
-    return GroupScoring(algorithms=algorithms(config), pre_filters=pre_batch_filters(config),
-                        temperature=config.inference.temperature,
-                        min_scored={e.name: e.min_scored for e in config.envs})
+    return GroupScoring(
+        algorithms=algorithms(config),
+        pre_filters=pre_batch_filters(config),
+        temperature=config.inference.temperature,
+        min_scored={e.name: e.min_scored for e in config.envs},
+    )
 
 
 @dataclass(frozen=True)
@@ -347,5 +415,6 @@ def replay_parts(run_dir: RunDir, config: RunConfig | None = None, check_stalene
     run directory tells)."""
     config = run_config(run_dir, config)
     checked = staleness_checked(run_dir) if check_staleness is None else check_staleness
-    return ReplayParts(config=config, scoring=group_scoring(config),
-                       batch_builder=packing_parts(config, checked).batch_builder)
+    return ReplayParts(
+        config=config, scoring=group_scoring(config), batch_builder=packing_parts(config, checked).batch_builder
+    )

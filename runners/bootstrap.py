@@ -55,8 +55,9 @@ def require_tool(tool: str, how: str) -> str:
     return path
 
 
-def _run(cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-         progress: bool = True) -> str:
+def _run(
+    cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None, progress: bool = True
+) -> str:
     """Run one step; with `progress`, log its start and how long it took (the set-up script shows both)."""
     log = _LOG.info if progress else _LOG.debug
     log("%s ...", what)
@@ -94,14 +95,18 @@ def ensure_prism(version: str | None = None, patches: list[Path] | None = None) 
     changing them builds a new binary. `patches` selects a subset: tests build Prism without one of
     them to show what it fixes."""
     if not PRISM_PATCHES:
-        raise BootstrapError(f"no Prism patches in {Path(__file__).parent / 'prism_patches'}: a stock Prism "
-                             "loses keyed state and data; reinstall beam-rl from its source tree")
+        raise BootstrapError(
+            f"no Prism patches in {Path(__file__).parent / 'prism_patches'}: a stock Prism "
+            "loses keyed state and data; reinstall beam-rl from its source tree"
+        )
     version = version or sdk_version()
     patches = PRISM_PATCHES if patches is None else patches
     target = prism_path(version, patches)
     if target.is_file():
         return target
-    go = require_tool("go", "install Go >= 1.25 (Beam 2.70's go.mod needs it; https://go.dev/doc/install) to build Prism")
+    go = require_tool(
+        "go", "install Go >= 1.25 (Beam 2.70's go.mod needs it; https://go.dev/doc/install) to build Prism"
+    )
     git = require_tool("git", "install git (its `git apply` patches Prism's source)")
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -110,7 +115,9 @@ def ensure_prism(version: str | None = None, patches: list[Path] | None = None) 
     env = dict(os.environ, GOFLAGS="-mod=mod", GONOSUMDB="github.com/apache/beam")
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         module = f"github.com/apache/beam/sdks/v2@v{version}"
-        download = json.loads(_run([go, "mod", "download", "-json", module], f"Prism: downloading {module}", env=env, cwd=Path(work)))
+        download = json.loads(
+            _run([go, "mod", "download", "-json", module], f"Prism: downloading {module}", env=env, cwd=Path(work))
+        )
         source, tree = Path(download["Dir"]), Path(work) / "sdks"
         # The Go sources only (the module also holds Java, Python and TypeScript), made writable:
         # the module cache is read-only.
@@ -121,12 +128,14 @@ def ensure_prism(version: str | None = None, patches: list[Path] | None = None) 
             os.chmod(directory, 0o755)
         for patch in patches:
             _run([git, "apply", "-p1", str(patch)], f"Prism: patching ({patch.name})", cwd=tree, progress=False)
-        _run([go, "build", "-o", str(Path(work) / "prism"), "./go/cmd/prism"],
-             f"Prism: building v{version} (a minute or two the first time)",
-             env=env, cwd=tree)
+        _run(
+            [go, "build", "-o", str(Path(work) / "prism"), "./go/cmd/prism"],
+            f"Prism: building v{version} (a minute or two the first time)",
+            env=env,
+            cwd=tree,
+        )
         os.replace(Path(work) / "prism", target)
-    _LOG.debug("built Prism v%s (%d patches) in %.1fs -> %s", version, len(patches),
-              time.monotonic() - started, target)
+    _LOG.debug("built Prism v%s (%d patches) in %.1fs -> %s", version, len(patches), time.monotonic() - started, target)
     return target
 
 
@@ -178,14 +187,17 @@ JOB_SERVER_PATCHES = sorted((Path(__file__).parent / "job_server_patches").glob(
 _PATCHED_ARTIFACT = "beam-sdks-java-core"
 
 
-def ensure_flink_job_server(version: str | None = None, flink: str = FLINK_VERSION,
-                            patches: list[Path] | None = None) -> Path:
+def ensure_flink_job_server(
+    version: str | None = None, flink: str = FLINK_VERSION, patches: list[Path] | None = None
+) -> Path:
     """A runnable Flink job-server jar for Beam `version` (default: the installed SDK's), assembled with
     Maven on first use, with `patches` (default: all of `JOB_SERVER_PATCHES`; the jar's name carries their
     digest, as Prism's path does)."""
     if not JOB_SERVER_PATCHES:
-        raise BootstrapError(f"no job server patches in {Path(__file__).parent / 'job_server_patches'}: a stock job "
-                             "server listens on every interface; reinstall beam-rl from its source tree")
+        raise BootstrapError(
+            f"no job server patches in {Path(__file__).parent / 'job_server_patches'}: a stock job "
+            "server listens on every interface; reinstall beam-rl from its source tree"
+        )
     version = version or sdk_version()
     patches = JOB_SERVER_PATCHES if patches is None else patches
     home = cache_root() / "flink-job-server" / f"beam-{version}-flink-{flink}"
@@ -207,17 +219,22 @@ def _assemble_job_server(home: Path, jar: Path, version: str, flink: str) -> Non
     mvn = require_tool("mvn", "install Maven (e.g. `apt-get install maven`) to fetch the Flink runner")
     started = time.monotonic()
     home.mkdir(parents=True, exist_ok=True)
-    (home / "pom.xml").write_text(_JOB_SERVER_POM.format(beam=version, flink=flink, job_service=JOB_SERVICE_VERSION,
-                                                         slf4j=SLF4J_VERSION))
+    (home / "pom.xml").write_text(
+        _JOB_SERVER_POM.format(beam=version, flink=flink, job_service=JOB_SERVICE_VERSION, slf4j=SLF4J_VERSION)
+    )
     lib = home / "lib"
-    _run([mvn, "-q", "-B", "dependency:copy-dependencies", f"-DoutputDirectory={lib}",
-          "-DincludeScope=runtime"],
-         f"Flink job server: fetching org.apache.beam:beam-runners-flink-{flink}:{version} and its dependencies",
-         cwd=home)
+    _run(
+        [mvn, "-q", "-B", "dependency:copy-dependencies", f"-DoutputDirectory={lib}", "-DincludeScope=runtime"],
+        f"Flink job server: fetching org.apache.beam:beam-runners-flink-{flink}:{version} and its dependencies",
+        cwd=home,
+    )
     jars = sorted(p.name for p in lib.glob("*.jar"))
-    for needed in (f"beam-runners-flink-{flink}-{version}.jar", f"beam-runners-java-job-service-{JOB_SERVICE_VERSION}.jar",
-                   f"beam-sdks-java-expansion-service-{version}.jar",
-                   f"slf4j-simple-{SLF4J_VERSION}.jar"):
+    for needed in (
+        f"beam-runners-flink-{flink}-{version}.jar",
+        f"beam-runners-java-job-service-{JOB_SERVICE_VERSION}.jar",
+        f"beam-sdks-java-expansion-service-{version}.jar",
+        f"slf4j-simple-{SLF4J_VERSION}.jar",
+    ):
         if needed not in jars:
             raise BootstrapError(f"Maven resolved no {needed} into {lib}")
     stale = [name for name in jars if name.startswith("slf4j-simple-") and name != f"slf4j-simple-{SLF4J_VERSION}.jar"]
@@ -225,7 +242,6 @@ def _assemble_job_server(home: Path, jar: Path, version: str, flink: str) -> Non
         raise BootstrapError(f"{lib} holds {stale} beside slf4j-simple {SLF4J_VERSION}; remove {home} and rerun")
     _write_launcher_jar(jar, [f"lib/{name}" for name in jars])
     _LOG.debug("assembled Flink job server in %.1fs -> %s", time.monotonic() - started, jar)
-
 
 
 def _launcher_class_path(jar: Path) -> list[str]:
@@ -243,25 +259,57 @@ def _compile_patches(home: Path, version: str, patches: list[Path]) -> Path:
     if target.is_file():
         return target
     mvn = require_tool("mvn", "install Maven (e.g. `apt-get install maven`) to fetch the Flink runner")
-    javac = require_tool("javac", "install a JDK 11+ (e.g. `apt-get install openjdk-17-jdk-headless`): the job "
-                                  "server's patched classes are compiled")
+    javac = require_tool(
+        "javac",
+        "install a JDK 11+ (e.g. `apt-get install openjdk-17-jdk-headless`): the job "
+        "server's patched classes are compiled",
+    )
     git = require_tool("git", "install git (its `git apply` patches the job server's sources)")
     with tempfile.TemporaryDirectory(dir=home) as work:
         work_dir = Path(work)
-        _run([mvn, "-q", "-B", "dependency:copy", f"-Dartifact=org.apache.beam:{_PATCHED_ARTIFACT}:{version}:jar:sources",
-              f"-DoutputDirectory={work_dir}"], f"Flink job server: fetching the sources of {_PATCHED_ARTIFACT} {version}",
-             cwd=home)
-        sources = [line.split()[1].removeprefix("b/") for patch in patches
-                   for line in patch.read_text().splitlines() if line.startswith("+++ ")]
+        _run(
+            [
+                mvn,
+                "-q",
+                "-B",
+                "dependency:copy",
+                f"-Dartifact=org.apache.beam:{_PATCHED_ARTIFACT}:{version}:jar:sources",
+                f"-DoutputDirectory={work_dir}",
+            ],
+            f"Flink job server: fetching the sources of {_PATCHED_ARTIFACT} {version}",
+            cwd=home,
+        )
+        sources = [
+            line.split()[1].removeprefix("b/")
+            for patch in patches
+            for line in patch.read_text().splitlines()
+            if line.startswith("+++ ")
+        ]
         src = work_dir / "src"
         with zipfile.ZipFile(work_dir / f"{_PATCHED_ARTIFACT}-{version}-sources.jar") as zf:
             for name in sources:
                 zf.extract(name, src)
         for patch in patches:
-            _run([git, "apply", "-p1", str(patch)], f"Flink job server: patching ({patch.name})", cwd=src, progress=False)
+            _run(
+                [git, "apply", "-p1", str(patch)], f"Flink job server: patching ({patch.name})", cwd=src, progress=False
+            )
         classes = work_dir / "classes"
-        _run([javac, "-nowarn", "-proc:none", "--release", "11", "-cp", str(home / "lib" / "*"), "-d", str(classes),
-              *sources], "Flink job server: compiling the patched classes", cwd=src)
+        _run(
+            [
+                javac,
+                "-nowarn",
+                "-proc:none",
+                "--release",
+                "11",
+                "-cp",
+                str(home / "lib" / "*"),
+                "-d",
+                str(classes),
+                *sources,
+            ],
+            "Flink job server: compiling the patched classes",
+            cwd=src,
+        )
         tmp = target.with_suffix(".tmp")
         with zipfile.ZipFile(tmp, "w") as zf:
             for path in sorted(classes.rglob("*.class")):
@@ -282,7 +330,7 @@ def _write_launcher_jar(jar: Path, class_path: list[str]) -> None:
 
 def _manifest_line(line: str) -> str:
     """Manifest lines are at most 72 bytes; continuation lines start with one space."""
-    chunks = [line[:72]] + [" " + line[i:i + 71] for i in range(72, len(line), 71)]
+    chunks = [line[:72]] + [" " + line[i : i + 71] for i in range(72, len(line), 71)]
     return "\n".join(chunks)
 
 
@@ -302,10 +350,24 @@ def ensure_flink_distribution(version: str = FLINK_CLUSTER_VERSION) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     if not (venv / "bin" / "python").exists():
         _run([sys.executable, "-m", "venv", str(venv)], "creating the Flink distribution's virtualenv")
-    _run([str(venv / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-          f"apache-flink=={version}", f"apache-flink-libraries=={version}"], f"installing apache-flink {version}")
-    home = Path(_run([str(venv / "bin" / "python"), "-c", "import os, pyflink; print(os.path.dirname(pyflink.__file__))"],
-                     "locating the Flink distribution").strip())
+    _run(
+        [
+            str(venv / "bin" / "pip"),
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            f"apache-flink=={version}",
+            f"apache-flink-libraries=={version}",
+        ],
+        f"installing apache-flink {version}",
+    )
+    home = Path(
+        _run(
+            [str(venv / "bin" / "python"), "-c", "import os, pyflink; print(os.path.dirname(pyflink.__file__))"],
+            "locating the Flink distribution",
+        ).strip()
+    )
     for script in (home / "bin").iterdir():
         script.chmod(script.stat().st_mode | 0o755)
     if not list((home / "lib").glob("flink-dist*.jar")):
@@ -315,8 +377,11 @@ def ensure_flink_distribution(version: str = FLINK_CLUSTER_VERSION) -> Path:
     return home
 
 
-_PARTS: dict[str, tuple[str, Callable[[str], Path]]] = {"prism": ("Prism", ensure_prism), "flink-job-server": ("Flink job server", ensure_flink_job_server),
-          "flink-cluster": ("Flink distribution", lambda _version: ensure_flink_distribution())}
+_PARTS: dict[str, tuple[str, Callable[[str], Path]]] = {
+    "prism": ("Prism", ensure_prism),
+    "flink-job-server": ("Flink job server", ensure_flink_job_server),
+    "flink-cluster": ("Flink distribution", lambda _version: ensure_flink_distribution()),
+}
 
 
 def main(argv: list[str] | None = None) -> None:

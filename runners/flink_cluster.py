@@ -73,8 +73,12 @@ def flink_home() -> Path:
 
 def _can_unshare_mounts() -> bool:
     try:
-        return subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
-                              capture_output=True, timeout=10).returncode == 0
+        return (
+            subprocess.run(
+                ["unshare", "--mount", "--propagation", "private", "true"], capture_output=True, timeout=10
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -136,17 +140,37 @@ class FlinkCluster:
     # -- processes -------------------------------------------------------------------------------
 
     def _spawn(self, script: str, name: str, *args: str, hosts: Path | None = None) -> subprocess.Popen:
-        env = dict(os.environ, FLINK_CONF_DIR=str(self.conf_dir), FLINK_LOG_DIR=str(self.log_dir),
-                   FLINK_PID_DIR=str(self.workdir), FLINK_IDENT_STRING=name)
+        env = dict(
+            os.environ,
+            FLINK_CONF_DIR=str(self.conf_dir),
+            FLINK_LOG_DIR=str(self.log_dir),
+            FLINK_PID_DIR=str(self.workdir),
+            FLINK_IDENT_STRING=name,
+        )
         command = [str(self.home / "bin" / script), "start-foreground", *args]
         if hosts is not None:
             # Its own mount namespace, where /etc/hosts names its own worker pool; unshare and sh exec
             # what follows, and start-foreground execs the JVM: this pid ends up the JVM's.
-            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                       f'mount --bind "{hosts}" /etc/hosts && exec "$@"', "sh", *command]
+            command = [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                f'mount --bind "{hosts}" /etc/hosts && exec "$@"',
+                "sh",
+                *command,
+            ]
         with open(self.log_dir / f"{name}.out", "ab") as out:
-            return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=die_with_parent)
+            return subprocess.Popen(
+                command,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
 
     def start_jobmanager(self) -> None:
         self.jobmanager = self._spawn("jobmanager.sh", "jobmanager")
@@ -192,9 +216,14 @@ class FlinkCluster:
         # Workers run `python`: the interpreter of this environment must lead PATH.
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         with open(self.log_dir / f"pool-{name}.out", "ab") as out:  # the pool writes to its own copy
-            pool = subprocess.Popen([sys.executable, "-m", "runners.workers", "pool", "--host", host, "--port", port],
-                                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=die_with_parent)
+            pool = subprocess.Popen(
+                [sys.executable, "-m", "runners.workers", "pool", "--host", host, "--port", port],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if pool.poll() is not None:
@@ -257,8 +286,11 @@ class FlinkCluster:
             if self.jobmanager is not None and self.jobmanager.poll() is not None:
                 raise FlinkClusterError(f"the JobManager exited with {self.jobmanager.returncode}; see {self.log_dir}")
             overview = self.overview()
-            if (overview and overview.get("taskmanagers", 0) >= taskmanagers
-                    and overview.get("slots-total", 0) >= taskmanagers * self.slots_per_taskmanager):
+            if (
+                overview
+                and overview.get("taskmanagers", 0) >= taskmanagers
+                and overview.get("slots-total", 0) >= taskmanagers * self.slots_per_taskmanager
+            ):
                 return overview
             time.sleep(0.5)
         raise FlinkClusterError(f"cluster not ready in {timeout_s:g}s (last overview {overview}); see {self.log_dir}")
@@ -280,9 +312,14 @@ def write_conf(home: Path, conf_dir: Path, settings: dict[str, Any]) -> None:
     (conf_dir / "config.yaml").write_text(yaml.safe_dump({**base, **settings}, sort_keys=True))
 
 
-def start_cluster(taskmanagers: int = 2, slots_per_taskmanager: int = 2, workdir: str | Path | None = None,
-                  settings: dict[str, Any] | None = None, ready_timeout_s: float = 120.0,
-                  worker_pools: bool = True) -> FlinkCluster:
+def start_cluster(
+    taskmanagers: int = 2,
+    slots_per_taskmanager: int = 2,
+    workdir: str | Path | None = None,
+    settings: dict[str, Any] | None = None,
+    ready_timeout_s: float = 120.0,
+    worker_pools: bool = True,
+) -> FlinkCluster:
     """Starts a JobManager and `taskmanagers` TaskManagers, each with its worker pool (`worker_pools`),
     and waits until all are registered. The cluster lives as long as the thread that started it: its
     processes get SIGTERM when that ends, even by SIGKILL."""
@@ -290,20 +327,30 @@ def start_cluster(taskmanagers: int = 2, slots_per_taskmanager: int = 2, workdir
         raise FlinkClusterError(
             "a worker pool per TaskManager on one machine needs mount namespaces (`unshare --mount`, as root): "
             "each TaskManager gets its own /etc/hosts entry for its pool. Start the cluster with "
-            "worker_pools=False and run the workers elsewhere (runner.environment = \"loopback\" or \"process\")")
+            "worker_pools=False and run the workers elsewhere (runner.environment = \"loopback\" or \"process\")"
+        )
     home = flink_home()
     workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="beam-rl-flink-"))
-    cluster = FlinkCluster(home=home, workdir=workdir, rest_port=free_port(),
-                           slots_per_taskmanager=slots_per_taskmanager, worker_pools=worker_pools)
+    cluster = FlinkCluster(
+        home=home,
+        workdir=workdir,
+        rest_port=free_port(),
+        slots_per_taskmanager=slots_per_taskmanager,
+        worker_pools=worker_pools,
+    )
     cluster.log_dir.mkdir(parents=True, exist_ok=True)
-    write_conf(home, cluster.conf_dir, {
-        **DEFAULT_SETTINGS,
-        "rest.port": cluster.rest_port,
-        "jobmanager.rpc.port": free_port(),
-        "taskmanager.numberOfTaskSlots": slots_per_taskmanager,
-        "io.tmp.dirs": str(workdir / "tmp"),
-        **(settings or {}),
-    })
+    write_conf(
+        home,
+        cluster.conf_dir,
+        {
+            **DEFAULT_SETTINGS,
+            "rest.port": cluster.rest_port,
+            "jobmanager.rpc.port": free_port(),
+            "taskmanager.numberOfTaskSlots": slots_per_taskmanager,
+            "io.tmp.dirs": str(workdir / "tmp"),
+            **(settings or {}),
+        },
+    )
     try:
         cluster.start_jobmanager()
         for _ in range(taskmanagers):
@@ -325,8 +372,11 @@ def main() -> None:
     started = time.monotonic()
     cluster = start_cluster(args.taskmanagers, args.slots, args.workdir, worker_pools=not args.no_worker_pools)
     pools = f'; runner.worker_pool = "{cluster.worker_pool}"' if cluster.worker_pools else ""
-    print(f"Flink cluster ready in {time.monotonic() - started:.1f}s: flink_master = \"{cluster.master}\"{pools} "
-          f"(web UI http://{cluster.master}, logs {cluster.log_dir}); Ctrl-C stops it", flush=True)
+    print(
+        f"Flink cluster ready in {time.monotonic() - started:.1f}s: flink_master = \"{cluster.master}\"{pools} "
+        f"(web UI http://{cluster.master}, logs {cluster.log_dir}); Ctrl-C stops it",
+        flush=True,
+    )
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     try:
         while True:

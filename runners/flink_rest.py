@@ -29,7 +29,7 @@ class FlinkRest:
             except (OSError, urllib.error.URLError):
                 if attempt == attempts - 1:
                     raise
-                time.sleep(0.5 * 2 ** attempt)
+                time.sleep(0.5 * 2**attempt)
 
     def reachable(self) -> bool:
         try:

@@ -57,17 +57,33 @@ def embedded_flink_jvm_options(heap_mb: int) -> list[str]:
     return [f"-Xmx{heap_mb}m", "-XX:+UseParallelGC"]
 
 
-def start_job_server(flink_master: str, log: Path, jvm_heap_mb: int | None = None,
-                     timeout_s: float = 120.0, host: str = LOOPBACK) -> JobServer:
+def start_job_server(
+    flink_master: str, log: Path, jvm_heap_mb: int | None = None, timeout_s: float = 120.0, host: str = LOOPBACK
+) -> JobServer:
     """A Flink job server for `flink_master` ("[local]": an embedded Flink), its output in `log`, its job
     service on `host` (`runner.bind_host`)."""
     java = bootstrap.require_tool("java", "install a Java 11+ runtime (e.g. `apt-get install openjdk-17-jre-headless`)")
     port = free_port()
     artifacts = tempfile.mkdtemp(prefix="beam-rl-artifacts-")
     jvm_options = embedded_flink_jvm_options(jvm_heap_mb) if jvm_heap_mb else []
-    command = [java, *jvm_options, "-jar", str(bootstrap.ensure_flink_job_server()),
-               "--flink-master", flink_master, "--artifacts-dir", artifacts, "--job-host", host, "--job-port", str(port),
-               "--artifact-port", "0", "--expansion-port", "0"]
+    command = [
+        java,
+        *jvm_options,
+        "-jar",
+        str(bootstrap.ensure_flink_job_server()),
+        "--flink-master",
+        flink_master,
+        "--artifacts-dir",
+        artifacts,
+        "--job-host",
+        host,
+        "--job-port",
+        str(port),
+        "--artifact-port",
+        "0",
+        "--expansion-port",
+        "0",
+    ]
     if flink_master == "[local]":
         command += ["--flink-conf-dir", _embedded_flink_conf(host)]
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -80,14 +96,20 @@ def start_job_server(flink_master: str, log: Path, jvm_heap_mb: int | None = Non
             raise JobServerError(f"the Flink job server exited with {process.returncode}:\n{_tail(log)}")
         try:
             with socket.create_connection((local_name(host), port), timeout=1):
-                warn_if_open(host, port, "the Flink job service: whoever reaches it can submit jobs, whose "
-                             "workers run the code they are sent", "runner.bind_host")
+                warn_if_open(
+                    host,
+                    port,
+                    "the Flink job service: whoever reaches it can submit jobs, whose "
+                    "workers run the code they are sent",
+                    "runner.bind_host",
+                )
                 return JobServer(process, reach(host, port), log, log_start)
         except OSError:
             if time.monotonic() > deadline:
                 stop_processes([process])
                 raise JobServerError(
-                    f"the Flink job server did not listen within {timeout_s:g}s:\n{_tail(log)}") from None
+                    f"the Flink job server did not listen within {timeout_s:g}s:\n{_tail(log)}"
+                ) from None
             time.sleep(0.2)
 
 

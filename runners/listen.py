@@ -25,9 +25,12 @@ from runners.workers import start_pool
 class ListenOptions(PipelineOptions):
     @classmethod
     def _add_argparse_args(cls, parser):  # type: ignore[no-untyped-def]
-        parser.add_argument("--bind_host", default=LOOPBACK,
-                            help="the address the job's ports (job service, worker pool) listen on; loopback unless "
-                                 "a wider one is asked for")
+        parser.add_argument(
+            "--bind_host",
+            default=LOOPBACK,
+            help="the address the job's ports (job service, worker pool) listen on; loopback unless "
+            "a wider one is asked for",
+        )
 
 
 def bind_host(options: PipelineOptions) -> str:
@@ -47,9 +50,11 @@ class LoopbackOnHost:
             if env.urn != python_urns.EMBEDDED_PYTHON_LOOPBACK:
                 continue
             endpoint, server, _ = start_pool(
-                bind_host(options), use_process=debug.lookup_experiment("use_loopback_process_worker", False),
+                bind_host(options),
+                use_process=debug.lookup_experiment("use_loopback_process_worker", False),
                 state_cache_size=sdk_worker_main._get_state_cache_size_bytes(options=options),
-                data_buffer_time_limit_ms=sdk_worker_main._get_data_buffer_time_limit_ms(debug.experiments or []))
+                data_buffer_time_limit_ms=sdk_worker_main._get_data_buffer_time_limit_ms(debug.experiments or []),
+            )
             portable_options.environment_type = "EXTERNAL"
             portable_options.environment_config = endpoint
             external = environments.ExternalEnvironment.from_options(portable_options).to_runner_api(None)  # type: ignore[arg-type]  # no context: as Beam's own callers

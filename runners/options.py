@@ -55,17 +55,24 @@ def pipeline_options(settings: RunnerSettings | str, *extra_args: str) -> Pipeli
         settings = RunnerSettings(name=settings)
     if settings.name not in RUNNERS:
         raise ValueError(f"unknown runner {settings.name!r}; choose one of {', '.join(RUNNERS)}")
-    args = ["--streaming", *_environment_args(settings), f"--job_server_timeout={JOB_SERVER_TIMEOUT_S}",
-            f"--bind_host={settings.bind_host}",
-            # Beam otherwise stages `python -m pip freeze` of this environment with every job: a subprocess
-            # per submission, and "No module named pip" on stderr where the venv has no pip (uv's).
-            "--experiments=disable_logging_submission_environment", *extra_args]
+    args = [
+        "--streaming",
+        *_environment_args(settings),
+        f"--job_server_timeout={JOB_SERVER_TIMEOUT_S}",
+        f"--bind_host={settings.bind_host}",
+        # Beam otherwise stages `python -m pip freeze` of this environment with every job: a subprocess
+        # per submission, and "No module named pip" on stderr where the venv has no pip (uv's).
+        "--experiments=disable_logging_submission_environment",
+        *extra_args,
+    ]
     if settings.job_name:
         args.append(f"--job_name={settings.job_name}")
     if settings.name == "direct":
         # A Prism of its own for each job, stopped once the job has ended (runners/prism.py).
-        args += [f"--runner={PrismPerJob.__module__}.{PrismPerJob.__name__}",
-                 f"--prism_location={settings.prism_location or bootstrap.ensure_prism()}"]
+        args += [
+            f"--runner={PrismPerJob.__module__}.{PrismPerJob.__name__}",
+            f"--prism_location={settings.prism_location or bootstrap.ensure_prism()}",
+        ]
     else:
         args += _flink_args(settings)
     return PipelineOptions(args)
@@ -92,8 +99,11 @@ def _flink_args(settings: RunnerSettings) -> list[str]:
         master = settings.flink_master
     else:
         master = "[local]"
-    args = [f"--runner={FlinkOnHost.__module__}.{FlinkOnHost.__name__}", f"--flink_master={master}",
-            f"--flink_version={bootstrap.FLINK_VERSION}"]
+    args = [
+        f"--runner={FlinkOnHost.__module__}.{FlinkOnHost.__name__}",
+        f"--flink_master={master}",
+        f"--flink_version={bootstrap.FLINK_VERSION}",
+    ]
     if settings.job_endpoint:
         args.append(f"--job_endpoint={settings.job_endpoint}")
     else:

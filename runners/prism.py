@@ -57,11 +57,16 @@ class OwnPrism(prism_runner.PrismJobServer):
     def start(self) -> beam_job_api_pb2_grpc.JobServiceStub:
         if self._process is None:
             command, endpoint = self.subprocess_cmd_and_endpoint()
-            self._process = subprocess.Popen([str(part) for part in command], stdout=subprocess.PIPE,
-                                             stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            self._process = subprocess.Popen(
+                [str(part) for part in command],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,
+            )
             threading.Thread(target=_forward, args=(self._process.stdout,), daemon=True, name="prism-log").start()
-            self._channel = grpc.insecure_channel(endpoint, options=[("grpc.max_receive_message_length", -1),
-                                                                     ("grpc.max_send_message_length", -1)])
+            self._channel = grpc.insecure_channel(
+                endpoint, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+            )
             ready = grpc.channel_ready_future(self._channel)
             while True:
                 if (code := self._process.poll()) is not None:
@@ -73,8 +78,13 @@ class OwnPrism(prism_runner.PrismJobServer):
                 except grpc.FutureTimeoutError:
                     continue
             self._stub = beam_job_api_pb2_grpc.JobServiceStub(self._channel)
-            warn_if_open(self._host, self._port, "Prism's job service and its workers' FnAPI: whoever reaches it "
-                         "can list and submit jobs, and have workers run their code", "runner.bind_host")
+            warn_if_open(
+                self._host,
+                self._port,
+                "Prism's job service and its workers' FnAPI: whoever reaches it "
+                "can list and submit jobs, and have workers run their code",
+                "runner.bind_host",
+            )
         return self._stub
 
     def stop(self) -> None:

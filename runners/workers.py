@@ -59,8 +59,9 @@ def _provision_info(provision_endpoint: str, worker_id: str) -> Any:
 
     with grpc.insecure_channel(provision_endpoint) as channel:
         stub = beam_provision_api_pb2_grpc.ProvisionServiceStub(channel)
-        return stub.GetProvisionInfo(beam_provision_api_pb2.GetProvisionInfoRequest(),
-                                     metadata=[("worker_id", worker_id)], timeout=60).info
+        return stub.GetProvisionInfo(
+            beam_provision_api_pb2.GetProvisionInfoRequest(), metadata=[("worker_id", worker_id)], timeout=60
+        ).info
 
 
 def boot_main(argv: list[str]) -> None:
@@ -80,12 +81,14 @@ def boot_main(argv: list[str]) -> None:
     from google.protobuf import json_format
 
     info = _provision_info(args.provision_endpoint, args.id)
-    os.environ.update({
-        "WORKER_ID": args.id,
-        "CONTROL_API_SERVICE_DESCRIPTOR": _descriptor(args.control_endpoint or info.control_endpoint.url),
-        "LOGGING_API_SERVICE_DESCRIPTOR": _descriptor(args.logging_endpoint or info.logging_endpoint.url),
-        "PIPELINE_OPTIONS": json.dumps(json_format.MessageToDict(info.pipeline_options)),
-    })
+    os.environ.update(
+        {
+            "WORKER_ID": args.id,
+            "CONTROL_API_SERVICE_DESCRIPTOR": _descriptor(args.control_endpoint or info.control_endpoint.url),
+            "LOGGING_API_SERVICE_DESCRIPTOR": _descriptor(args.logging_endpoint or info.logging_endpoint.url),
+            "PIPELINE_OPTIONS": json.dumps(json_format.MessageToDict(info.pipeline_options)),
+        }
+    )
     if args.semi_persist_dir:
         os.environ["SEMI_PERSISTENT_DIRECTORY"] = args.semi_persist_dir
     from apache_beam.runners.worker import sdk_worker_main
@@ -96,9 +99,16 @@ def boot_main(argv: list[str]) -> None:
     sdk_worker_main.main(sys.argv)
 
 
-def start_pool(host: str, port: int = 0, *, use_process: bool = True, container_executable: str | None = None,
-               state_cache_size: int = 0, data_buffer_time_limit_ms: int = 0, setting: str = "runner.bind_host",
-               ) -> tuple[str, Any, Any]:
+def start_pool(
+    host: str,
+    port: int = 0,
+    *,
+    use_process: bool = True,
+    container_executable: str | None = None,
+    state_cache_size: int = 0,
+    data_buffer_time_limit_ms: int = 0,
+    setting: str = "runner.bind_host",
+) -> tuple[str, Any, Any]:
     """Beam's worker pool servicer on `host:port` (port 0: a free one); returns the `host:port` a process on
     this machine reaches it at, its gRPC server (started) and the servicer. `setting` is what chose `host`: the
     warning when it is beyond loopback names it. Beam's own (`BeamFnExternalWorkerPoolServicer.start`, which
@@ -111,17 +121,23 @@ def start_pool(host: str, port: int = 0, *, use_process: bool = True, container_
     from apache_beam.runners.worker.worker_pool_main import BeamFnExternalWorkerPoolServicer, kill_process_gracefully
     from apache_beam.utils import thread_pool_executor
 
-    pool = BeamFnExternalWorkerPoolServicer(use_process=use_process, container_executable=container_executable,
-                                            state_cache_size=state_cache_size,
-                                            data_buffer_time_limit_ms=data_buffer_time_limit_ms)
+    pool = BeamFnExternalWorkerPoolServicer(
+        use_process=use_process,
+        container_executable=container_executable,
+        state_cache_size=state_cache_size,
+        data_buffer_time_limit_ms=data_buffer_time_limit_ms,
+    )
     # Beam's options: no limit on keepalive pings from the runner.
-    server = grpc.server(thread_pool_executor.shared_unbounded_instance(),
-                         options=[("grpc.http2.max_pings_without_data", 0), ("grpc.http2.max_ping_strikes", 0)])
+    server = grpc.server(
+        thread_pool_executor.shared_unbounded_instance(),
+        options=[("grpc.http2.max_pings_without_data", 0), ("grpc.http2.max_ping_strikes", 0)],
+    )
     beam_fn_api_pb2_grpc.add_BeamFnExternalWorkerPoolServicer_to_server(pool, server)
     bound = server.add_insecure_port(host_port(host, port))
     server.start()
-    warn_if_open(host, bound, "a Beam worker pool: it starts SDK workers that run the pickled code a runner sends",
-                 setting)
+    warn_if_open(
+        host, bound, "a Beam worker pool: it starts SDK workers that run the pickled code a runner sends", setting
+    )
 
     @atexit.register
     def kill_workers() -> None:  # as Beam's: worker processes are children of the pool
@@ -141,8 +157,9 @@ def pool_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     import signal
 
-    address, server, pool = start_pool(args.host, args.port, container_executable=str(boot_command()),
-                                       setting="runners.workers pool --host")
+    address, server, pool = start_pool(
+        args.host, args.port, container_executable=str(boot_command()), setting="runners.workers pool --host"
+    )
 
     def stop(*_: object) -> None:  # workers are children of the pool: they go with it
         for worker in list(pool._worker_processes.values()):

@@ -147,11 +147,14 @@ class CommitRecord(BaseModel):
     def _lists_every_file_it_counts(self) -> CommitRecord:
         expected = {rank_file_name(rank) for rank in range(self.counts.ranks)} | {WINDOW_FILE}
         if set(self.files) != expected:
-            raise ValueError(f"files {sorted(self.files)} are not the {self.counts.ranks} rank files and "
-                             f"{WINDOW_FILE} (expected {sorted(expected)})")
+            raise ValueError(
+                f"files {sorted(self.files)} are not the {self.counts.ranks} rank files and "
+                f"{WINDOW_FILE} (expected {sorted(expected)})"
+            )
         if len(self.counts.micro_batches) != self.counts.ranks:
-            raise ValueError(f"counts.micro_batches has {len(self.counts.micro_batches)} entries "
-                             f"for {self.counts.ranks} ranks")
+            raise ValueError(
+                f"counts.micro_batches has {len(self.counts.micro_batches)} entries for {self.counts.ranks} ranks"
+            )
         return self
 
     def to_json(self) -> bytes:
@@ -166,12 +169,15 @@ class CommitRecord(BaseModel):
             if [e["type"] for e in err.errors()] == ["missing"]:
                 raise CommitRecordError(
                     f"{source}: no record_version: not a commit record, or one written before commit records "
-                    f"were versioned; this beam-rl reads {sorted(SUPPORTED_RECORD_VERSIONS)}") from None
+                    f"were versioned; this beam-rl reads {sorted(SUPPORTED_RECORD_VERSIONS)}"
+                ) from None
             raise CommitRecordError(f"{source}: not a commit record: {first_error(err)}") from None
         if version not in SUPPORTED_RECORD_VERSIONS:
             newer = " (newer than this beam-rl: upgrade it)" if version > max(SUPPORTED_RECORD_VERSIONS) else ""
-            raise CommitRecordError(f"{source}: record_version {version} is not supported{newer}; "
-                                    f"this beam-rl reads {sorted(SUPPORTED_RECORD_VERSIONS)}")
+            raise CommitRecordError(
+                f"{source}: record_version {version} is not supported{newer}; "
+                f"this beam-rl reads {sorted(SUPPORTED_RECORD_VERSIONS)}"
+            )
         try:
             return cls.model_validate_json(data)
         except ValidationError as err:

@@ -17,15 +17,29 @@ DOC_END = "<!-- end of the generated columns -->"
 
 def columns_markdown() -> str:
     """Markdown tables of every declared column, for docs/trainer-api.md."""
-    lines = ["`rank_<R>.arrow`, one row per sample; the reader's name for each column's values in a micro-batch:", "",
-             "| column | type | reader | meaning |", "|---|---|---|---|"]
+    lines = [
+        "`rank_<R>.arrow`, one row per sample; the reader's name for each column's values in a micro-batch:",
+        "",
+        "| column | type | reader | meaning |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| `{f.name}` | `{_type_name(f.arrow_type)}` | `{f.key}` | {f.meaning} |" for f in SAMPLE_FIELDS]
-    lines += [f"| `{f.name}` | `list<{_type_name(f.arrow_type)}>` | `{f.name}`"
-              f"{' (bool)' if f.dtype == np.bool_ else ''} | {f.meaning} |" for f in TOKEN_FIELDS]
-    lines += ["", "`window.arrow`, one row per rollout seen since the previous step:", "",
-              "| column | type | meaning |", "|---|---|---|"]
-    lines += [f"| `{f.name}` | `{_type_name(f.arrow_type)}`{'' if f.nullable else ', not null'} | {f.meaning} |"
-              for f in ROLLOUT_FIELDS]
+    lines += [
+        f"| `{f.name}` | `list<{_type_name(f.arrow_type)}>` | `{f.name}`"
+        f"{' (bool)' if f.dtype == np.bool_ else ''} | {f.meaning} |"
+        for f in TOKEN_FIELDS
+    ]
+    lines += [
+        "",
+        "`window.arrow`, one row per rollout seen since the previous step:",
+        "",
+        "| column | type | meaning |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| `{f.name}` | `{_type_name(f.arrow_type)}`{'' if f.nullable else ', not null'} | {f.meaning} |"
+        for f in ROLLOUT_FIELDS
+    ]
     lines += ["", "Each struct of `turns`:", "", "| field | type | meaning |", "|---|---|---|"]
     lines += [f"| `{f.name}` | `{_type_name(f.column_type)}` | {f.meaning} |" for f in TURN_FIELDS]
     return "\n".join(lines)

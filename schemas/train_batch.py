@@ -45,10 +45,15 @@ def check_schema_version(schema: pa.Schema, source: str = "<schema>") -> int:
         raise SchemaError(f"{source}: schema version {raw.decode(errors='replace')!r} is not an integer") from None
     if version not in SUPPORTED_SCHEMA_VERSIONS:
         older = version < min(SUPPORTED_SCHEMA_VERSIONS)
-        remedy = ("written by an older beam-rl: read it with the beam-rl that wrote it" if older
-                  else "written by a newer beam-rl: upgrade this one")
-        raise SchemaError(f"{source}: schema version {version} is not supported "
-                          f"(this beam-rl reads {sorted(SUPPORTED_SCHEMA_VERSIONS)}); {remedy}")
+        remedy = (
+            "written by an older beam-rl: read it with the beam-rl that wrote it"
+            if older
+            else "written by a newer beam-rl: upgrade this one"
+        )
+        raise SchemaError(
+            f"{source}: schema version {version} is not supported "
+            f"(this beam-rl reads {sorted(SUPPORTED_SCHEMA_VERSIONS)}); {remedy}"
+        )
     return version
 
 
@@ -72,8 +77,11 @@ def in_version(table: pa.Table, version: int) -> pa.Table:
     if version == SCHEMA_VERSION:
         return table
     if version not in SUPPORTED_SCHEMA_VERSIONS:
-        raise SchemaError(f"schema version {version} is not supported (this beam-rl reads "
-                          f"{sorted(SUPPORTED_SCHEMA_VERSIONS)})")
-    schema = pa.schema([field.with_type(_OLDER_TYPES.get(version, {}).get(field.name, field.type))
-                        for field in table.schema], metadata={SCHEMA_VERSION_KEY: str(version).encode()})
+        raise SchemaError(
+            f"schema version {version} is not supported (this beam-rl reads {sorted(SUPPORTED_SCHEMA_VERSIONS)})"
+        )
+    schema = pa.schema(
+        [field.with_type(_OLDER_TYPES.get(version, {}).get(field.name, field.type)) for field in table.schema],
+        metadata={SCHEMA_VERSION_KEY: str(version).encode()},
+    )
     return table.cast(schema)

@@ -152,7 +152,7 @@ class _GroupKeys:
         if key is None:
             if len(self._cache) > 100_000:
                 self._cache.clear()
-            target = (rollout.index if rollout.is_eval else source.schedule.position(rollout.prompt_offset))
+            target = rollout.index if rollout.is_eval else source.schedule.position(rollout.prompt_offset)
             key = self._cache[group_id] = _key_for(group_id, target % self._parallelism, self._parallelism, self._coder)
         return key
 
@@ -182,8 +182,12 @@ class _DispatchFn(beam.DoFn):
         self._sources.close()
 
     @beam.DoFn.unbounded_per_element()
-    def process(self, element: ShardElement, tracker=beam.DoFn.RestrictionParam(_RANGES),
-                watermark=beam.DoFn.WatermarkEstimatorParam(_WATERMARK)):
+    def process(
+        self,
+        element: ShardElement,
+        tracker=beam.DoFn.RestrictionParam(_RANGES),
+        watermark=beam.DoFn.WatermarkEstimatorParam(_WATERMARK),
+    ):
         _, (shard, _) = element
         restriction = tracker.current_restriction()
         source = self._sources.get(self._parts, shard, restriction)
@@ -262,8 +266,11 @@ class DispatchRollouts(beam.PTransform):
 
     def expand(self, pbegin):
         elements = _shard_elements(self._spec)
-        return (pbegin
-                | beam.Impulse()
-                | "Shards" >> beam.FlatMap(lambda _: elements).with_output_types(ShardElement)
-                | beam.ParDo(_DispatchFn(self._spec)).with_output_types(tuple[str, list[Rollout]])
-                .with_outputs(END_OF_INPUT, main="rollouts"))
+        return (
+            pbegin
+            | beam.Impulse()
+            | "Shards" >> beam.FlatMap(lambda _: elements).with_output_types(ShardElement)
+            | beam.ParDo(_DispatchFn(self._spec))
+            .with_output_types(tuple[str, list[Rollout]])
+            .with_outputs(END_OF_INPUT, main="rollouts")
+        )

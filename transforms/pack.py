@@ -48,8 +48,7 @@ class _PackFn(beam.DoFn):
         self._dir = RunDir(self._run_dir)
         self._parts = wiring.packing_parts(self._config, self._check_staleness)
 
-    def process(self, keyed: tuple[str, Any], state=beam.DoFn.StateParam(STATE),
-                pending=beam.DoFn.StateParam(PENDING)):
+    def process(self, keyed: tuple[str, Any], state=beam.DoFn.StateParam(STATE), pending=beam.DoFn.StateParam(PENDING)):
         _, items = keyed
         packer = Packer.load(state.read(), pending.read(), new_builder=self._new_builder, steps=self._dir)
         out = packer.add(items, shards=self._config.dispatch.shards, max_steps=self._config.run.max_steps)
@@ -101,10 +100,12 @@ class PackBatches(beam.PTransform):
         self._fn = _PackFn(config, first_step, check_staleness, run_dir)
 
     def expand(self, scored_groups_and_end) -> beam.PCollection[PackerOutput]:
-        return (scored_groups_and_end
-                # Up to a bundle's worth of groups per element: the packer's state is read and written
-                # once per element, and on Prism each element for the single key cost a bundle round
-                # trip (the runner's CPU per rollout fell ~3x; bench/history.md).
-                | "PerBundle" >> beam.ParDo(_PerBundle()).with_output_types(list[PackerItem])
-                | "OneKey" >> beam.Map(lambda x: (_PACKER_KEY, x)).with_output_types(tuple[str, list[PackerItem]])
-                | beam.ParDo(self._fn).with_output_types(PackerOutput))
+        return (
+            scored_groups_and_end
+            # Up to a bundle's worth of groups per element: the packer's state is read and written
+            # once per element, and on Prism each element for the single key cost a bundle round
+            # trip (the runner's CPU per rollout fell ~3x; bench/history.md).
+            | "PerBundle" >> beam.ParDo(_PerBundle()).with_output_types(list[PackerItem])
+            | "OneKey" >> beam.Map(lambda x: (_PACKER_KEY, x)).with_output_types(tuple[str, list[PackerItem]])
+            | beam.ParDo(self._fn).with_output_types(PackerOutput)
+        )

@@ -124,9 +124,9 @@ class ScoreGroups(beam.PTransform):
         self._run_dir = run_dir
 
     def expand(self, groups):
-        return (groups
-                | beam.ParDo(_ScoreFn(self._config, self._run_dir)).with_output_types(ScoredGroup)
-                .with_outputs(EVALUATION, main="scored"))
+        return groups | beam.ParDo(_ScoreFn(self._config, self._run_dir)).with_output_types(ScoredGroup).with_outputs(
+            EVALUATION, main="scored"
+        )
 
 
 EvalGroup = list[RolloutRecord]

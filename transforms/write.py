@@ -31,22 +31,36 @@ class _WriteStepFn(beam.DoFn):
             # the bundle's start; a step it already committed must come out identical.
             committed = self._dir.read_commit(batch.step).group_ids
             if committed != list(batch.group_ids):
-                raise RuntimeError(f"step {batch.step} is committed with other groups than this replay "
-                                   f"produced: committed {committed}, replay {list(batch.group_ids)}")
+                raise RuntimeError(
+                    f"step {batch.step} is committed with other groups than this replay "
+                    f"produced: committed {committed}, replay {list(batch.group_ids)}"
+                )
             beam.metrics.Metrics.counter("beam_rl", "steps_replayed").inc()
             return
         offsets = sorted({r.prompt_offset for r in batch.rollouts})
         last_finished = max((r.t_finished for r in batch.rollouts), default=0.0)
-        workers = {"dispatch": sorted({r.dispatch_worker for r in batch.rollouts if r.dispatch_worker}),
-                   "score": sorted({r.score_worker for r in batch.rollouts if r.score_worker})}
+        workers = {
+            "dispatch": sorted({r.dispatch_worker for r in batch.rollouts if r.dispatch_worker}),
+            "score": sorted({r.score_worker for r in batch.rollouts if r.score_worker}),
+        }
         try:
-            self._dir.write_step(batch, offsets=offsets, window=batch.rollouts,
-                                 extra={"last_rollout_finished_at": last_finished, "workers": workers})
+            self._dir.write_step(
+                batch,
+                offsets=offsets,
+                window=batch.rollouts,
+                extra={"last_rollout_finished_at": last_finished, "workers": workers},
+            )
         except RunDirError as err:  # a full disk: the CLI names it from the record, not Beam's text
             record_failure(self._run_dir, "write", err)
             raise
-        self._dir.append_metrics({"step": batch.step, "committed_at": time.time(), **batch.window,
-                                  "goodput": goodput(batch.window.get("tokens_by_fate") or {})})
+        self._dir.append_metrics(
+            {
+                "step": batch.step,
+                "committed_at": time.time(),
+                **batch.window,
+                "goodput": goodput(batch.window.get("tokens_by_fate") or {}),
+            }
+        )
         beam.metrics.Metrics.counter("beam_rl", "steps_committed").inc()
         yield batch.step
 

@@ -74,7 +74,7 @@ class _Measurement:
     def precise_to(self, precision: float) -> bool:
         """Is the rate's relative standard error under `precision`? Finishes as a Poisson stream, each with
         its own tokens: the sum's variance is the sum of the squares. A long tail needs many rollouts."""
-        return self.tokens > 0 and self.squares ** 0.5 <= precision * self.tokens
+        return self.tokens > 0 and self.squares**0.5 <= precision * self.tokens
 
     def rate(self, now: float) -> float:
         elapsed = now - self.started_at if self.started_at is not None else 0.0
@@ -104,11 +104,26 @@ class GoodputController:
 
     counts_trained_tokens = True
 
-    def __init__(self, ceiling: int, floor: int = 1, start: int | None = None, *, min_rollouts: int = 16,
-                 measure_turns: int = 1, precision: float = 0.05, tolerance: float = 0.03,
-                 down_tolerance: float = 0.02, collapse: float = 0.5, shift: float = 0.2,
-                 min_step: float = 1 / 16, max_hold: int = 4, fill_steps: int = 2,
-                 max_span_steps: int = 4, growth: float = 1.5, probe_step: float = 1 / 8) -> None:
+    def __init__(
+        self,
+        ceiling: int,
+        floor: int = 1,
+        start: int | None = None,
+        *,
+        min_rollouts: int = 16,
+        measure_turns: int = 1,
+        precision: float = 0.05,
+        tolerance: float = 0.03,
+        down_tolerance: float = 0.02,
+        collapse: float = 0.5,
+        shift: float = 0.2,
+        min_step: float = 1 / 16,
+        max_hold: int = 4,
+        fill_steps: int = 2,
+        max_span_steps: int = 4,
+        growth: float = 1.5,
+        probe_step: float = 1 / 8,
+    ) -> None:
         self.ceiling, self.floor = ceiling, floor
         self.cap = _first_cap(ceiling, floor, start)
         self.min_rollouts, self.measure_turns, self.precision = min_rollouts, measure_turns, precision
@@ -146,8 +161,9 @@ class GoodputController:
             # A pool that filled from empty has no stale work before the policy moved twice (a bound of one
             # step): measured sooner, the first cap would look better than any after it. A policy that never
             # moved in 4x the rollouts: nothing goes stale, the counts alone decide.
-            filled = version is None or self._steps >= self.fill_steps or (
-                self._steps == 0 and m.warmup_left <= -4 * m.cap)
+            filled = (
+                version is None or self._steps >= self.fill_steps or (self._steps == 0 and m.warmup_left <= -4 * m.cap)
+            )
             if m.warmup_left <= 0 and filled and (moved or m.warmup_left <= -4 * m.cap):
                 m.started_at, m.version, m.steps = now, version, self._steps  # the span begins
             return
@@ -240,8 +256,14 @@ class GoodputController:
         self._measure = _Measurement(self.cap, warmup_left=max(previous, self.cap))
 
     def describe(self) -> dict[str, object]:
-        return {"mode": "goodput", "cap": self.cap, "phase": self.phase, "accepted_cap": self.accepted_cap,
-                "accepted_tokens_per_s": round(self.accepted_rate, 1), "probe_step": self.step}
+        return {
+            "mode": "goodput",
+            "cap": self.cap,
+            "phase": self.phase,
+            "accepted_cap": self.accepted_cap,
+            "accepted_tokens_per_s": round(self.accepted_rate, 1),
+            "probe_step": self.step,
+        }
 
 
 class KvController:
@@ -251,8 +273,17 @@ class KvController:
 
     counts_trained_tokens = False
 
-    def __init__(self, ceiling: int, floor: int = 1, start: int | None = None, *, soft_cap: float = 0.9,
-                 headroom: float = 0.1, step: int | None = None, decrease: float = 0.75) -> None:
+    def __init__(
+        self,
+        ceiling: int,
+        floor: int = 1,
+        start: int | None = None,
+        *,
+        soft_cap: float = 0.9,
+        headroom: float = 0.1,
+        step: int | None = None,
+        decrease: float = 0.75,
+    ) -> None:
         if not 0 < soft_cap <= 1:
             raise ValueError(f"the KV soft cap must be in (0, 1], got {soft_cap}")
         self.ceiling, self.floor = ceiling, floor
@@ -306,8 +337,9 @@ def committed_concurrency(windows: Sequence[Any], servers: Collection[str]) -> i
     return most
 
 
-def concurrency_controller(mode: str, ceiling: int, floor: int = 1, start: int | None = None, *,
-                           kv_soft_cap: float = 0.9) -> ConcurrencyController:
+def concurrency_controller(
+    mode: str, ceiling: int, floor: int = 1, start: int | None = None, *, kv_soft_cap: float = 0.9
+) -> ConcurrencyController:
     """The controller `mode` names, at most `ceiling` in flight."""
     if mode == "fixed":
         return FixedConcurrency(ceiling)

@@ -83,8 +83,14 @@ class Dispatcher:
                 raise ValueError(f"env {name!r} has no SamplingParams")
         if stale_rule not in STALE_RULES:
             raise ValueError(f"stale_rule must be one of {STALE_RULES}, got {stale_rule!r}")
-        self.pool = ServerPool(clients, restore=restore, on_restart=self.redo_on_restarted,
-                               unhealthy_after=unhealthy_after, reprobe_s=reprobe_s, on_serving=self.wake)
+        self.pool = ServerPool(
+            clients,
+            restore=restore,
+            on_restart=self.redo_on_restarted,
+            unhealthy_after=unhealthy_after,
+            reprobe_s=reprobe_s,
+            on_serving=self.wake,
+        )
         self.envs = dict(envs)
         self.env_modes = {name: env_modes.get(name, "rollout") for name in envs}
         self.sampling = dict(sampling)
@@ -204,13 +210,11 @@ class Dispatcher:
         try:
             env = self.envs[request.env_name]
         except KeyError:
-            self._reject(
-                request, f"UnknownEnvironment: {request.env_name!r} (known: {sorted(self.envs)})")
+            self._reject(request, f"UnknownEnvironment: {request.env_name!r} (known: {sorted(self.envs)})")
             return None
         mode = self.env_modes[request.env_name]
         if mode == "group" and request.group_size > self.max_inflight:
-            self._reject(
-                request, f"GroupTooLarge: group_size {request.group_size} > max_inflight {self.max_inflight}")
+            self._reject(request, f"GroupTooLarge: group_size {request.group_size} > max_inflight {self.max_inflight}")
             return None
         if mode == "group" and request.group_size > self._cap_floor:
             self._cap_floor = request.group_size  # a group-mode call holds all its permits at once
@@ -221,7 +225,8 @@ class Dispatcher:
             self._reject(
                 request,
                 f"PromptRenderError: env {request.env_name!r} row {request.index} (epoch {request.epoch}): "
-                f"{type(exc).__name__}: {exc}",)
+                f"{type(exc).__name__}: {exc}",
+            )
             return None
         if self.max_context is not None and len(prompt_ids) >= self.max_context:
             # Sent, it would fail on every server, every attempt: one error for the group, no request.
@@ -229,11 +234,20 @@ class Dispatcher:
                 request,
                 f"PromptTooLong: env {request.env_name!r} row {request.index} (epoch {request.epoch}): the prompt "
                 f"is {len(prompt_ids)} tokens, leaving no room to generate under model.max_context "
-                f"({self.max_context})",)
+                f"({self.max_context})",
+            )
             return None
-        group = OpenGroup(request, env, mode, self.sampling[request.env_name], prompt_ids,
-                          collections.deque(request.attempts_to_run), t_admitted=self._clock(),
-                          resume={point.attempts: point for point in request.resume}, order=next(self._admitted))
+        group = OpenGroup(
+            request,
+            env,
+            mode,
+            self.sampling[request.env_name],
+            prompt_ids,
+            collections.deque(request.attempts_to_run),
+            t_admitted=self._clock(),
+            resume={point.attempts: point for point in request.resume},
+            order=next(self._admitted),
+        )
         self._groups[request.group_id] = group
         self._mark_startable(group, group.order)
         return group
@@ -264,8 +278,11 @@ class Dispatcher:
         self._permits.take(needed)
         self.pool.started(server, needed)
         point = self._resume_point(group, attempts, version)
-        launch = (Launch(group, attempts, server, version, self._clock()) if point is None
-                  else self._resumed_launch(group, point, server))
+        launch = (
+            Launch(group, attempts, server, version, self._clock())
+            if point is None
+            else self._resumed_launch(group, point, server)
+        )
         client = LaunchClient(launch, self.pool, self.max_redispatches, self._moved)
         task = asyncio.create_task(
             _run_env(group.env, group.mode, client, request.row, group.prompt_ids, sampling, needed),
@@ -446,7 +463,8 @@ class Dispatcher:
                 else:
                     unchanged = version_end == launch.version_start
                     turn.policy_versions = [launch.version_start if unchanged else UNKNOWN_VERSION] * len(
-                        turn.completion_ids)
+                        turn.completion_ids
+                    )
 
     def redo_on_restarted(self, server: Server) -> int:
         """Every launch in flight on `server`, which restarted since its last weight update, starts again
@@ -594,10 +612,7 @@ class Dispatcher:
         """Cancel groups whose first rollout started on a policy version older than `min_version`, whole:
         the behaviour `regenerate_stale` replaced, kept as the baseline bench/recovery/goodput.py measures it against
         (stale_rule "cancel_group")."""
-        stale = [
-            g for g in self._groups.values()
-            if g.version_start is not None and g.version_start < min_version
-        ]
+        stale = [g for g in self._groups.values() if g.version_start is not None and g.version_start < min_version]
         for group in stale:
             for task in group.tasks:
                 self._inflight[task].discard_fate = "stale"
@@ -634,7 +649,14 @@ class Dispatcher:
         server = group.server.url if group.server else None
         while group.attempts:
             rollout = self._placeholder(
-                group.request, group.attempts.popleft(), group.prompt_ids, version, version, server, now, now,
+                group.request,
+                group.attempts.popleft(),
+                group.prompt_ids,
+                version,
+                version,
+                server,
+                now,
+                now,
                 group.t_admitted,
             )
             rollout.status = RolloutStatus.CANCELLED
@@ -665,8 +687,6 @@ async def _run_env(
     if mode == "group":
         trajectories = list(await env.run_group(client, row, list(prompt_ids), sampling, n=n))
         if len(trajectories) != n:
-            raise RuntimeError(
-                f"env {env.name!r} run_group returned {len(trajectories)} trajectories for n={n}"
-            )
+            raise RuntimeError(f"env {env.name!r} run_group returned {len(trajectories)} trajectories for n={n}")
         return trajectories
     return [await env.run(client, row, list(prompt_ids), sampling)]

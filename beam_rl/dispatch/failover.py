@@ -28,8 +28,9 @@ class LaunchClient:
     hands its launches on the same way, without counting a failure or a re-dispatch.
     """
 
-    def __init__(self, launch: Launch, pool: ServerPool, max_redispatches: int,
-                 on_move: Callable[[Launch, Server, Server], None]) -> None:
+    def __init__(
+        self, launch: Launch, pool: ServerPool, max_redispatches: int, on_move: Callable[[Launch, Server, Server], None]
+    ) -> None:
         self._launch = launch
         self._pool = pool
         self._max_redispatches = max_redispatches
@@ -48,13 +49,19 @@ class LaunchClient:
         while True:
             server = launch.server
             try:
-                completions = await server.client.complete(prompt_ids, sampling, n, partial=partial,
-                                                           progress=launch.progress)
+                completions = await server.client.complete(
+                    prompt_ids, sampling, n, partial=partial, progress=launch.progress
+                )
             except InferenceRetired as exc:
                 partial = exc.partial if exc.partial is not None else partial
                 target = await self._next_server(server)
-                log.info("rollout %s: %s; continuing on %s with %d tokens it had", launch.name, exc, target.url,
-                         sum(len(c.token_ids) for c in partial or ()))
+                log.info(
+                    "rollout %s: %s; continuing on %s with %d tokens it had",
+                    launch.name,
+                    exc,
+                    target.url,
+                    sum(len(c.token_ids) for c in partial or ()),
+                )
                 self._on_move(launch, server, target)
                 continue
             except InferenceError as exc:
@@ -68,9 +75,15 @@ class LaunchClient:
                     raise
                 launch.redispatches += 1
                 target = await self._next_server(server)
-                log.warning("rollout %s: %s; continuing on %s with %d tokens it had (re-dispatch %d of %d)",
-                            launch.name, exc, target.url, sum(len(c.token_ids) for c in partial or ()),
-                            launch.redispatches, self._max_redispatches)
+                log.warning(
+                    "rollout %s: %s; continuing on %s with %d tokens it had (re-dispatch %d of %d)",
+                    launch.name,
+                    exc,
+                    target.url,
+                    sum(len(c.token_ids) for c in partial or ()),
+                    launch.redispatches,
+                    self._max_redispatches,
+                )
                 self._on_move(launch, server, target)
                 continue
             self._pool.record_success(server)

@@ -134,4 +134,6 @@ class Launch:
 
     @property
     def name(self) -> str:
-        return f"{self.group.group_id}/{self.attempts[0]}" + (f"..{self.attempts[-1]}" if len(self.attempts) > 1 else "")
+        return f"{self.group.group_id}/{self.attempts[0]}" + (
+            f"..{self.attempts[-1]}" if len(self.attempts) > 1 else ""
+        )

@@ -49,8 +49,12 @@ class Tokens:
 
     @classmethod
     def of(cls, completion: Completion) -> Tokens:
-        return cls(array("i", completion.token_ids).tobytes(), array("f", completion.logprobs).tobytes(),
-                   _version_runs(completion.policy_versions), completion.finish_reason)
+        return cls(
+            array("i", completion.token_ids).tobytes(),
+            array("f", completion.logprobs).tobytes(),
+            _version_runs(completion.policy_versions),
+            completion.finish_reason,
+        )
 
     def __len__(self) -> int:
         return len(self.ids) // 4
@@ -59,8 +63,9 @@ class Tokens:
         versions: list[int] = []
         for version, count in self.versions:
             versions += [version] * count
-        return Completion(array("i", self.ids).tolist(), array("f", self.logprobs).tolist(), self.finish_reason,
-                          versions)
+        return Completion(
+            array("i", self.ids).tolist(), array("f", self.logprobs).tolist(), self.finish_reason, versions
+        )
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class ResumePoint:
     def tokens_per_choice(self) -> list[int]:
         counts = [0] * len(self.attempts)
         for call in self.calls:
-            for i, choice in enumerate(call.choices[:len(counts)]):
+            for i, choice in enumerate(call.choices[: len(counts)]):
                 counts[i] += len(choice)
         return counts
 
@@ -131,7 +136,11 @@ class Replay:
         if call.prompt != prompt_digest(prompt_ids, n) or len(call.choices) != n:
             self.dropped_tokens += call.tokens + sum(c.tokens for c in self._calls)
             self._calls.clear()
-            log.warning("rollout %s: its environment's call differs from the one the checkpoint recorded; "
-                        "%d recorded tokens are generated again", self._name, self.dropped_tokens)
+            log.warning(
+                "rollout %s: its environment's call differs from the one the checkpoint recorded; "
+                "%d recorded tokens are generated again",
+                self._name,
+                self.dropped_tokens,
+            )
             return None
         return [choice.completion() for choice in call.choices], call.finished

@@ -26,9 +26,15 @@ class PoolClient(Protocol):
     base_url: str
     tokens_received: int  # completion tokens that came back from this server, all requests
 
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1, *,
-                       partial: list[Completion] | None = None,
-                       progress: Progress | None = None) -> list[Completion]: ...
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        n: int = 1,
+        *,
+        partial: list[Completion] | None = None,
+        progress: Progress | None = None,
+    ) -> list[Completion]: ...
 
     async def load(self) -> ServerLoad: ...
 
@@ -36,9 +42,15 @@ class PoolClient(Protocol):
 
     async def restarted(self) -> bool: ...
 
-    async def update_weights(self, path: str | Path, version: int, mode: UpdateMode = "keep", *,
-                             drain_quiet_s: float = DRAIN_QUIET_S,
-                             timeout_s: float | None = None) -> UpdateTiming: ...
+    async def update_weights(
+        self,
+        path: str | Path,
+        version: int,
+        mode: UpdateMode = "keep",
+        *,
+        drain_quiet_s: float = DRAIN_QUIET_S,
+        timeout_s: float | None = None,
+    ) -> UpdateTiming: ...
 
     async def aclose(self) -> None: ...
 
@@ -262,8 +274,9 @@ class ServerPool:
                 self._spawn(self._drain(server, drain_timeout_s))
 
     def _add(self, client: PoolClient) -> Server:
-        server = Server(client, self._next_order, str(client.base_url), healthy=False, joining=True,
-                        asked_to_join_at=time.time())
+        server = Server(
+            client, self._next_order, str(client.base_url), healthy=False, joining=True, asked_to_join_at=time.time()
+        )
         self._next_order += 1
         self.servers.append(server)
         log.info("server %s joins: loading the current weights before its first request", server.url)
@@ -276,15 +289,21 @@ class ServerPool:
                     await self._bring_back(server)
                     if server.healthy:
                         server.joined_at = time.time()
-                        log.info("server %s joined in %.2fs", server.url, server.joined_at - (server.asked_to_join_at or 0))
+                        log.info(
+                            "server %s joined in %.2fs", server.url, server.joined_at - (server.asked_to_join_at or 0)
+                        )
                         return
                 await asyncio.sleep(min(1.0, self.reprobe_s))
         finally:
             server.joining = False
 
     async def _drain(self, server: Server, timeout_s: float) -> None:
-        log.info("server %s left the fleet: draining (%d rollouts on it, at most %gs)", server.url, server.inflight,
-                 timeout_s)
+        log.info(
+            "server %s left the fleet: draining (%d rollouts on it, at most %gs)",
+            server.url,
+            server.inflight,
+            timeout_s,
+        )
         deadline = time.monotonic() + timeout_s
         while server.inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

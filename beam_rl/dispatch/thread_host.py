@@ -168,8 +168,15 @@ class DispatcherThread:
         """Dispatcher.handle_stale on the loop: (rollouts regenerated, rollouts cancelled)."""
         return self._call(lambda: self.dispatcher.handle_stale(min_version))
 
-    def update_weights(self, path: object, version: int, mode: UpdateMode = "keep", *, drain_quiet_s: float = DRAIN_QUIET_S,
-                       timeout_s: float = 600.0) -> list[UpdateTiming]:
+    def update_weights(
+        self,
+        path: object,
+        version: int,
+        mode: UpdateMode = "keep",
+        *,
+        drain_quiet_s: float = DRAIN_QUIET_S,
+        timeout_s: float = 600.0,
+    ) -> list[UpdateTiming]:
         """Every healthy server in the pool loads the checkpoint at `path` as policy `version`, all at once,
         in `mode` (InferenceClient.update_weights); returns when all have, with what each update cost. A
         server unreachable meanwhile is marked unhealthy, and one that was down loads the newest checkpoint
@@ -179,9 +186,13 @@ class DispatcherThread:
         async def update_all() -> list[UpdateTiming]:
             self._weights = (str(path), version)
             servers = self.dispatcher.pool.healthy()
-            results = await asyncio.gather(*(
-                s.client.update_weights(str(path), version, mode, drain_quiet_s=drain_quiet_s, timeout_s=timeout_s)
-                for s in servers), return_exceptions=True)
+            results = await asyncio.gather(
+                *(
+                    s.client.update_weights(str(path), version, mode, drain_quiet_s=drain_quiet_s, timeout_s=timeout_s)
+                    for s in servers
+                ),
+                return_exceptions=True,
+            )
             timings = []
             for server, result in zip(servers, results):
                 if isinstance(result, (InferenceConnectionError, InferenceTimeout)):
@@ -288,22 +299,25 @@ class DispatcherThread:
         }
 
     def _server_loads(self) -> list[dict[str, Any]]:
-        return [{
-            "url": server.url,
-            "healthy": server.healthy,
-            "inflight": server.inflight,
-            "running": server.load.running if server.load else None,
-            "waiting": server.load.waiting if server.load else None,
-            "kv_cache_usage": server.load.kv_cache_usage if server.load else None,
-            "slots": server.slots,
-            "tokens_received": server.client.tokens_received,
-            "joining": server.joining,
-            "draining": server.draining,
-            "joined_at": server.joined_at,
-            # From being listed to holding the current weights, and to its first rollout (servers that joined).
-            "join_s": _since(server.asked_to_join_at, server.joined_at),
-            "join_to_first_request_s": _since(server.asked_to_join_at, server.first_request_at),
-        } for server in self.dispatcher.pool.servers]
+        return [
+            {
+                "url": server.url,
+                "healthy": server.healthy,
+                "inflight": server.inflight,
+                "running": server.load.running if server.load else None,
+                "waiting": server.load.waiting if server.load else None,
+                "kv_cache_usage": server.load.kv_cache_usage if server.load else None,
+                "slots": server.slots,
+                "tokens_received": server.client.tokens_received,
+                "joining": server.joining,
+                "draining": server.draining,
+                "joined_at": server.joined_at,
+                # From being listed to holding the current weights, and to its first rollout (servers that joined).
+                "join_s": _since(server.asked_to_join_at, server.joined_at),
+                "join_to_first_request_s": _since(server.asked_to_join_at, server.first_request_at),
+            }
+            for server in self.dispatcher.pool.servers
+        ]
 
     def _call(self, fn: Callable[[], T], timeout_s: float = 30.0) -> T:
         """Run `fn` on the loop thread (the dispatcher is not thread-safe) and return its result."""

@@ -30,8 +30,11 @@ class WeightUpdate:
     servers: tuple[UpdateTiming, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "seconds": round(self.seconds, 3),
-                "servers": [t.as_dict() for t in self.servers]}
+        return {
+            "version": self.version,
+            "seconds": round(self.seconds, 3),
+            "servers": [t.as_dict() for t in self.servers],
+        }
 
 
 class WeightSync:

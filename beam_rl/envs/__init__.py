@@ -29,7 +29,6 @@ from beam_rl.envs.registry import ENVIRONMENTS, register_env
 __all__ = ["ENVIRONMENTS", "env_class", "is_plugin", "make_env", "register_env"]
 
 
-
 def env_class(kind: str) -> type[Environment]:
     """The class `kind` names. A built-in name wins over an entry point of the same name; "module:Class"
     is always an import path. Raises KeyError for an unknown name, PluginError for a broken plug-in."""

@@ -84,8 +84,10 @@ class BlackBoxAgent(DatasetEnvironment):
         if not self.command:
             raise ValueError("the agent environment's `command` is empty")
         if shutil.which(self.command[0]) is None:
-            raise ValueError(f"the agent environment's command {self.command[0]!r} is not an executable found "
-                             "on PATH or at that path")
+            raise ValueError(
+                f"the agent environment's command {self.command[0]!r} is not an executable found "
+                "on PATH or at that path"
+            )
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -120,14 +122,20 @@ class BlackBoxAgent(DatasetEnvironment):
         env = scrubbed_env()
         env.update(self.extra_env, OPENAI_BASE_URL=endpoint.base_url, OPENAI_API_KEY=endpoint.secret)
         process = await asyncio.create_subprocess_exec(
-            *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True,
+            *self.command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            cwd=self.cwd,
+            start_new_session=True,
         )
         try:
             out, err = await asyncio.wait_for(process.communicate(json.dumps(row).encode()), self.timeout_s)
         except TimeoutError:
-            raise AgentError(f"agent `{shlex.join(self.command)}`: still running after timeout_s = "
-                             f"{self.timeout_s:g} s; stopped") from None
+            raise AgentError(
+                f"agent `{shlex.join(self.command)}`: still running after timeout_s = {self.timeout_s:g} s; stopped"
+            ) from None
         finally:
             if process.returncode is None:  # timed out, or the rollout was cancelled: the whole group goes
                 with contextlib.suppress(ProcessLookupError):
@@ -135,15 +143,18 @@ class BlackBoxAgent(DatasetEnvironment):
                 await process.wait()
         if process.returncode != 0:
             tail = err.decode(errors="replace").strip()[-_STDERR_TAIL:]
-            raise AgentError(f"agent `{shlex.join(self.command)}`: exited with status {process.returncode}"
-                             + (f": {tail.splitlines()[-1]}" if tail else ""))
+            raise AgentError(
+                f"agent `{shlex.join(self.command)}`: exited with status {process.returncode}"
+                + (f": {tail.splitlines()[-1]}" if tail else "")
+            )
         return _result(out.decode(errors="replace"))
 
     def reward(self, row: dict[str, Any], trajectory: Trajectory) -> float:
         value = trajectory.info.get("agent", {}).get("reward")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RewardUnavailable("the agent reported no reward: print a JSON object with a numeric 'reward' "
-                                    "as the last line of stdout")
+            raise RewardUnavailable(
+                "the agent reported no reward: print a JSON object with a numeric 'reward' as the last line of stdout"
+            )
         return float(value)
 
 

@@ -134,6 +134,12 @@ class ArithmeticEasy(Arithmetic):
         max_context: int | None = None,
     ) -> None:
         super().__init__(
-            tokenizer, max_turns, partial_credit=partial_credit, max_level=max_level, reward_cpu_ms=reward_cpu_ms,
-            dataset=dataset, bad_rows=bad_rows, max_context=max_context,
+            tokenizer,
+            max_turns,
+            partial_credit=partial_credit,
+            max_level=max_level,
+            reward_cpu_ms=reward_cpu_ms,
+            dataset=dataset,
+            bad_rows=bad_rows,
+            max_context=max_context,
         )

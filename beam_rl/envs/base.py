@@ -23,8 +23,17 @@ from beam_rl.envs.datasets import BadRows, DatasetError, RowProblem, prompt_fiel
 from beam_rl.inference.types import Completion, CompletionClient, SamplingParams
 from beam_rl.types import Turn
 
-__all__ = ["Completion", "CompletionClient", "DatasetEnvironment", "Environment", "RewardUnavailable",
-           "SamplingParams", "Trajectory", "chat_prompt_ids", "finite_reward"]
+__all__ = [
+    "Completion",
+    "CompletionClient",
+    "DatasetEnvironment",
+    "Environment",
+    "RewardUnavailable",
+    "SamplingParams",
+    "Trajectory",
+    "chat_prompt_ids",
+    "finite_reward",
+]
 
 
 @dataclass
@@ -74,7 +83,11 @@ def chat_prompt_ids(
     encoded as plain text, so data can never forge a turn boundary.
     """
     encoded = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        return_dict=False,
         sanitize_control_tokens=True,
     )
     if isinstance(encoded, Mapping):
@@ -143,8 +156,16 @@ class Environment(abc.ABC):
         return [self._single_turn(row, c) for c in completions]
 
     def _single_turn(self, row: dict[str, Any], completion: Completion) -> Trajectory:
-        return Trajectory([Turn(completion.token_ids, completion.logprobs, completion.finish_reason,
-                                policy_versions=completion.policy_versions)])
+        return Trajectory(
+            [
+                Turn(
+                    completion.token_ids,
+                    completion.logprobs,
+                    completion.finish_reason,
+                    policy_versions=completion.policy_versions,
+                )
+            ]
+        )
 
 
 class DatasetEnvironment(Environment):

@@ -155,7 +155,9 @@ class Code(DatasetEnvironment):
         calls, expected = zip(*(split_test(test) for test in row["tests"]), strict=True)
         token = secrets.token_hex(16)  # marks the harness's report line among the program's output
         spec = {
-            "calls": calls, "token": token, "test_timeout_s": self.test_timeout_s,
+            "calls": calls,
+            "token": token,
+            "test_timeout_s": self.test_timeout_s,
             "budget_s": self.limits.wall_s * self.BUDGET_SHARE,
         }
         result = await run_python(

@@ -63,7 +63,7 @@ def run_call(code, call, reply_fd):
             pass
     view = memoryview(data)
     while view:
-        view = view[os.write(reply_fd, view):]
+        view = view[os.write(reply_fd, view) :]
     os._exit(0)
 
 

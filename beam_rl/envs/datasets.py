@@ -30,8 +30,15 @@ _SPLIT_SUFFIXES = (".jsonl", ".parquet")
 class DatasetError(ValueError):
     """A dataset that cannot be used; names the file, the line or row, and the field when known."""
 
-    def __init__(self, path: str | Path, message: str, *, line: int | None = None, row: int | None = None,
-                 field: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        message: str,
+        *,
+        line: int | None = None,
+        row: int | None = None,
+        field: str | None = None,
+    ) -> None:
         self.path = str(path)
         self.line = line  # 1-based line of a JSONL file
         self.row = row  # 0-based row index of a Parquet/Arrow table
@@ -58,8 +65,11 @@ def prompt_fields(row_model: type[BaseModel] | None) -> list[str]:
     """The fields of `row_model` typed PromptText: the ones a prompt is rendered from."""
     if row_model is None:
         return []
-    return [name for name, info in row_model.model_fields.items()
-            if any(getattr(m, "func", None) is _non_blank for m in info.metadata)]
+    return [
+        name
+        for name, info in row_model.model_fields.items()
+        if any(getattr(m, "func", None) is _non_blank for m in info.metadata)
+    ]
 
 
 @dataclass(frozen=True)

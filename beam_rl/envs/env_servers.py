@@ -85,8 +85,9 @@ def interpreter_env(python: str | None, pass_env: tuple[str, ...] = ()) -> dict[
     return scrubbed_env(pass_env, drop=("PYTHONPATH",) if other else ())
 
 
-def describe_env(config: dict[str, Any], python: str | None = None,
-                 pass_env: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def describe_env(
+    config: dict[str, Any], python: str | None = None, pass_env: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the resolved config, the taskset's rows) of a verifiers env config, loaded under `python` (a process
     of its own) or, without it, in this process. Raises ValueError with verifiers' reason. Under `python`,
     once a process: a worker's stages each build the environment, and each load there is a new interpreter
@@ -98,13 +99,15 @@ def describe_env(config: dict[str, Any], python: str | None = None,
 
 
 @functools.lru_cache(maxsize=16)
-def _described_under(config: str, python: str,
-                     pass_env: tuple[str, ...]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _described_under(
+    config: str, python: str, pass_env: tuple[str, ...]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return _describe(json.loads(config), python, pass_env)
 
 
-def _describe(config: dict[str, Any], python: str | None,
-              pass_env: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _describe(
+    config: dict[str, Any], python: str | None, pass_env: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if python is None:
         import verifiers.v1 as vf
 
@@ -116,8 +119,14 @@ def _describe(config: dict[str, Any], python: str | None,
             raise ValueError(f"{type(exc).__name__}: {exc}") from exc
     if shutil.which(python) is None:
         raise ValueError(f"python {python!r} is not an executable")
-    done = subprocess.run([python, "-c", _DESCRIBE, json.dumps(config)], capture_output=True, text=True,
-                          timeout=300, check=False, env=interpreter_env(python, pass_env))
+    done = subprocess.run(
+        [python, "-c", _DESCRIBE, json.dumps(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=interpreter_env(python, pass_env),
+    )
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = done.stderr.strip().splitlines()
@@ -199,21 +208,29 @@ class _Server:
             if "open" in delta:
                 versions.append(delta["open"].get("version"))
 
-        call = self.client.run(client=proxy_client(endpoint), model="policy", sampling=vf.SamplingConfig(),
-                               task_data=task_data, on_delta=on_delta)
+        call = self.client.run(
+            client=proxy_client(endpoint),
+            model="policy",
+            sampling=vf.SamplingConfig(),
+            task_data=task_data,
+            on_delta=on_delta,
+        )
         try:
             episode = await asyncio.wait_for(self.episodes.run(call), timeout_s)
         except TimeoutError:
-            raise EnvServerError(f"env server {self.name}: the episode ran past timeout_s = {timeout_s:g} s; "
-                                 "cancelled") from None
+            raise EnvServerError(
+                f"env server {self.name}: the episode ran past timeout_s = {timeout_s:g} s; cancelled"
+            ) from None
         except RuntimeError as exc:  # the server answered success = false
             if isinstance(exc, EnvServerError):
                 raise
             raise EnvServerError(f"env server {self.name}: the episode failed: {exc}") from exc
         unknown = [v for v in versions if v != TRACE_VERSION]
         if unknown:
-            raise EnvServerError(f"env server {self.name} sends traces of version {unknown[0]}; beam-rl reads "
-                                 f"version {TRACE_VERSION} (verifiers 0.4)")
+            raise EnvServerError(
+                f"env server {self.name} sends traces of version {unknown[0]}; beam-rl reads "
+                f"version {TRACE_VERSION} (verifiers 0.4)"
+            )
         return episode
 
     async def _healthy(self) -> bool:
@@ -226,9 +243,16 @@ class _Server:
 class ProcessEnvServer(_Server):
     """A verifiers env server in a process beam-rl starts, watched and restarted when it dies."""
 
-    def __init__(self, name: str, config: dict[str, Any], *, python: str | None = None,
-                 startup_timeout_s: float = 120.0, env: dict[str, str] | None = None,
-                 pass_env: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: dict[str, Any],
+        *,
+        python: str | None = None,
+        startup_timeout_s: float = 120.0,
+        env: dict[str, str] | None = None,
+        pass_env: tuple[str, ...] = (),
+    ) -> None:
         super().__init__()
         self.name = name
         self.config = config
@@ -265,8 +289,15 @@ class ProcessEnvServer(_Server):
     async def _spawn(self) -> None:
         with open(self.log_path, "ab") as out:
             self.process = await asyncio.create_subprocess_exec(
-                self.python, "-c", _SERVE, json.dumps(self.config), self.address,
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                self.python,
+                "-c",
+                _SERVE,
+                json.dumps(self.config),
+                self.address,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
                 env={**self._python_env, **(self.env or {})},
             )
 
@@ -277,13 +308,14 @@ class ProcessEnvServer(_Server):
                 status = self.process.returncode
                 if status < 0:
                     raise EnvServerKilled(f"env server {self.name} was killed by signal {-status} while starting")
-                raise EnvServerError(f"env server {self.name} exited with status {status} at start"
-                                     f"{self._log_tail()}")
+                raise EnvServerError(f"env server {self.name} exited with status {status} at start{self._log_tail()}")
             if await self._healthy():
                 return
             await asyncio.sleep(0.2)
-        raise EnvServerError(f"env server {self.name} did not answer its health check within "
-                             f"{self.startup_timeout_s:g} s{self._log_tail()}")
+        raise EnvServerError(
+            f"env server {self.name} did not answer its health check within "
+            f"{self.startup_timeout_s:g} s{self._log_tail()}"
+        )
 
     def _log_tail(self) -> str:
         try:
@@ -299,10 +331,17 @@ class ProcessEnvServer(_Server):
             if self._closing:
                 return
             died_at = time.monotonic()
-            failed = self.episodes.fail_all(EnvServerRestarted(
-                f"env server {self.name} died (status {status}) under the episode; it is started again"))
-            log.warning("env server %s died (status %s) with %d episodes in flight; starting it again",
-                        self.name, status, failed)
+            failed = self.episodes.fail_all(
+                EnvServerRestarted(
+                    f"env server {self.name} died (status {status}) under the episode; it is started again"
+                )
+            )
+            log.warning(
+                "env server %s died (status %s) with %d episodes in flight; starting it again",
+                self.name,
+                status,
+                failed,
+            )
             while not self._closing:
                 try:
                     await self._spawn()
@@ -351,8 +390,10 @@ class RemoteEnvServer(_Server):
         while not await self._healthy():
             if time.monotonic() > deadline:
                 await self.client.close()
-                raise EnvServerError(f"env server {self.name} at {self.address} did not answer its health check "
-                                     f"within {self.startup_timeout_s:g} s")
+                raise EnvServerError(
+                    f"env server {self.name} at {self.address} did not answer its health check "
+                    f"within {self.startup_timeout_s:g} s"
+                )
             await asyncio.sleep(0.5)
         self._watcher = asyncio.create_task(self._watch(), name=f"env server {self.name}")
 
@@ -365,10 +406,10 @@ class RemoteEnvServer(_Server):
                 continue
             misses = 0 if await self._healthy() else misses + 1
             if misses >= 2:
-                failed = self.episodes.fail_all(EnvServerDown(
-                    f"env server {self.name} at {self.address} stopped answering its health checks"))
-                log.error("env server %s at %s stopped answering: %d episodes failed", self.name, self.address,
-                          failed)
+                failed = self.episodes.fail_all(
+                    EnvServerDown(f"env server {self.name} at {self.address} stopped answering its health checks")
+                )
+                log.error("env server %s at %s stopped answering: %d episodes failed", self.name, self.address, failed)
 
     async def close(self) -> None:
         if self._watcher is not None:
@@ -376,13 +417,21 @@ class RemoteEnvServer(_Server):
         await self.client.close()
 
 
-def env_server(name: str, server: str, config: dict[str, Any], *, python: str | None, startup_timeout_s: float,
-               pass_env: tuple[str, ...] = ()) -> Callable[[], ProcessEnvServer | RemoteEnvServer]:
+def env_server(
+    name: str,
+    server: str,
+    config: dict[str, Any],
+    *,
+    python: str | None,
+    startup_timeout_s: float,
+    pass_env: tuple[str, ...] = (),
+) -> Callable[[], ProcessEnvServer | RemoteEnvServer]:
     """A factory of the server `server` names: "process" (given the variables `pass_env` names), or
     "tcp://HOST:PORT"."""
     if server == "process":
-        return lambda: ProcessEnvServer(name, config, python=python, startup_timeout_s=startup_timeout_s,
-                                        pass_env=pass_env)
+        return lambda: ProcessEnvServer(
+            name, config, python=python, startup_timeout_s=startup_timeout_s, pass_env=pass_env
+        )
     if server.startswith("tcp://"):
         return lambda: RemoteEnvServer(name, server, startup_timeout_s=startup_timeout_s)
     raise ValueError(f"env {name}: server must be \"inline\", \"process\" or \"tcp://HOST:PORT\", got {server!r}")

@@ -35,7 +35,7 @@ class FollowUps:
         if stop_id not in self._base:
             raise ChatTemplateError(f"the chat template does not end an assistant turn with token {stop_id}")
         # What the template writes between the assistant's stop token and the next message ("\n" in ChatML).
-        self.separator = self._base[len(self._base) - self._base[::-1].index(stop_id):]
+        self.separator = self._base[len(self._base) - self._base[::-1].index(stop_id) :]
 
     def ids(self, messages: list[dict[str, Any]], closed: bool) -> list[int]:
         """What follows a completion: its stop token if it was cut before writing one, `messages` and the
@@ -47,7 +47,7 @@ class FollowUps:
                 "the chat template renders earlier messages differently once these messages follow: "
                 "they cannot be appended token-exactly"
             )
-        return ([] if closed else [self.stop_id]) + self.separator + full[len(base):]
+        return ([] if closed else [self.stop_id]) + self.separator + full[len(base) :]
 
 
 def _base_messages() -> list[dict[str, str]]:

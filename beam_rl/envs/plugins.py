@@ -66,8 +66,10 @@ def load_plugin_class(kind: str) -> type[Environment] | None:
         return None
     if len(candidates) > 1:
         sources = ", ".join(f"{ep.value} ({_dist_name(ep)})" for ep in candidates)
-        raise PluginError(f"kind {kind!r}: several {ENTRY_POINT_GROUP} entry points have this name: {sources}; "
-                          "name the class as 'module:Class' instead")
+        raise PluginError(
+            f"kind {kind!r}: several {ENTRY_POINT_GROUP} entry points have this name: {sources}; "
+            "name the class as 'module:Class' instead"
+        )
     ep = candidates[0]
     return check_env_class(_import_attr(ep.value, f"{kind} (entry point {ep.value} of {_dist_name(ep)})"), kind)
 
@@ -116,8 +118,10 @@ def check_env_class(cls: Any, kind: str) -> type[Environment]:
 
 
 def construction_failed(kind: str, cls: type, exc: Exception) -> PluginError:
-    return PluginError(f"kind {kind!r}: constructing {_qualname(cls)} raised {type(exc).__name__}: {exc}"
-                       f"{_at(plugin_location(exc, cls.__module__))}")
+    return PluginError(
+        f"kind {kind!r}: constructing {_qualname(cls)} raised {type(exc).__name__}: {exc}"
+        f"{_at(plugin_location(exc, cls.__module__))}"
+    )
 
 
 def _qualname(cls: type) -> str:
@@ -235,8 +239,14 @@ class PluginEnvironment(Environment):
         except Exception as exc:
             raise self._failure("render_prompt", exc, row) from exc
         if not isinstance(ids, (list, tuple)) or not all(_is_token_id(t) for t in ids):
-            hint = (" (transformers 5's apply_chat_template returns a BatchEncoding: "
-                    "beam_rl.envs.base.chat_prompt_ids gives the list)") if isinstance(ids, Mapping) else ""
+            hint = (
+                (
+                    " (transformers 5's apply_chat_template returns a BatchEncoding: "
+                    "beam_rl.envs.base.chat_prompt_ids gives the list)"
+                )
+                if isinstance(ids, Mapping)
+                else ""
+            )
             raise self._wrong("render_prompt", f"returned {short_repr(ids)}, not a list of token ids{hint}", row)
         return [int(t) for t in ids]
 
@@ -277,15 +287,22 @@ class PluginEnvironment(Environment):
             raise self._wrong(method, f"returned {short_repr(trajectory)}, not a beam_rl.envs.base.Trajectory", row)
         for i, turn in enumerate(trajectory.turns):
             if not isinstance(turn, Turn):
-                raise self._wrong(method, f"returned a trajectory whose turn {i} is {short_repr(turn)}, not a Turn", row)
+                raise self._wrong(
+                    method, f"returned a trajectory whose turn {i} is {short_repr(turn)}, not a Turn", row
+                )
             for field in ("completion_ids", "env_ids"):
                 ids = getattr(turn, field)
                 if not isinstance(ids, list) or not all(_is_token_id(t) for t in ids):
-                    raise self._wrong(method, f"returned turn {i} with {field} {short_repr(ids)}, not a list of ints", row)
+                    raise self._wrong(
+                        method, f"returned turn {i} with {field} {short_repr(ids)}, not a list of ints", row
+                    )
             if not isinstance(turn.logprobs, list) or len(turn.logprobs) != len(turn.completion_ids):
                 raise self._wrong(
-                    method, f"returned turn {i} with {short_repr(turn.logprobs)} as logprobs for "
-                    f"{len(turn.completion_ids)} completion ids", row)
+                    method,
+                    f"returned turn {i} with {short_repr(turn.logprobs)} as logprobs for "
+                    f"{len(turn.completion_ids)} completion ids",
+                    row,
+                )
         if not isinstance(trajectory.info, dict):
             raise self._wrong(method, f"returned info {short_repr(trajectory.info)}, not a dict", row)
         try:  # info travels to the scoring stage (another process on a cluster) and into the run record
@@ -317,7 +334,9 @@ class PluginEnvironment(Environment):
     def _checked_reward(self, value: Any, row: Any) -> float:
         reward = finite_reward(value)
         if reward is None:
-            raise self._wrong("reward", f"returned {short_repr(value)} ({type(value).__name__}), not a finite number", row)
+            raise self._wrong(
+                "reward", f"returned {short_repr(value)} ({type(value).__name__}), not a finite number", row
+            )
         return reward
 
 

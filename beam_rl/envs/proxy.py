@@ -63,8 +63,9 @@ class Episode:
     """One rollout's calls, as turns: the first call's prompt is the rollout's prompt, and each later
     call must extend the context so far (the prompt, every completion and every reply before it)."""
 
-    def __init__(self, env: DatasetEnvironment, client: CompletionClient, sampling: SamplingParams,
-                 follow_ups: FollowUps) -> None:
+    def __init__(
+        self, env: DatasetEnvironment, client: CompletionClient, sampling: SamplingParams, follow_ups: FollowUps
+    ) -> None:
         self.env = env
         self.client = client
         self.sampling = sampling
@@ -120,9 +121,12 @@ class Episode:
                     completion = await self._sample(self._encode(prompt), [], body)
                 else:
                     if not prompt.startswith(self._text):
-                        raise ProxyError(400, "the prompt does not extend the text so far (the earlier prompt "
-                                              "and the completion it was answered)")
-                    completion = await self._sample(self.context, self._encode(prompt[len(self._text):]), body)
+                        raise ProxyError(
+                            400,
+                            "the prompt does not extend the text so far (the earlier prompt "
+                            "and the completion it was answered)",
+                        )
+                    completion = await self._sample(self.context, self._encode(prompt[len(self._text) :]), body)
                 text = self.env.decode(completion.token_ids)
                 self._text = prompt + text
                 return completion, text
@@ -162,8 +166,11 @@ class Episode:
         known = len(self._messages)
         earlier = all(_same(a, b) for a, b in zip(messages[: known - 1], self._messages[: known - 1], strict=False))
         if len(messages) <= known or not earlier or messages[known - 1].get("role") != "assistant":
-            raise ProxyError(400, f"the messages do not extend the conversation so far: the first {known - 1} "
-                                  f"must be the earlier call's, then the assistant's reply, then the new ones")
+            raise ProxyError(
+                400,
+                f"the messages do not extend the conversation so far: the first {known - 1} "
+                f"must be the earlier call's, then the assistant's reply, then the new ones",
+            )
         return messages[known:]
 
     def _follow_up_ids(self, added: list[dict[str, Any]]) -> list[int]:
@@ -182,8 +189,11 @@ class Episode:
             return await self._sample(token_ids, [], params)
         known = len(self.context)
         if token_ids[:known] != self.context:
-            raise ProxyError(400, f"the token ids do not extend this rollout's context of {known} tokens (the "
-                                  "earlier prompt, every completion and every reply)")
+            raise ProxyError(
+                400,
+                f"the token ids do not extend this rollout's context of {known} tokens (the "
+                "earlier prompt, every completion and every reply)",
+            )
         return await self._sample(self.context, token_ids[known:], params)
 
     async def _sample(self, context: list[int], env_ids: list[int], params: dict[str, Any]) -> Completion:
@@ -214,8 +224,15 @@ class Episode:
         if not self.turns:
             self.prompt_ids = list(context)
         self.context = full + list(completion.token_ids)
-        self.turns.append(Turn(list(completion.token_ids), list(completion.logprobs), completion.finish_reason,
-                               list(env_ids), list(completion.policy_versions)))
+        self.turns.append(
+            Turn(
+                list(completion.token_ids),
+                list(completion.logprobs),
+                completion.finish_reason,
+                list(env_ids),
+                list(completion.policy_versions),
+            )
+        )
         return completion
 
 
@@ -251,8 +268,11 @@ def _assistant_message(text: str, tools: Any) -> dict[str, Any]:
         "role": "assistant",
         "content": text.split("<tool_call>", 1)[0].strip() or None,
         "tool_calls": [
-            {"id": f"call_{secrets.token_hex(6)}", "type": "function",
-             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            {
+                "id": f"call_{secrets.token_hex(6)}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
             for c in calls
         ],
     }
@@ -262,9 +282,11 @@ def _assistant_message(text: str, tools: Any) -> dict[str, Any]:
 
 ROLLOUT_HEADER = "X-Beam-RL-Rollout"  # names the session on the shared /v1
 SECRET_HEADER = "X-Beam-RL-Secret"  # the session's secret, for a client whose Authorization carries another key
-RESPONSES_REFUSED = ("the inference proxy serves chat completions, not the Responses API (/v1/responses): use "
-                     "chat completions (openai-agents: OpenAIChatCompletionsModel, or "
-                     "set_default_openai_api('chat_completions'))")
+RESPONSES_REFUSED = (
+    "the inference proxy serves chat completions, not the Responses API (/v1/responses): use "
+    "chat completions (openai-agents: OpenAIChatCompletionsModel, or "
+    "set_default_openai_api('chat_completions'))"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,8 +321,9 @@ class _Session:
 def check_address(host: str, advertise: str | None) -> None:
     """ValueError when the proxy could not name itself: bound to every address, with none advertised."""
     if advertise is None and host in ("0.0.0.0", "::"):
-        raise ValueError(f"a proxy bound to {host!r} needs the address to advertise: the name its harness "
-                         "reaches this host by")
+        raise ValueError(
+            f"a proxy bound to {host!r} needs the address to advertise: the name its harness reaches this host by"
+        )
 
 
 async def shared_proxy(host: str = LOOPBACK, advertise: str | None = None) -> InferenceProxy:
@@ -336,21 +359,27 @@ class InferenceProxy:
                 return
             app = web.Application()
             for root in ("/rollouts/{key}", ""):  # the rollout named in the path, or in ROLLOUT_HEADER
-                app.add_routes([
-                    web.post(root + "/v1/chat/completions", self._chat),
-                    web.post(root + "/v1/completions", self._complete),
-                    web.post(root + "/inference/v1/generate", self._generate),
-                    web.get(root + "/v1/models", self._models),
-                    web.post(root + "/v1/responses", self._responses),
-                ])
+                app.add_routes(
+                    [
+                        web.post(root + "/v1/chat/completions", self._chat),
+                        web.post(root + "/v1/completions", self._complete),
+                        web.post(root + "/inference/v1/generate", self._generate),
+                        web.get(root + "/v1/models", self._models),
+                        web.post(root + "/v1/responses", self._responses),
+                    ]
+                )
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, self.host, 0)
             await site.start()
             self.port = runner.addresses[0][1]
             self._runner = runner
-            warn_if_open(self.host, self.port, "the inference proxy: chat with the policy, guarded only by each "
-                         "rollout's secret", "the environment's proxy_host")
+            warn_if_open(
+                self.host,
+                self.port,
+                "the inference proxy: chat with the policy, guarded only by each rollout's secret",
+                "the environment's proxy_host",
+            )
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -375,20 +404,25 @@ class InferenceProxy:
         session's secret."""
         offered = _offered_secrets(request)
         if not offered:
-            raise ProxyError(401, "this call carries no rollout secret: send the one beam-rl gave the program as "
-                                  f"its API key (Authorization: Bearer, OPENAI_API_KEY) or in {SECRET_HEADER}")
+            raise ProxyError(
+                401,
+                "this call carries no rollout secret: send the one beam-rl gave the program as "
+                f"its API key (Authorization: Bearer, OPENAI_API_KEY) or in {SECRET_HEADER}",
+            )
         named = request.match_info.get("key") or request.headers.get(ROLLOUT_HEADER, "")
         session = self._sessions.get(named or next((self._keys[s] for s in offered if s in self._keys), ""))
         if session is None and named:
             raise ProxyError(404, "no rollout runs under this URL (it has ended, or never was)")
         if session is None or not any(hmac.compare_digest(secret, session.secret.encode()) for secret in offered):
-            raise ProxyError(403, "this call's secret is not this rollout's: a program may call only its own "
-                                  "rollout's endpoint")
+            raise ProxyError(
+                403, "this call's secret is not this rollout's: a program may call only its own rollout's endpoint"
+            )
         return session.episode
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         async def call(episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
             return _model_list(episode.env.max_context)
+
         return await self._answer(request, call)
 
     async def _responses(self, request: web.Request) -> web.Response:
@@ -400,23 +434,42 @@ class InferenceProxy:
             finish = "tool_calls" if reply.get("tool_calls") else completion.finish_reason
             choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": completion.token_ids}
             return _envelope("chat.completion", episode, completion, choice)
+
         return await self._answer(request, call)
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         async def call(episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
             completion, text = await episode.complete(body)
-            return _envelope("text_completion", episode, completion, {"index": 0, "text": text,
-                                                             "finish_reason": completion.finish_reason,
-                                                             "token_ids": completion.token_ids})
+            return _envelope(
+                "text_completion",
+                episode,
+                completion,
+                {
+                    "index": 0,
+                    "text": text,
+                    "finish_reason": completion.finish_reason,
+                    "token_ids": completion.token_ids,
+                },
+            )
+
         return await self._answer(request, call)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         async def call(episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
             completion = await episode.generate(body)
-            return {"request_id": body.get("request_id") or f"gen-{secrets.token_hex(8)}", "model": MODEL_NAME,
-                    "choices": [{"index": 0, "token_ids": completion.token_ids,
-                                 "logprobs": {"content": [{"logprob": lp} for lp in completion.logprobs]},
-                                 "finish_reason": completion.finish_reason}]}
+            return {
+                "request_id": body.get("request_id") or f"gen-{secrets.token_hex(8)}",
+                "model": MODEL_NAME,
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": completion.token_ids,
+                        "logprobs": {"content": [{"logprob": lp} for lp in completion.logprobs]},
+                        "finish_reason": completion.finish_reason,
+                    }
+                ],
+            }
+
         return await self._answer(request, call)
 
     async def _answer(self, request: web.Request, call: Any) -> web.StreamResponse:
@@ -441,21 +494,26 @@ class InferenceProxy:
 def _offered_secrets(request: web.Request) -> list[bytes]:
     """The secrets a request carries: its bearer token and SECRET_HEADER (bytes: compare_digest takes any)."""
     bearer = request.headers.get("Authorization", "")
-    offered = [bearer[len("Bearer "):] if bearer.startswith("Bearer ") else "", request.headers.get(SECRET_HEADER, "")]
+    offered = [bearer[len("Bearer ") :] if bearer.startswith("Bearer ") else "", request.headers.get(SECRET_HEADER, "")]
     return [secret.encode() for secret in offered if secret]
 
 
 def _error(exc: ProxyError) -> web.Response:
     kind = "invalid_request_error" if exc.status < 500 else "server_error"
-    return web.json_response({"error": {"message": exc.message, "type": kind, "code": exc.status}},
-                             status=exc.status)
+    return web.json_response({"error": {"message": exc.message, "type": kind, "code": exc.status}}, status=exc.status)
 
 
 def _model_list(max_context: int | None) -> dict[str, Any]:
     """The policy as vLLM lists a model: `max_model_len` is the context a rollout may fill (model.max_context),
     which agent frameworks read to size their prompts."""
-    model: dict[str, Any] = {"id": MODEL_NAME, "object": "model", "created": int(time.time()), "owned_by": "beam-rl",
-                             "root": MODEL_NAME, "parent": None}
+    model: dict[str, Any] = {
+        "id": MODEL_NAME,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "beam-rl",
+        "root": MODEL_NAME,
+        "parent": None,
+    }
     if max_context is not None:
         model["max_model_len"] = max_context
     return {"object": "list", "data": [model]}
@@ -470,8 +528,11 @@ def _envelope(kind: str, episode: Episode, completion: Completion, choice: dict[
         "created": int(time.time()),
         "model": MODEL_NAME,
         "choices": [choice],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
 
 
@@ -488,8 +549,10 @@ async def _stream(request: web.Request, answer: dict[str, Any]) -> web.StreamRes
         delta = {k: v for k, v in choice["message"].items() if v is not None}
         if "tool_calls" in delta:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
-        chunks = [{"index": 0, "delta": delta, "finish_reason": None},
-                  {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]
+        chunks = [
+            {"index": 0, "delta": delta, "finish_reason": None},
+            {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]},
+        ]
     else:
         chunks = [{"index": 0, "text": choice["text"], "finish_reason": choice["finish_reason"]}]
     for chunk in chunks:

@@ -185,15 +185,30 @@ async def run_python(
             inputs_mb = math.ceil(sum(len(text.encode()) for text in inputs.values()) / (1 << 20))
             watch = {"cpu_s": limits.cpu_s, "processes": limits.processes, "every": CPU_WATCH_S}
             argv = [
-                bwrap, *_namespace_args(unshare_net), *_filesystem_args(limits, input_fds, inputs_mb),
-                "--", python, "-I", "-c", _LAUNCHER, str(status_w), str(go_r),
-                json.dumps(_rlimits(limits, together=cgroup is not None)), json.dumps(watch), MAIN,
+                bwrap,
+                *_namespace_args(unshare_net),
+                *_filesystem_args(limits, input_fds, inputs_mb),
+                "--",
+                python,
+                "-I",
+                "-c",
+                _LAUNCHER,
+                str(status_w),
+                str(go_r),
+                json.dumps(_rlimits(limits, together=cgroup is not None)),
+                json.dumps(watch),
+                MAIN,
             ]
             started = time.monotonic()
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, pass_fds=child_fds, env={"PATH": _PATH}, **_sandbox_user(),
+                    *argv,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    pass_fds=child_fds,
+                    env={"PATH": _PATH},
+                    **_sandbox_user(),
                 )
             except OSError as err:
                 raise SandboxUnavailable(f"could not start bwrap: {err}") from err
@@ -240,8 +255,10 @@ class _Sandbox:
         capped = set(report["capped"] if report else ()) | (self.cgroup.capped() if self.cgroup else set())
         if not ready or (report is None and not timed_out and "memory" not in capped):
             why = (
-                f"did not start within {limits.wall_s} s" if timed_out and not ready
-                else f"failed (exit status {proc.returncode})" if not ready
+                f"did not start within {limits.wall_s} s"
+                if timed_out and not ready
+                else f"failed (exit status {proc.returncode})"
+                if not ready
                 else "ended without reporting the program's exit"
             )
             detail = printable(stderr.decode(errors="replace").strip())
@@ -341,7 +358,7 @@ def _read_status(head: bytes, status_r: int) -> tuple[bool, dict | None]:
     if not data.startswith(_READY):
         return False, None
     try:
-        report = json.loads(data[len(_READY):])
+        report = json.loads(data[len(_READY) :])
     except ValueError:
         return True, None
     return True, report
@@ -409,10 +426,17 @@ def _sandbox_user() -> dict:
 
 def _namespace_args(unshare_net: bool) -> list[str]:
     args = [
-        "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--unshare-user",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
         "--disable-userns",  # no nested user namespace: no way to regain capabilities inside
         "--as-pid-1",  # the launcher is the namespace's init (bwrap's own leaves a zombie behind)
-        "--die-with-parent", "--new-session", "--hostname", "sandbox",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "sandbox",
     ]
     return args + (["--unshare-net"] if unshare_net else [])
 
@@ -426,21 +450,48 @@ def _filesystem_args(limits: SandboxLimits, input_fds: dict[str, int], inputs_mb
         elif os.path.isdir(host):
             args += ["--ro-bind", host, host]
     args += [
-        "--proc", "/proc", "--dev", "/dev",
-        "--size", str(limits.file_size_mb << 20), "--tmpfs", "/dev/shm",
-        "--remount-ro", "/dev",
-        "--size", str((limits.file_size_mb + inputs_mb) << 20), "--tmpfs", WORKDIR,
-        "--dir", f"{WORKDIR}/.tmp", "--symlink", f"{WORKDIR}/.tmp", "/tmp",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(limits.file_size_mb << 20),
+        "--tmpfs",
+        "/dev/shm",
+        "--remount-ro",
+        "/dev",
+        "--size",
+        str((limits.file_size_mb + inputs_mb) << 20),
+        "--tmpfs",
+        WORKDIR,
+        "--dir",
+        f"{WORKDIR}/.tmp",
+        "--symlink",
+        f"{WORKDIR}/.tmp",
+        "/tmp",
     ]
     for name, fd in input_fds.items():
         for parent in reversed(PurePosixPath(name).parents[:-1]):
             args += ["--dir", f"{WORKDIR}/{parent}"]
         args += ["--file", str(fd), f"{WORKDIR}/{name}"]
     args += [
-        "--remount-ro", "/",
-        "--chdir", WORKDIR,
-        "--clearenv", "--setenv", "PATH", _PATH, "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", "/tmp",
-        "--setenv", "LANG", "C.UTF-8",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        WORKDIR,
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        _PATH,
+        "--setenv",
+        "HOME",
+        WORKDIR,
+        "--setenv",
+        "TMPDIR",
+        "/tmp",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
     ]
     return args
 
@@ -483,11 +534,17 @@ def _cgroups_parent() -> Path | None:
 def _checked_cgroups_parent() -> Path | None:
     parent, why = _make_cgroups_parent()
     if parent is not None:
-        log.info("sandbox: each program runs in a cgroup of its own under %s, which caps its processes' "
-                 "memory and number together", parent)
+        log.info(
+            "sandbox: each program runs in a cgroup of its own under %s, which caps its processes' "
+            "memory and number together",
+            parent,
+        )
     else:
-        log.info("sandbox: no cgroup per program (%s): each of a program's processes gets memory_mb / "
-                 "processes of address space instead", why)
+        log.info(
+            "sandbox: no cgroup per program (%s): each of a program's processes gets memory_mb / "
+            "processes of address space instead",
+            why,
+        )
     return parent
 
 
@@ -610,8 +667,16 @@ async def _network_namespaces_allowed(bwrap: str, python: str) -> bool:
 def _check_network_namespaces(bwrap: str, python: str) -> bool:
     with _netns_lock:
         if bwrap not in _netns_checked:
-            probe = [bwrap, *_namespace_args(unshare_net=False), *_filesystem_args(SandboxLimits(), {}),
-                     "--", python, "-I", "-c", ""]
+            probe = [
+                bwrap,
+                *_namespace_args(unshare_net=False),
+                *_filesystem_args(SandboxLimits(), {}),
+                "--",
+                python,
+                "-I",
+                "-c",
+                "",
+            ]
             with_net = _try(probe[:1] + ["--unshare-net"] + probe[1:])
             if with_net is None:
                 _netns_checked[bwrap] = True
@@ -619,8 +684,11 @@ def _check_network_namespaces(bwrap: str, python: str) -> bool:
                 without = _try(probe)
                 if without is not None:  # no sandbox at all: not cached, the next run asks again
                     raise SandboxUnavailable(f"bwrap cannot create a sandbox here: {without}")
-                log.warning("network namespaces are not allowed on this machine (bwrap: %s): sandboxed "
-                            "programs can reach the network", with_net)
+                log.warning(
+                    "network namespaces are not allowed on this machine (bwrap: %s): sandboxed "
+                    "programs can reach the network",
+                    with_net,
+                )
                 _netns_checked[bwrap] = False
         return _netns_checked[bwrap]
 

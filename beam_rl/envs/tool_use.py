@@ -91,8 +91,11 @@ class ToolArithmetic(DatasetEnvironment):
 
     def render_prompt(self, row: dict[str, Any]) -> list[int]:
         content = self.PROMPT.format(question=row["question"])
-        return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": content}],
-                               tools=[tool.schema() for tool in self.tools.values()])
+        return chat_prompt_ids(
+            self.tokenizer,
+            [{"role": "user", "content": content}],
+            tools=[tool.schema() for tool in self.tools.values()],
+        )
 
     async def run(
         self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int], sampling: SamplingParams
@@ -134,4 +137,3 @@ class ToolArithmetic(DatasetEnvironment):
         if not trajectory.info.get("answered"):
             return 0.0
         return 1.0 if last_integer(self.final_text(trajectory)) == int(row["answer"]) else 0.0
-

@@ -74,8 +74,10 @@ class Tool(abc.ABC):
 
     def schema(self) -> dict[str, Any]:
         """The tool as chat templates take it (`tools=[...]`, OpenAI's function format)."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     @abc.abstractmethod
     async def __call__(self, arguments: dict[str, Any]) -> str:
@@ -91,8 +93,13 @@ class Tool(abc.ABC):
 # -- calculator -----------------------------------------------------------------------------------
 
 _BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
 _UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPRESSION_CHARS = 500
@@ -124,8 +131,13 @@ def _evaluate(node: ast.AST) -> int | float:
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
         # Estimate before computing: 9 ** 9 ** 9 must be refused, not attempted.
-        if (isinstance(node.op, ast.Pow) and isinstance(left, int) and isinstance(right, int) and right > 0
-                and max(left.bit_length(), 1) * right > MAX_INT_BITS * 2):
+        if (
+            isinstance(node.op, ast.Pow)
+            and isinstance(left, int)
+            and isinstance(right, int)
+            and right > 0
+            and max(left.bit_length(), 1) * right > MAX_INT_BITS * 2
+        ):
             raise ToolError("result too large")
         return _bounded(_BINARY[type(node.op)](left, right))
     raise ToolError(f"unsupported syntax: {ast.unparse(node)!r}")

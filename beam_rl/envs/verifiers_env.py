@@ -42,15 +42,27 @@ class Verifiers(Environment):
 
     name = "verifiers"
 
-    def __init__(self, tokenizer: Any, max_turns: int = 4, *, env: str | None = None, taskset: str | None = None,
-                 max_context: int | None = None, **args: Any) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_turns: int = 4,
+        *,
+        env: str | None = None,
+        taskset: str | None = None,
+        max_context: int | None = None,
+        **args: Any,
+    ) -> None:
         if (env is None) == (taskset is None):
-            raise ValueError("verifiers: give `env` (a v1 environment's id, run whole) or `taskset` (an import path "
-                             "'package.module:Class', whose rewards score single turns), not both")
+            raise ValueError(
+                "verifiers: give `env` (a v1 environment's id, run whole) or `taskset` (an import path "
+                "'package.module:Class', whose rewards score single turns), not both"
+            )
         super().__init__(tokenizer, max_turns)
         self.impl: Environment = (
-            VerifiersEpisodes(tokenizer, max_turns, env=env, max_context=max_context, **args) if env is not None
-            else VerifiersTaskset(tokenizer, max_turns, taskset=taskset or "", **args))  # set: checked above
+            VerifiersEpisodes(tokenizer, max_turns, env=env, max_context=max_context, **args)
+            if env is not None
+            else VerifiersTaskset(tokenizer, max_turns, taskset=taskset or "", **args)
+        )  # set: checked above
         self.multi_turn = self.impl.multi_turn
 
     def __getattr__(self, name: str) -> Any:  # what only the chosen one has (follow_ups, config, ...)
@@ -70,12 +82,14 @@ class Verifiers(Environment):
     def stop_token_ids(self) -> list[int]:
         return self.impl.stop_token_ids()
 
-    async def run(self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int],
-                  sampling: SamplingParams) -> Trajectory:
+    async def run(
+        self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int], sampling: SamplingParams
+    ) -> Trajectory:
         return await self.impl.run(client, row, prompt_ids, sampling)
 
-    async def run_group(self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int],
-                        sampling: SamplingParams, n: int) -> list[Trajectory]:
+    async def run_group(
+        self, client: CompletionClient, row: dict[str, Any], prompt_ids: list[int], sampling: SamplingParams, n: int
+    ) -> list[Trajectory]:
         return await self.impl.run_group(client, row, prompt_ids, sampling, n)
 
 
@@ -175,8 +189,10 @@ class VerifiersTaskset(Environment):
         vf = self._vf
         task = self._task(row)
         as_message = TypeAdapter(vf.Message).validate_python
-        nodes = [MessageNode(parent=i - 1 if i else None, message=as_message(message))
-                 for i, message in enumerate(self._messages(task))]
+        nodes = [
+            MessageNode(parent=i - 1 if i else None, message=as_message(message))
+            for i, message in enumerate(self._messages(task))
+        ]
         reply = vf.AssistantMessage(content=self.final_text(trajectory))
         nodes.append(MessageNode(parent=len(nodes) - 1, message=reply, sampled=True))
         trace = Trace(
@@ -192,4 +208,3 @@ class VerifiersTaskset(Environment):
         if unscored:
             raise RewardUnavailable(f"verifiers rewards {unscored} produced no score")
         return trace.reward
-

@@ -86,8 +86,9 @@ def harness_install_env(python: str | None = None) -> dict[str, str]:
     return verifiers_setup.install_env(str(cache_root() / "verifiers"), os.environ.get("PATH", os.defpath), uv)
 
 
-def set_up_harnesses(env_id: str, config: dict[str, Any], python: str | None, timeout_s: float,
-                     pass_env: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+def set_up_harnesses(
+    env_id: str, config: dict[str, Any], python: str | None, timeout_s: float, pass_env: tuple[str, ...] = ()
+) -> dict[str, dict[str, Any]]:
     """Each seat's harness (on the subprocess runtime) set up within `timeout_s`, here or under `python` (in the
     environment its env server gets), once a process: {seat: its pinned harness config}. ValueError, one line,
     naming the harness, when it cannot be."""
@@ -98,8 +99,7 @@ def set_up_harnesses(env_id: str, config: dict[str, Any], python: str | None, ti
 
 
 @functools.lru_cache(maxsize=16)
-def _set_up(config: str, python: str | None, timeout_s: float,
-            pass_env: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+def _set_up(config: str, python: str | None, timeout_s: float, pass_env: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     env = harness_install_env(python)
     if python is None:
         # In a thread: the caller may be inside an event loop; the prepared programs stay known to this
@@ -107,14 +107,21 @@ def _set_up(config: str, python: str | None, timeout_s: float,
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(verifiers_setup.set_up_within, json.loads(config), env, timeout_s).result()
     else:
-        done = subprocess.run([python, verifiers_setup.__file__, config, json.dumps(env), str(timeout_s)],
-                              capture_output=True, text=True, timeout=timeout_s + 300, check=False,
-                              env=interpreter_env(python, pass_env))
+        done = subprocess.run(
+            [python, verifiers_setup.__file__, config, json.dumps(env), str(timeout_s)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s + 300,
+            check=False,
+            env=interpreter_env(python, pass_env),
+        )
         lines = done.stdout.strip().splitlines()
         if done.returncode != 0 or not lines:
             tail = done.stderr.strip().splitlines()
-            raise ValueError(f"its harnesses could not be set up: {python} exited with status {done.returncode}"
-                             + (f": {tail[-1]}" if tail else ""))
+            raise ValueError(
+                f"its harnesses could not be set up: {python} exited with status {done.returncode}"
+                + (f": {tail[-1]}" if tail else "")
+            )
         answer = json.loads(lines[-1])
     if "error" in answer:
         raise ValueError(answer["error"])
@@ -137,14 +144,14 @@ class _InlineEnv:
     async def run(self, *, task_data: dict[str, Any], endpoint: Endpoint, timeout_s: float) -> Any:
         vf = verifiers_module()
         task = self.task_type(self.task_type.data_type().model_validate(task_data), self.env.config.taskset.task)
-        context = vf.ModelContext(model="policy", sampling=vf.SamplingConfig(),
-                                  client=proxy_client(endpoint))
+        context = vf.ModelContext(model="policy", sampling=vf.SamplingConfig(), client=proxy_client(endpoint))
         (slot,) = self.env.slots(task)
         try:
             return await asyncio.wait_for(self.env.run_slot(slot, context), timeout_s)
         except TimeoutError:
-            raise VerifiersEpisodeError(f"verifiers env {self.name}: the episode ran past timeout_s = "
-                                        f"{timeout_s:g} s; cancelled") from None
+            raise VerifiersEpisodeError(
+                f"verifiers env {self.name}: the episode ran past timeout_s = {timeout_s:g} s; cancelled"
+            ) from None
 
 
 class VerifiersEpisodes(DatasetEnvironment):
@@ -182,8 +189,10 @@ class VerifiersEpisodes(DatasetEnvironment):
         super().__init__(tokenizer, max_turns, max_context=max_context)
         self.env_id = env
         if server == "inline" and (proxy_host != LOOPBACK or proxy_advertise is not None):
-            raise ValueError(f"verifiers env {env!r}: an inline harness reaches the proxy on loopback; "
-                             "proxy_host and proxy_advertise are for an env server on another host")
+            raise ValueError(
+                f"verifiers env {env!r}: an inline harness reaches the proxy on loopback; "
+                "proxy_host and proxy_advertise are for an env server on another host"
+            )
         try:
             check_address(proxy_host, proxy_advertise)
         except ValueError as exc:
@@ -197,8 +206,10 @@ class VerifiersEpisodes(DatasetEnvironment):
         if server == "inline" and python is not None:
             raise ValueError(f"verifiers env {env!r}: `python` runs it in a process of its own (server = \"process\")")
         if server != "process" and pass_env:
-            raise ValueError(f"verifiers env {env!r}: pass_env names variables for an env server beam-rl starts "
-                             "(server = \"process\"); inline, the environment has the worker's")
+            raise ValueError(
+                f"verifiers env {env!r}: pass_env names variables for an env server beam-rl starts "
+                "(server = \"process\"); inline, the environment has the worker's"
+            )
         passed = tuple(str(name) for name in pass_env or ())
         self.timeout_s, self.max_restarts = timeout_s, max_restarts
         self.server = server
@@ -211,8 +222,13 @@ class VerifiersEpisodes(DatasetEnvironment):
         if server in ("inline", "process"):  # a server at an address sets its harnesses up on its own host
             for seat, harness in set_up_harnesses(env, self.config, python, setup_timeout_s, passed).items():
                 self.config[seat]["harness"] = harness
-        self._server = None if server == "inline" else env_server(
-            env, server, self.config, python=python, startup_timeout_s=startup_timeout_s, pass_env=passed)
+        self._server = (
+            None
+            if server == "inline"
+            else env_server(
+                env, server, self.config, python=python, startup_timeout_s=startup_timeout_s, pass_env=passed
+            )
+        )
         stops = self.stop_token_ids()
         if not stops:
             raise ValueError("the verifiers environment needs a tokenizer with an eos token (the end of a turn)")
@@ -220,8 +236,9 @@ class VerifiersEpisodes(DatasetEnvironment):
 
     def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
         if split != "train":
-            raise ValueError(f"verifiers env {self.env_id!r}: only its taskset's tasks are rows (split 'train'), "
-                             f"not {split!r}")
+            raise ValueError(
+                f"verifiers env {self.env_id!r}: only its taskset's tasks are rows (split 'train'), not {split!r}"
+            )
         return [dict(row) for row in self._rows]
 
     def render_prompt(self, row: dict[str, Any]) -> list[int]:
@@ -255,8 +272,9 @@ class VerifiersEpisodes(DatasetEnvironment):
                 discarded += sum(len(t.completion_ids) for t in episode.turns)
                 restarts += 1
                 if restarts > self.max_restarts:
-                    raise EnvServerError(f"verifiers env {self.env_id!r}: its server died under this episode "
-                                         f"{restarts} times") from None
+                    raise EnvServerError(
+                        f"verifiers env {self.env_id!r}: its server died under this episode {restarts} times"
+                    ) from None
             finally:
                 await episode.aclose()
         if episode.failure is not None:
@@ -265,16 +283,19 @@ class VerifiersEpisodes(DatasetEnvironment):
 
     def _info(self, wire: Any, episode: Episode, restarts: int, discarded: int) -> dict[str, Any]:
         if len(wire.traces) != 1:
-            raise VerifiersEpisodeError(f"verifiers env {self.env_id!r}: the episode has {len(wire.traces)} "
-                                        "traces; a rollout trains one")
+            raise VerifiersEpisodeError(
+                f"verifiers env {self.env_id!r}: the episode has {len(wire.traces)} traces; a rollout trains one"
+            )
         (trace,) = wire.traces
         if not wire.ok or not trace.ok:
             errors = [e.message for e in [*wire.errors, *trace.errors]] or [str(trace.stop_condition)]
             raise VerifiersEpisodeError(f"verifiers env {self.env_id!r}: the episode failed: {'; '.join(errors)}")
         sampled = sum(1 for node in trace.nodes if node.sampled)
         if sampled != len(episode.turns):
-            raise VerifiersEpisodeError(f"verifiers env {self.env_id!r}: the trace has {sampled} sampled turns, "
-                                        f"the proxy saw {len(episode.turns)}: a model call bypassed beam-rl")
+            raise VerifiersEpisodeError(
+                f"verifiers env {self.env_id!r}: the trace has {sampled} sampled turns, "
+                f"the proxy saw {len(episode.turns)}: a model call bypassed beam-rl"
+            )
         unscored = sorted(name for name, value in trace.rewards.items() if value is None)
         return {
             "reward": None if unscored else trace.reward,

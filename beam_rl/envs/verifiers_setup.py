@@ -90,6 +90,7 @@ async def set_up(config: dict[str, Any], env: dict[str, str]) -> dict[str, dict[
 
 def set_up_within(config: dict[str, Any], env: dict[str, str], timeout_s: float) -> dict[str, Any]:
     """set_up bounded by `timeout_s`, in an event loop of its own: {"harnesses": ...} or {"error": ...}."""
+
     async def bounded() -> dict[str, dict[str, Any]]:
         try:
             return await asyncio.wait_for(set_up(config, env), timeout_s)

@@ -46,8 +46,9 @@ class Fleet:
         return next((p for p in self.servers if p.url == url), None)
 
     def write(self, path: Path) -> None:
-        write_atomic(path, json_bytes({"generation": self.generation,
-                                       "servers": [asdict(p) for p in self.servers]}, indent=1))
+        write_atomic(
+            path, json_bytes({"generation": self.generation, "servers": [asdict(p) for p in self.servers]}, indent=1)
+        )
 
     @classmethod
     def read(cls, path: Path) -> Fleet | None:

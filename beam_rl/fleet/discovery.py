@@ -26,8 +26,10 @@ def base_url(text: str) -> str:
     """`text` as a base URL clients can append routes to; ValueError when it is not one."""
     url = text.strip().rstrip("/")
     if has_credentials(url):  # never echoed: the message would print the secret
-        raise ValueError("a URL with credentials (user:password@) would be written to the servers file: put the "
-                         "key in an environment variable and name it in inference.api_key_env")
+        raise ValueError(
+            "a URL with credentials (user:password@) would be written to the servers file: put the "
+            "key in an environment variable and name it in inference.api_key_env"
+        )
     if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0 or " " in url:
         raise ValueError(f"{text.strip()!r} is not an http(s) base URL")
     return url

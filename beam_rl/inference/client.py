@@ -103,8 +103,10 @@ Route = Literal["completions", "generate"]
 ROUTE_PATHS: dict[str, str] = {"completions": "/v1/completions", "generate": "/inference/v1/generate"}
 
 
-LORA_SERVER_HINT = ("start vLLM with --enable-lora, --max-lora-rank at least trainer.lora.rank and "
-                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (the embedded server: --enable-lora)")
+LORA_SERVER_HINT = (
+    "start vLLM with --enable-lora, --max-lora-rank at least trainer.lora.rank and "
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (the embedded server: --enable-lora)"
+)
 
 
 def _lora_routes_answered(exc: InferenceHTTPError) -> bool:
@@ -176,7 +178,8 @@ class InferenceClient:
         # Kept out of repr, logs and errors: only the header the session sends holds it.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._ssl: ssl.SSLContext | None = (
-            ssl.create_default_context(cafile=str(ca_bundle)) if ca_bundle is not None else None)
+            ssl.create_default_context(cafile=str(ca_bundle)) if ca_bundle is not None else None
+        )
         # aiohttp rather than httpx: with hundreds of requests in flight, httpx's pool bookkeeping
         # (linear in open connections per request) was most of the dispatcher's CPU (bench/history.md).
         # One per event loop that talks to the server (made on first use, on that loop): the requests' loop,
@@ -219,15 +222,18 @@ class InferenceClient:
                 ours = await self._unless_retired(self._generate(prompt_ids, sampling, choices, todo, progress))
                 foreign = [i for i in todo if choices[i].finish_reason == ABORT and i not in ours]
                 if foreign:
-                    raise InferenceAborted(f"{self.base_url}: the server aborted choices {foreign} "
-                                           "(not paused by this client)", self.base_url)
+                    raise InferenceAborted(
+                        f"{self.base_url}: the server aborted choices {foreign} (not paused by this client)",
+                        self.base_url,
+                    )
             except InferenceError as exc:
                 exc.partial = choices
                 if exc.retryable and retries < self.max_retries:
                     delay = self._backoff(retries)
                     retries += 1
-                    log.warning("%s; continuing in %.2fs (attempt %d of %d)", exc, delay, retries + 1,
-                                self.max_retries + 1)
+                    log.warning(
+                        "%s; continuing in %.2fs (attempt %d of %d)", exc, delay, retries + 1, self.max_retries + 1
+                    )
                     await asyncio.sleep(delay)
                     continue
                 if retries:
@@ -258,8 +264,14 @@ class InferenceClient:
             work.close()
         raise InferenceRetired(f"{self.base_url} left the fleet", self.base_url)
 
-    async def _generate(self, prompt_ids: list[int], sampling: SamplingParams, choices: list[Completion],
-                        todo: list[int], progress: Progress | None) -> set[int]:
+    async def _generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        choices: list[Completion],
+        todo: list[int],
+        progress: Progress | None,
+    ) -> set[int]:
         """Send what `todo`'s choices still need: one request for them all when none has a token yet (the
         n choices share one prefill), else one per choice, continuing it. Returns the choices this
         client's own continue-mode update aborted (continued after it)."""
@@ -274,17 +286,30 @@ class InferenceClient:
                     choices[i].finish_reason = "length"
                     continue
                 seed = None if sampling.seed is None else sampling.seed + (i if len(choices) > 1 else 0)
-                sends.append(([i], [*prompt_ids, *choices[i].token_ids],
-                              dataclasses.replace(sampling, max_tokens=sampling.max_tokens - done, seed=seed)))
-        results = await asyncio.gather(*(self._send_completion(prompt, params, choices, targets, progress)
-                                         for targets, prompt, params in sends), return_exceptions=True)
+                sends.append(
+                    (
+                        [i],
+                        [*prompt_ids, *choices[i].token_ids],
+                        dataclasses.replace(sampling, max_tokens=sampling.max_tokens - done, seed=seed),
+                    )
+                )
+        results = await asyncio.gather(
+            *(self._send_completion(prompt, params, choices, targets, progress) for targets, prompt, params in sends),
+            return_exceptions=True,
+        )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
         return {i for r in results if not isinstance(r, BaseException) for i in r}
 
-    async def _send_completion(self, prompt_ids: list[int], sampling: SamplingParams, choices: list[Completion],
-                               targets: list[int], progress: Progress | None) -> set[int]:
+    async def _send_completion(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        choices: list[Completion],
+        targets: list[int],
+        progress: Progress | None,
+    ) -> set[int]:
         await self._update_finished()  # an update may have begun since _generate looked: no await from here on
         payload = self._payload(prompt_ids, sampling, len(targets))
         updates = self._updates
@@ -293,10 +318,17 @@ class InferenceClient:
         # Under LoRA a request samples with the adapter it names from start to end: its version is exact, and the
         # server's labels (one for all adapters) would say less.
         spans = self.route == "generate" and updates.labels_supported and not updates.reloading and not self.lora
-        request = LiveRequest([choices[i] for i in targets], targets,
-                              UNKNOWN_VERSION if updates.reloading else self.version, self.version,
-                              self.stream, progress, self._version_of_label if spans else None,
-                              url=f"{self.base_url}{ROUTE_PATHS[self.route]}", vocab_size=self.vocab_size)
+        request = LiveRequest(
+            [choices[i] for i in targets],
+            targets,
+            UNKNOWN_VERSION if updates.reloading else self.version,
+            self.version,
+            self.stream,
+            progress,
+            self._version_of_label if spans else None,
+            url=f"{self.base_url}{ROUTE_PATHS[self.route]}",
+            vocab_size=self.vocab_size,
+        )
         self._live.add(request)
         before = sum(len(c.token_ids) for c in request.choices)
         try:
@@ -370,8 +402,9 @@ class InferenceClient:
 
         ended = False
         try:
-            async with self._http().post(url, json=payload, headers=self._headers,
-                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as response:
+            async with self._http().post(
+                url, json=payload, headers=self._headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            ) as response:
                 if response.status >= 400:
                     raise http_error("POST", url, response.status, await self._read_capped(response, "POST", url))
                 events = EventData()
@@ -394,13 +427,16 @@ class InferenceClient:
                         break
         except TimeoutError as exc:  # aiohttp's own timeouts subclass it
             raise InferenceTimeout(
-                f"POST {url}: not finished within {self.timeout_s:g}s ({type(exc).__name__})", url) from None
+                f"POST {url}: not finished within {self.timeout_s:g}s ({type(exc).__name__})", url
+            ) from None
         except aiohttp.ClientConnectorError as exc:
-            raise InferenceConnectionError(f"POST {url}: cannot connect ({type(exc).__name__}: {exc})", url,
-                                           refused=True) from None
+            raise InferenceConnectionError(
+                f"POST {url}: cannot connect ({type(exc).__name__}: {exc})", url, refused=True
+            ) from None
         except aiohttp.ClientError as exc:
             raise InferenceConnectionError(
-                f"POST {url}: connection failed mid-stream ({type(exc).__name__}: {exc})", url) from None
+                f"POST {url}: connection failed mid-stream ({type(exc).__name__}: {exc})", url
+            ) from None
         finally:
             request.body = None  # read no more: nothing of it is waited for
         if not ended:
@@ -413,8 +449,15 @@ class InferenceClient:
     # -- weight updates ----------------------------------------------------------------------------
     # The modes run in weight_updates.py (`WeightUpdates`); the server routes they drive stay here.
 
-    async def update_weights(self, path: str | Path, version: int, mode: UpdateMode = "keep", *,
-                             drain_quiet_s: float = DRAIN_QUIET_S, timeout_s: float | None = None) -> UpdateTiming:
+    async def update_weights(
+        self,
+        path: str | Path,
+        version: int,
+        mode: UpdateMode = "keep",
+        *,
+        drain_quiet_s: float = DRAIN_QUIET_S,
+        timeout_s: float | None = None,
+    ) -> UpdateTiming:
         """Have the server load the checkpoint at `path` as policy `version` (docs/weight-updates.md):
         "reload" loads while requests run; "keep" pauses them frozen, loads, resumes; "continue" aborts
         them (each keeps its tokens), loads, and `complete` continues them under the new weights. Not
@@ -439,14 +482,22 @@ class InferenceClient:
         """vLLM's `/v1/load_lora_adapter`; a name the server holds already (a retried load) counts as loaded.
         InferenceError naming the server when it serves no LoRA routes."""
         try:
-            await self._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                                retry=False, timeout_s=timeout_s)
+            await self._request(
+                "POST",
+                "/v1/load_lora_adapter",
+                json={"lora_name": name, "lora_path": str(path)},
+                retry=False,
+                timeout_s=timeout_s,
+            )
         except InferenceHTTPError as exc:
             if exc.status == 400 and "already been loaded" in exc.body:
                 return
             if not _lora_routes_answered(exc):
-                raise InferenceError(f"{self.base_url} serves no LoRA adapters (HTTP {exc.status} from "
-                                     f"/v1/load_lora_adapter): {LORA_SERVER_HINT}", self.base_url) from None
+                raise InferenceError(
+                    f"{self.base_url} serves no LoRA adapters (HTTP {exc.status} from "
+                    f"/v1/load_lora_adapter): {LORA_SERVER_HINT}",
+                    self.base_url,
+                ) from None
             raise
 
     async def unload_lora_adapter(self, name: str) -> None:
@@ -498,9 +549,7 @@ class InferenceClient:
         try:
             return parse_server_load(answer.text)
         except ValueError as exc:
-            raise InferenceBadResponse(
-                f"{self.base_url}/metrics: unparseable metrics ({exc})", self.base_url
-            ) from None
+            raise InferenceBadResponse(f"{self.base_url}/metrics: unparseable metrics ({exc})", self.base_url) from None
 
     async def health(self) -> bool:
         """True when `GET /health` answers 2xx within the timeout; never raises for a sick server."""
@@ -521,8 +570,9 @@ class InferenceClient:
         try:
             return [str(card["id"]) for card in answer.json()["data"]]
         except (ValueError, KeyError, TypeError) as err:
-            raise InferenceError(f"GET {answer.url}: not a model list ({type(err).__name__}: {err})",
-                                 self.base_url) from None
+            raise InferenceError(
+                f"GET {answer.url}: not a model list ({type(err).__name__}: {err})", self.base_url
+            ) from None
 
     async def served_context(self) -> int | None:
         """The context window `GET /v1/models` reports for the served model (vLLM's `max_model_len`: the
@@ -541,8 +591,9 @@ class InferenceClient:
         tokens); None when the server has no such route."""
         payload = {"model": self.model, "prompt": text, "add_special_tokens": False}
         try:
-            answer = await self._request("POST", "/tokenize", json=payload, retry=False,
-                                         timeout_s=min(self.timeout_s, 30.0))
+            answer = await self._request(
+                "POST", "/tokenize", json=payload, retry=False, timeout_s=min(self.timeout_s, 30.0)
+            )
         except InferenceHTTPError as err:
             if err.status in (404, 405):
                 return None
@@ -550,15 +601,17 @@ class InferenceClient:
         try:
             return [int(t) for t in answer.json()["tokens"]]
         except (ValueError, KeyError, TypeError) as err:
-            raise InferenceError(f"POST {answer.url}: not a tokenization ({type(err).__name__}: {err})",
-                                 self.base_url) from None
+            raise InferenceError(
+                f"POST {answer.url}: not a tokenization ({type(err).__name__}: {err})", self.base_url
+            ) from None
 
     async def check_generate_route(self) -> None:
         """One token from `/inference/v1/generate`: InferenceHTTPError (403 or 404) when the server does not
         serve it (vLLM without `--enable-scale-out`, or older than 0.32)."""
         payload = {"model": self.model, "token_ids": [0], "sampling_params": {"max_tokens": 1, "logprobs": 0}}
-        await self._request("POST", ROUTE_PATHS["generate"], json=payload, retry=False,
-                            timeout_s=min(self.timeout_s, 30.0))
+        await self._request(
+            "POST", ROUTE_PATHS["generate"], json=payload, retry=False, timeout_s=min(self.timeout_s, 30.0)
+        )
 
     async def aclose(self) -> None:
         self._updates.close()  # the pause's loop, and its session
@@ -605,8 +658,9 @@ class InferenceClient:
         loop = asyncio.get_running_loop()
         if loop not in self._sessions:
             self._sessions[loop] = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
-                                               ssl=self._ssl if self._ssl is not None else True),
+                connector=aiohttp.TCPConnector(
+                    limit=self.max_connections, limit_per_host=0, ssl=self._ssl if self._ssl is not None else True
+                ),
                 json_serialize=lambda obj: orjson.dumps(obj).decode(),
                 # A stream's lines are read whole; an aborted choice may send many tokens in one chunk.
                 read_bufsize=1 << 20,
@@ -621,8 +675,12 @@ class InferenceClient:
             # One deadline for the whole request, waiting for a pooled connection included, so a
             # trickling server cannot hang a rollout.
             async with self._http().request(
-                method, url, json=json, params=params, headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=timeout_s)
+                method,
+                url,
+                json=json,
+                params=params,
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:
                 body = await self._read_capped(response, method, url)
         except TimeoutError as exc:  # aiohttp's own timeouts subclass it
@@ -658,5 +716,6 @@ class InferenceClient:
     def _too_large(self, method: str, url: str, what: str) -> InferenceCorruptResponse:
         return InferenceCorruptResponse(
             f"{method} {url}: {what} larger than inference.max_response_mb ({self.max_response_bytes / 2**20:g} MiB);"
-            " refused", url)
-
+            " refused",
+            url,
+        )

@@ -90,6 +90,10 @@ def http_error(method: str, url: str, status: int, body: bytes) -> InferenceHTTP
     """The error of a non-2xx answer: InferenceAuthError for 401 and 403, else InferenceHTTPError."""
     text = body.decode("utf-8", errors="replace")[:500]
     if status in (401, 403):
-        return InferenceAuthError(f"{method} {url}: HTTP {status}: the server refuses this client's API key "
-                                  f"(or wants one): {text}", url, status, text)
+        return InferenceAuthError(
+            f"{method} {url}: HTTP {status}: the server refuses this client's API key (or wants one): {text}",
+            url,
+            status,
+            text,
+        )
     return InferenceHTTPError(f"{method} {url}: HTTP {status}: {text}", url, status, text)

@@ -103,8 +103,9 @@ class LiveRequest:
         # failure leaves in `partial` (continued on another server) holds none of a corrupt answer's.
         vocab = self.vocab_size
         if vocab is not None and token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):  # inline: hot
-            raise InferenceCorruptResponse(f"{self.url}: choice {index}: {out_of_vocabulary(token_ids, vocab)}",
-                                           self.url)
+            raise InferenceCorruptResponse(
+                f"{self.url}: choice {index}: {out_of_vocabulary(token_ids, vocab)}", self.url
+            )
         choice = self.choices[index]
         choice.token_ids.extend(token_ids)
         choice.logprobs.extend(logprobs)
@@ -178,6 +179,11 @@ class UpdateTiming:
         return self.paused_s if self.mode != "reload" else self.reload_s
 
     def as_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "mode": self.mode, "version": self.version,
-                "paused_s": round(self.paused_s, 4), "reload_s": round(self.reload_s, 4),
-                "engine_idle_s": round(self.engine_idle_s, 4)}
+        return {
+            "url": self.url,
+            "mode": self.mode,
+            "version": self.version,
+            "paused_s": round(self.paused_s, 4),
+            "reload_s": round(self.reload_s, 4),
+            "engine_idle_s": round(self.engine_idle_s, 4),
+        }

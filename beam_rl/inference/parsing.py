@@ -109,17 +109,26 @@ def chunk_choices(chunk: Any, n: int, bad: Callable[[str], Exception]) -> Iterat
 # The samples a ServerLoad is made of (vLLM v1's names and the older ones). vLLM's exposition is mostly
 # histograms (hundreds of bucket lines a server); only these lines are handed to the parser.
 _LOAD_SAMPLES = (
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
-    "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-    "vllm:gpu_prefix_cache_queries_total", "vllm:num_preemptions_total",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:prefix_cache_hits_total",
+    "vllm:gpu_prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:gpu_prefix_cache_queries_total",
+    "vllm:num_preemptions_total",
 )
 
 
 def load_lines(text: str) -> str:
     """The sample lines of `text` that a ServerLoad reads, without their families' comments: the same sums and
     maxima, parsed at a fraction of the cost (the dispatcher polls every server; bench/README.md)."""
-    return "".join(line + "\n" for line in text.splitlines()
-                   if line.startswith(_LOAD_SAMPLES) and line.partition("{")[0].split(" ", 1)[0] in _LOAD_SAMPLES)
+    return "".join(
+        line + "\n"
+        for line in text.splitlines()
+        if line.startswith(_LOAD_SAMPLES) and line.partition("{")[0].split(" ", 1)[0] in _LOAD_SAMPLES
+    )
 
 
 def parse_server_load(text: str) -> ServerLoad:

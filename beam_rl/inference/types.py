@@ -56,6 +56,4 @@ class ServerLoad:
 class CompletionClient(Protocol):
     """The slice of the inference client an environment uses (beam_rl.inference.client:InferenceClient)."""
 
-    async def complete(
-        self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1
-    ) -> list[Completion]: ...
+    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]: ...

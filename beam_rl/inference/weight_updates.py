@@ -40,7 +40,9 @@ class UpdatedClient(Protocol):
     the client at each use, never copied: an update moves `version`, and tests stand in for `pause`."""
 
     base_url: str
-    route: Literal["completions", "generate"]  # "generate": the server labels each token's weights (its spans), no drain is needed
+    route: Literal[
+        "completions", "generate"
+    ]  # "generate": the server labels each token's weights (its spans), no drain is needed
     stream: bool
     stream_interval: int  # streamed tokens come in chunks of this many
     version: int
@@ -54,8 +56,9 @@ class UpdatedClient(Protocol):
     async def reload_weights(self, path: str, timeout_s: float | None = None) -> None: ...
     async def load_lora_adapter(self, name: str, path: str, timeout_s: float | None = None) -> None: ...
     async def unload_lora_adapter(self, name: str) -> None: ...
-    async def _request(self, method: str, path: str, *, retry: bool = True, timeout_s: float | None = None,
-                       **kwargs: Any) -> Any: ...
+    async def _request(
+        self, method: str, path: str, *, retry: bool = True, timeout_s: float | None = None, **kwargs: Any
+    ) -> Any: ...
     async def _close_session(self) -> None: ...
 
 
@@ -82,8 +85,9 @@ class WeightUpdates:
         #: LoRA: the adapter this client loaded for each version and has not unloaded yet.
         self.adapters: dict[int, str] = {}
 
-    async def run(self, path: str | Path, version: int, mode: UpdateMode, drain_quiet_s: float,
-                  timeout_s: float | None) -> UpdateTiming:
+    async def run(
+        self, path: str | Path, version: int, mode: UpdateMode, drain_quiet_s: float, timeout_s: float | None
+    ) -> UpdateTiming:
         """`InferenceClient.update_weights`."""
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -137,8 +141,9 @@ class WeightUpdates:
 
     # -- LoRA: an adapter per version ---------------------------------------------------------------------
 
-    async def _adapter_beside_running(self, path: str | Path, version: int, mode: str,
-                                      timeout_s: float | None) -> UpdateTiming:
+    async def _adapter_beside_running(
+        self, path: str | Path, version: int, mode: str, timeout_s: float | None
+    ) -> UpdateTiming:
         """The new version's adapter loads while requests run; they keep the adapter they named, so their
         versions stay exact, and requests sent from now on name the new one."""
         load_s = await self._timed_reload(path, version, timeout_s)
@@ -162,8 +167,9 @@ class WeightUpdates:
 
     # -- keep and continue: pause, load, resume ---------------------------------------------------------
 
-    async def _paused_update(self, path: str | Path, version: int, mode: str, drain_quiet_s: float,
-                             timeout_s: float | None) -> UpdateTiming:
+    async def _paused_update(
+        self, path: str | Path, version: int, mode: str, drain_quiet_s: float, timeout_s: float | None
+    ) -> UpdateTiming:
         client = self._client
         self.over = asyncio.Event()
         try:
@@ -188,8 +194,9 @@ class WeightUpdates:
             self.over = None
         return UpdateTiming(client.base_url, mode, version, paused_s, reload_s)
 
-    async def _pause_elsewhere(self, path: str | Path, version: int, mode: str, labelled: bool, drain_quiet_s: float,
-                               timeout_s: float | None) -> tuple[float, float]:
+    async def _pause_elsewhere(
+        self, path: str | Path, version: int, mode: str, labelled: bool, drain_quiet_s: float, timeout_s: float | None
+    ) -> tuple[float, float]:
         """Run the pause, the load and the resume on a loop of their own. The loop this is called on runs every
         request's stream and can be busy for a large part of a second (an abort pause, a dead server's
         requests): a pause whose answers waited behind it would keep the server paused that long.
@@ -207,9 +214,11 @@ class WeightUpdates:
         drained: concurrent.futures.Future = concurrent.futures.Future()
         caught_up: Callable[[], concurrent.futures.Future] | None = None
         if drains:
+
             def caught_up() -> concurrent.futures.Future:
                 return drained
         elif mode == "continue" and not labelled and not client.stream:
+
             def caught_up() -> concurrent.futures.Future:
                 return asyncio.run_coroutine_threadsafe(asyncio.sleep(0), requests_loop)
 
@@ -219,8 +228,9 @@ class WeightUpdates:
                 # may still be on their way; a server on this machine has put them in our sockets already.
                 quiet_s = 0.0 if client._on_this_machine else drain_quiet_s
                 paused_at = time.monotonic()
-                requests_loop.call_soon_threadsafe(self.check_drained, drained, quiet_s, paused_at,
-                                                   paused_at + max(1.0, 50 * drain_quiet_s))
+                requests_loop.call_soon_threadsafe(
+                    self.check_drained, drained, quiet_s, paused_at, paused_at + max(1.0, 50 * drain_quiet_s)
+                )
 
         over = self.over
         assert over is not None  # set by _paused_update
@@ -229,19 +239,38 @@ class WeightUpdates:
             with contextlib.suppress(RuntimeError):  # that loop has closed: nothing waits
                 requests_loop.call_soon_threadsafe(over.set)
 
-        work = asyncio.wrap_future(self._paused_loop().submit(self._pause_load_and_resume(
-            path, version, "abort" if mode == "continue" else "keep", labelled, timeout_s, on_paused, on_resumed,
-            caught_up, streams_drained=drains)))
+        work = asyncio.wrap_future(
+            self._paused_loop().submit(
+                self._pause_load_and_resume(
+                    path,
+                    version,
+                    "abort" if mode == "continue" else "keep",
+                    labelled,
+                    timeout_s,
+                    on_paused,
+                    on_resumed,
+                    caught_up,
+                    streams_drained=drains,
+                )
+            )
+        )
         try:
             return await asyncio.shield(work)  # begun, an update runs to its resume even if this task is cancelled
         finally:
             drained.cancel()  # if still waited for (this task was cancelled), the resume goes out at once
 
-    async def _pause_load_and_resume(self, path: str | Path, version: int, pause_mode: str, labelled: bool,
-                                     timeout_s: float | None, on_paused: Callable[[], object],
-                                     on_resumed: Callable[[], object],
-                                     caught_up: Callable[[], concurrent.futures.Future] | None,
-                                     streams_drained: bool) -> tuple[float, float]:
+    async def _pause_load_and_resume(
+        self,
+        path: str | Path,
+        version: int,
+        pause_mode: str,
+        labelled: bool,
+        timeout_s: float | None,
+        on_paused: Callable[[], object],
+        on_resumed: Callable[[], object],
+        caught_up: Callable[[], concurrent.futures.Future] | None,
+        streams_drained: bool,
+    ) -> tuple[float, float]:
         """On the pause's loop: pause; load (and label, `labelled`); once the requests' loop has `caught_up`,
         stamp what requests in flight receive next (the new version's after a drain, else unknown); resume,
         and release the requests held back meanwhile (`on_resumed`).
@@ -283,8 +312,14 @@ class WeightUpdates:
             return UNKNOWN_VERSION
         return self._client.version  # every stream drained: what arrives now comes from the new weights
 
-    def check_drained(self, drained: concurrent.futures.Future, quiet_s: float, paused_at: float,
-                      deadline: float, read_since: bool = False) -> None:
+    def check_drained(
+        self,
+        drained: concurrent.futures.Future,
+        quiet_s: float,
+        paused_at: float,
+        deadline: float,
+        read_since: bool = False,
+    ) -> None:
         """On the requests' loop, as a plain callback (a task would wait a loop pass more at every step). The
         server answered the pause at `paused_at` having sent every token the engine sampled before it. A pass
         of the loop reads its sockets, then runs its due timers; what a read brings, each stream's reader
@@ -311,8 +346,11 @@ class WeightUpdates:
         else:
             busy = [r for r in streams if r.last_data_at + quiet_s > now or r.untaken_bytes]
             if busy:
-                log.warning("%s: %d streams still received tokens while paused; their versions are unknown",
-                            self._client.base_url, len(busy))
+                log.warning(
+                    "%s: %d streams still received tokens while paused; their versions are unknown",
+                    self._client.base_url,
+                    len(busy),
+                )
             for request in busy:
                 request.version = UNKNOWN_VERSION
         drained.set_result(None)
@@ -330,8 +368,9 @@ class WeightUpdates:
     async def _load_and_label(self, path: str | Path, version: int, timeout_s: float | None) -> float:
         """Load and label at once, while paused: nothing samples, so either may land first. A load that
         fails gives the old weights their label back before the resume."""
-        loaded, labelled = await asyncio.gather(self._timed_reload(path, version, timeout_s), self.label(version),
-                                                return_exceptions=True)
+        loaded, labelled = await asyncio.gather(
+            self._timed_reload(path, version, timeout_s), self.label(version), return_exceptions=True
+        )
         if isinstance(loaded, BaseException):
             if not isinstance(labelled, BaseException):
                 with contextlib.suppress(InferenceError):
@@ -346,13 +385,15 @@ class WeightUpdates:
         if not self.labels_supported:
             return
         try:
-            await self._client._request("POST", "/update_weight_version", json={"new_version": str(version)},
-                                        retry=False)
+            await self._client._request(
+                "POST", "/update_weight_version", json={"new_version": str(version)}, retry=False
+            )
         except InferenceHTTPError as exc:
             if exc.status not in (404, 405):
                 raise
             self.labels_supported = False  # a server without vLLM's RL routes: restarts go unnoticed
-            log.warning("%s has no /update_weight_version: a restart between updates will not be noticed",
-                        self._client.base_url)
+            log.warning(
+                "%s has no /update_weight_version: a restart between updates will not be noticed", self._client.base_url
+            )
             return
         self.labelled = version

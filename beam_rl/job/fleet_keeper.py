@@ -73,8 +73,9 @@ class FleetKeeper:
     read, or lists no server, leaves the fleet as it is; a server that cannot join is named in a warning
     and checked again at the next discovery."""
 
-    def __init__(self, parts: JobParts, run_dir: str, initial: list[str] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, parts: JobParts, run_dir: str, initial: list[str] | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
         self._parts = parts
         self._config = config = parts.config
         self._run_dir = run_dir
@@ -119,8 +120,11 @@ class FleetKeeper:
             self._say("discovery", f"{err}: the run keeps its {len(self.fleet.servers)} servers")
             return self.fleet
         if not found:
-            self._say("discovery", f"inference.discovery = {self._config.inference.discovery!r} lists no server: "
-                                   f"the run keeps its {len(self.fleet.servers)} servers")
+            self._say(
+                "discovery",
+                f"inference.discovery = {self._config.inference.discovery!r} lists no server: "
+                f"the run keeps its {len(self.fleet.servers)} servers",
+            )
             return self.fleet
         self._said.pop("discovery", None)
         current = set(self.fleet.urls())
@@ -131,8 +135,11 @@ class FleetKeeper:
                 self._said.pop(url, None)
                 admitted.append(url)
             else:
-                self._say(url, f"{problem}: it does not join the run (checked again in "
-                               f"{self._config.inference.discovery_interval_s:g} s)")
+                self._say(
+                    url,
+                    f"{problem}: it does not join the run (checked again in "
+                    f"{self._config.inference.discovery_interval_s:g} s)",
+                )
         fleet = deal(self.fleet, admitted, self._config.dispatch.shards, self._clock(), handoff_s(self._config))
         self.fleet = self._record(fleet, self.fleet)
         return self.fleet

@@ -28,21 +28,28 @@ from transforms.write import WriteTrainBatches
 def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> PCollection[int]:
     """Adds the rollout graph to `pipeline`; returns the PCollection of committed step numbers."""
     dispatched = pipeline | "Dispatch" >> DispatchRollouts(spec)
-    scored = (dispatched.rollouts
-              | "CompleteGroups" >> CompleteGroups()
-              | "Score" >> ScoreGroups(spec.config, spec.run_dir))
+    scored = (
+        dispatched.rollouts | "CompleteGroups" >> CompleteGroups() | "Score" >> ScoreGroups(spec.config, spec.run_dir)
+    )
     if spec.config.eval.every_steps:
         scored[EVALUATION] | "Evaluate" >> EvaluateRounds(spec.config, spec.run_dir)
-    return ((scored.scored, dispatched[END_OF_INPUT])
-            | "WithEndOfInput" >> beam.Flatten().with_output_types(PackerItem)
-            | "PackBatches" >> PackBatches(spec.config, spec.first_step, spec.with_trainer, spec.run_dir)
-            | "WriteTrainBatches" >> WriteTrainBatches(spec.run_dir))
+    return (
+        (scored.scored, dispatched[END_OF_INPUT])
+        | "WithEndOfInput" >> beam.Flatten().with_output_types(PackerItem)
+        | "PackBatches" >> PackBatches(spec.config, spec.first_step, spec.with_trainer, spec.run_dir)
+        | "WriteTrainBatches" >> WriteTrainBatches(spec.run_dir)
+    )
 
 
 def source_spec(parts: JobParts, server_urls: list[str], directory: RunDir, with_trainer: bool) -> SourceSpec:
     schedule = parts.schedule
-    return SourceSpec(config=parts.config, server_urls=tuple(server_urls), run_dir=str(directory.path),
-                      run_id=uuid.uuid4().hex, first_step=directory.next_step(), with_trainer=with_trainer,
-                      schedule_groups=len(schedule), schedule_streams=schedule.stream_lengths)
-
-
+    return SourceSpec(
+        config=parts.config,
+        server_urls=tuple(server_urls),
+        run_dir=str(directory.path),
+        run_id=uuid.uuid4().hex,
+        first_step=directory.next_step(),
+        with_trainer=with_trainer,
+        schedule_groups=len(schedule),
+        schedule_streams=schedule.stream_lengths,
+    )

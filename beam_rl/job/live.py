@@ -64,8 +64,9 @@ class ProgressView:
     rollouts. Each render polls the run observer and reads only what the run directory gained since the
     last one."""
 
-    def __init__(self, run_dir: RunDir, config: RunConfig, started: float, observer: RunObserver,
-                 console: Console) -> None:
+    def __init__(
+        self, run_dir: RunDir, config: RunConfig, started: float, observer: RunObserver, console: Console
+    ) -> None:
         self.console = console
         self._config = config
         self._started = started
@@ -78,22 +79,30 @@ class ProgressView:
         rows = self._tail.update()
         self._last_step = rows[-1].step if rows else 0
         status = self._tail.run_dir.read_status()
-        table = StepTable(fitting_columns(rows, LIVE_COLUMNS, self.console.width),
-                          title=self._title(status), caption=server_line(status))
+        table = StepTable(
+            fitting_columns(rows, LIVE_COLUMNS, self.console.width),
+            title=self._title(status),
+            caption=server_line(status),
+        )
         for row in rows:
             table.add_step(row)
         return Group(table, *(f"[red]{escape(line)}[/red]" for line in error_lines(status)))
 
     def _title(self, status: dict) -> str:
-        parts = [f"beam-rl {self._tail.run_dir.path}", f"{time.monotonic() - self._started:.0f}s",
-                 f"step {self._last_step} of {self._config.run.max_steps}",
-                 f"policy v{status.get('policy_version', 0)}", f"in flight {status.get('inflight', 0)}"]
+        parts = [
+            f"beam-rl {self._tail.run_dir.path}",
+            f"{time.monotonic() - self._started:.0f}s",
+            f"step {self._last_step} of {self._config.run.max_steps}",
+            f"policy v{status.get('policy_version', 0)}",
+            f"in flight {status.get('inflight', 0)}",
+        ]
         if status.get("waiting_for_trainer"):
             parts.append("waiting for trainer")
         last_eval = self._tail.last_eval
         if last_eval is not None:
-            figures = ", ".join(f"{env} pass@1 {e['pass@1']:.2f}" for env, e in last_eval["envs"].items()
-                                if e["pass@1"] is not None)
+            figures = ", ".join(
+                f"{env} pass@1 {e['pass@1']:.2f}" for env, e in last_eval["envs"].items() if e["pass@1"] is not None
+            )
             parts.append(f"eval@{last_eval['after_step']}: {figures}")
         return "  |  ".join(parts)
 
@@ -103,10 +112,11 @@ def server_line(status: dict) -> str:
     entries = []
     for server in status.get("servers", []):
         name = server["url"].rsplit("//", 1)[-1]
-        queue = (f" (server: {server['running']:.0f} running, {server['waiting']:.0f} waiting)"
-                 if server.get("running") is not None else "")
+        queue = (
+            f" (server: {server['running']:.0f} running, {server['waiting']:.0f} waiting)"
+            if server.get("running") is not None
+            else ""
+        )
         health = "" if server.get("healthy", True) else " UNHEALTHY"
         entries.append(f"{name}: {server['inflight']} in flight{queue}{health}")
     return "  |  ".join(entries)
-
-

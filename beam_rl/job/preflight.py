@@ -76,8 +76,9 @@ def model_problems(config: RunConfig) -> list[Problem]:
 def _model_dir_problem(config: RunConfig) -> str | None:
     path = Path(config.model.name).expanduser()
     if not path.is_dir():
-        return (f"{path} is not a directory: give \"tiny\" or a local Hugging Face model directory "
-                "(nothing is downloaded)")
+        return (
+            f"{path} is not a directory: give \"tiny\" or a local Hugging Face model directory (nothing is downloaded)"
+        )
     try:
         int(json.loads((path / "config.json").read_bytes())["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -87,8 +88,10 @@ def _model_dir_problem(config: RunConfig) -> str | None:
 
         AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as err:  # an unknown model_type, a config its class refuses
-        return (f"{path / 'config.json'}: transformers cannot load this model "
-                f"({type(err).__name__}: {str(err).splitlines()[0]})")
+        return (
+            f"{path / 'config.json'}: transformers cannot load this model "
+            f"({type(err).__name__}: {str(err).splitlines()[0]})"
+        )
     try:
         location.tokenizer_for(config.model.name)
     except Exception as err:  # transformers raises many kinds for a directory it cannot use
@@ -108,9 +111,14 @@ def context_problems(config: RunConfig) -> list[Problem]:
     context = json.loads(path.read_bytes()).get("max_position_embeddings")
     if not isinstance(context, int):
         return []
-    return [Problem(f"{value} is above the model's context: max_position_embeddings = {context} in {path}", key)
-            for key, value in (("model.max_context", config.model.max_context),
-                               ("inference.max_tokens", config.inference.max_tokens)) if value > context]
+    return [
+        Problem(f"{value} is above the model's context: max_position_embeddings = {context} in {path}", key)
+        for key, value in (
+            ("model.max_context", config.model.max_context),
+            ("inference.max_tokens", config.inference.max_tokens),
+        )
+        if value > context
+    ]
 
 
 def lora_target_problems(config: RunConfig) -> list[Problem]:
@@ -125,8 +133,12 @@ def lora_target_problems(config: RunConfig) -> list[Problem]:
     missing = [name for name in lora.target_modules if name not in modules]
     if not missing:
         return []
-    return [Problem(f"{missing} name no weight matrix of {config.model.name} (it has {sorted(modules)})",
-                    "trainer.lora.target_modules")]
+    return [
+        Problem(
+            f"{missing} name no weight matrix of {config.model.name} (it has {sorted(modules)})",
+            "trainer.lora.target_modules",
+        )
+    ]
 
 
 # -- the datasets -----------------------------------------------------------------------------------------
@@ -190,8 +202,13 @@ def published_weights_problems(run_dir: RunDir, config: RunConfig) -> list[Probl
     try:
         validate_checkpoint(path, location.model_dir(config), lora=config.trainer.lora is not None)
     except CheckpointError as err:
-        return [Problem(f"the newest published weights, step {step}, cannot be loaded: {err}. Remove {path} "
-                        "and the run resumes from the weights published before them", kind=RunDirError)]
+        return [
+            Problem(
+                f"the newest published weights, step {step}, cannot be loaded: {err}. Remove {path} "
+                "and the run resumes from the weights published before them",
+                kind=RunDirError,
+            )
+        ]
     return []
 
 
@@ -227,8 +244,14 @@ def server_problems(parts: JobParts, server_urls: list[str]) -> list[Problem]:
         try:
             await client.check_access()
         except InferenceAuthError as err:
-            return ((f"{url} refuses the API key in ${config.inference.api_key_env} (HTTP {err.status})" if key
-                     else f"{url} wants an API key (HTTP {err.status}): set inference.api_key_env"), False)
+            return (
+                (
+                    f"{url} refuses the API key in ${config.inference.api_key_env} (HTTP {err.status})"
+                    if key
+                    else f"{url} wants an API key (HTTP {err.status}): set inference.api_key_env"
+                ),
+                False,
+            )
         except InferenceHTTPError as err:
             return f"{url} answers with HTTP {err.status}", True
         except InferenceError as err:
@@ -240,15 +263,21 @@ def server_problems(parts: JobParts, server_urls: list[str]) -> list[Problem]:
         except InferenceError:
             context = None  # it answered the same route a moment ago: left to the dispatcher's probes
         if context is not None and config.model.max_context > context:
-            return (f"{url} serves a context of {context} tokens (max_model_len in /v1/models): "
-                    f"model.max_context = {config.model.max_context} is above it", False)
+            return (
+                f"{url} serves a context of {context} tokens (max_model_len in /v1/models): "
+                f"model.max_context = {config.model.max_context} is above it",
+                False,
+            )
         if config.inference.route == "generate":
             try:
                 await client.check_generate_route()
             except InferenceHTTPError as err:  # the key passed above: a 403 is vLLM's disabled route
                 if err.status in (403, 404, 405):
-                    return (f"{url} does not serve /inference/v1/generate (HTTP {err.status}): start vLLM 0.32"
-                            " or later with --enable-scale-out, or set inference.route = \"completions\"", False)
+                    return (
+                        f"{url} does not serve /inference/v1/generate (HTTP {err.status}): start vLLM 0.32"
+                        " or later with --enable-scale-out, or set inference.route = \"completions\"",
+                        False,
+                    )
                 return f"{url} answers the generate route with HTTP {err.status}", True
             except InferenceError as err:
                 return f"{url} cannot be reached ({err})", True
@@ -262,13 +291,19 @@ def server_problems(parts: JobParts, server_urls: list[str]) -> list[Problem]:
             try:
                 load = await client.load()
             except InferenceHTTPError as err:
-                return (f"{url} does not serve /metrics (HTTP {err.status}), which dispatch.concurrency.mode = "
-                        "\"kv\" reads", err.status >= 500)
+                return (
+                    f"{url} does not serve /metrics (HTTP {err.status}), which dispatch.concurrency.mode = "
+                    "\"kv\" reads",
+                    err.status >= 500,
+                )
             except InferenceError as err:
                 return f"{url}/metrics cannot be read ({err})", True
             if load.kv_cache_usage is None:
-                return (f"{url}/metrics has no vllm:kv_cache_usage_perc, which dispatch.concurrency.mode = \"kv\" "
-                        "reads: use \"goodput\" or \"fixed\" with this server", False)
+                return (
+                    f"{url}/metrics has no vllm:kv_cache_usage_perc, which dispatch.concurrency.mode = \"kv\" "
+                    "reads: use \"goodput\" or \"fixed\" with this server",
+                    False,
+                )
         return None, False
 
     async def check_all() -> list[tuple[str | None, bool]]:

@@ -50,11 +50,20 @@ def flink_local_heap_mb(config: RunConfig) -> int:
 def runner_settings(config: RunConfig, job_endpoint: str | None = None, job_name: str | None = None) -> RunnerSettings:
     r = config.runner
     return RunnerSettings(
-        name=r.name, flink_master=r.flink_master, parallelism=r.parallelism,
-        checkpointing_interval_ms=r.checkpointing_interval_ms, state_backend=r.state_backend,
-        state_backend_storage_path=r.state_backend_storage_path, environment=config.worker_environment,
-        worker_pool=r.worker_pool, worker_command=r.worker_command, jvm_heap_mb=flink_local_heap_mb(config) if r.name == "flink-local" else None,
-        job_endpoint=job_endpoint, job_name=job_name, bind_host=r.bind_host)
+        name=r.name,
+        flink_master=r.flink_master,
+        parallelism=r.parallelism,
+        checkpointing_interval_ms=r.checkpointing_interval_ms,
+        state_backend=r.state_backend,
+        state_backend_storage_path=r.state_backend_storage_path,
+        environment=config.worker_environment,
+        worker_pool=r.worker_pool,
+        worker_command=r.worker_command,
+        jvm_heap_mb=flink_local_heap_mb(config) if r.name == "flink-local" else None,
+        job_endpoint=job_endpoint,
+        job_name=job_name,
+        bind_host=r.bind_host,
+    )
 
 
 class _JobHandle(Protocol):
@@ -154,8 +163,14 @@ class RolloutJob:
     """A rollout job this process follows: it holds the run directory's lease, ends the job once the run
     is over (max_steps committed, or the input exhausted), and cancels it on request."""
 
-    def __init__(self, spec: SourceSpec, handle: _JobHandle, lease: RunLease, job_server: JobServer | None = None,
-                 fleet: FleetKeeper | None = None) -> None:
+    def __init__(
+        self,
+        spec: SourceSpec,
+        handle: _JobHandle,
+        lease: RunLease,
+        job_server: JobServer | None = None,
+        fleet: FleetKeeper | None = None,
+    ) -> None:
         self.spec = spec
         self._handle = handle
         self._lease = lease
@@ -179,7 +194,8 @@ class RolloutJob:
             # Prism may report DONE for a job a bundle failure ended: its message stream says why.
             self._handle.raise_if_failed()
             if state not in (str(PipelineState.DONE), "FINISHED") and not self._run_dir.run_over(
-                    self.spec.config.run.max_steps):
+                self.spec.config.run.max_steps
+            ):
                 raise RuntimeError(f"the rollout job ended as {state} before the run was over")
         finally:
             self._release()
@@ -217,8 +233,13 @@ class RolloutJob:
         self._lease.release()
 
 
-def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,
-                   with_trainer: bool = True, parts: JobParts | None = None) -> RolloutJob:
+def start_rollouts(
+    config: RunConfig,
+    server_urls: list[str],
+    run_dir: str | None = None,
+    with_trainer: bool = True,
+    parts: JobParts | None = None,
+) -> RolloutJob:
     """Submit the rollout job for a run directory this process then follows (see RolloutJob); `parts`: the
     job's, when the caller built them already."""
     parts = parts or job_parts(config)
@@ -234,17 +255,24 @@ def start_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | Non
             _LOG.warning("removed %d uncommitted leftovers of an earlier run: %s", len(removed), removed[:5])
         torn = directory.repair_metrics()
         if torn:
-            _LOG.warning("dropped the torn last line of %s (%d bytes, a crash mid-append)", directory.metrics_path, torn)
+            _LOG.warning(
+                "dropped the torn last line of %s (%d bytes, a crash mid-append)", directory.metrics_path, torn
+            )
         directory.input_exhausted_path.unlink(missing_ok=True)  # this job decides afresh
         spec = source_spec(parts, server_urls, directory, with_trainer)
         if config.inference.discovery != "static":
             fleet = FleetKeeper(parts, str(directory.path), server_urls)  # fleet.json, before any source reads it
         job_server = None
         if config.runner.name != "direct":
-            master = (config.runner.flink_master or "") if config.runner.name == "flink" else "[local]"  # set: RunConfig
-            job_server = start_job_server(master, directory.path / "logs" / "flink-job-server.log",
-                                          flink_local_heap_mb(config) if config.runner.name == "flink-local" else None,
-                                          host=config.runner.bind_host)
+            master = (
+                (config.runner.flink_master or "") if config.runner.name == "flink" else "[local]"
+            )  # set: RunConfig
+            job_server = start_job_server(
+                master,
+                directory.path / "logs" / "flink-job-server.log",
+                flink_local_heap_mb(config) if config.runner.name == "flink-local" else None,
+                host=config.runner.bind_host,
+            )
         job_name = f"beam-rl-{spec.run_id[:12]}"
         settings = runner_settings(config, job_server.endpoint if job_server else None, job_name)
         pipeline = beam.Pipeline(options=pipeline_options(settings))
@@ -289,17 +317,29 @@ def _record_cluster_job(config: RunConfig, directory: RunDir, job_name: str) -> 
     can be followed again by another process if this one dies)."""
     job = _find_flink_job(FlinkRest(config.runner.flink_master or ""), job_name)
     if job is None:
-        _LOG.warning("job %s is not listed on %s: it is followed through the job server only", job_name,
-                     config.runner.flink_master)
+        _LOG.warning(
+            "job %s is not listed on %s: it is followed through the job server only",
+            job_name,
+            config.runner.flink_master,
+        )
         return None
-    write_job_record(directory.path, {"runner": "flink", "flink_master": config.runner.flink_master,
-                                      "job_id": job.job_id, "job_name": job_name, "submitted_at": time.time(),
-                                      "submitted_by": worker_id()})
+    write_job_record(
+        directory.path,
+        {
+            "runner": "flink",
+            "flink_master": config.runner.flink_master,
+            "job_id": job.job_id,
+            "job_name": job_name,
+            "submitted_at": time.time(),
+            "submitted_by": worker_id(),
+        },
+    )
     return job
 
 
-def attach_rollouts(config: RunConfig, run_dir: str, with_trainer: bool = True,
-                    parts: JobParts | None = None) -> RolloutJob | None:
+def attach_rollouts(
+    config: RunConfig, run_dir: str, with_trainer: bool = True, parts: JobParts | None = None
+) -> RolloutJob | None:
     """Follow the job the run directory's job record names, if it still runs on its cluster (a submitter
     that died left it running); None when there is none to follow."""
     record = read_job_record(run_dir)
@@ -310,16 +350,26 @@ def attach_rollouts(config: RunConfig, run_dir: str, with_trainer: bool = True,
         return None
     lease = RunLease(run_dir).acquire()
     directory = RunDir(run_dir)
-    spec = SourceSpec(config=config, server_urls=(), run_dir=str(directory.path), run_id=record["job_name"],
-                      first_step=directory.next_step(), with_trainer=with_trainer)
+    spec = SourceSpec(
+        config=config,
+        server_urls=(),
+        run_dir=str(directory.path),
+        run_id=record["job_name"],
+        first_step=directory.next_step(),
+        with_trainer=with_trainer,
+    )
     _LOG.warning("attached to job %s, still running on %s", record["job_id"], rest.master)
-    fleet = (FleetKeeper(parts or job_parts(config), run_dir).start()
-             if config.inference.discovery != "static" else None)
+    fleet = FleetKeeper(parts or job_parts(config), run_dir).start() if config.inference.discovery != "static" else None
     return RolloutJob(spec, _FlinkJob(rest, record["job_id"]), lease, fleet=fleet)
 
 
-def run_rollouts(config: RunConfig, server_urls: list[str], run_dir: str | None = None,
-                 with_trainer: bool = True, parts: JobParts | None = None) -> SourceSpec:
+def run_rollouts(
+    config: RunConfig,
+    server_urls: list[str],
+    run_dir: str | None = None,
+    with_trainer: bool = True,
+    parts: JobParts | None = None,
+) -> SourceSpec:
     """Runs the rollout pipeline to the end of the run."""
     job = start_rollouts(config, server_urls, run_dir, with_trainer, parts)
     job.wait()

@@ -34,8 +34,12 @@ def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
     started = time.monotonic()
     # First: a Prometheus port in use fails here, before anything else starts.
     jobs: list[RolloutJob] = []  # the rollout job, once submitted: its Beam counters go to Prometheus
-    observer = RunObserver(run_dir, config, sample_rows=tracker_sample_rows(run_dir, config.model.name, SAMPLE_ROLLOUTS),
-                           beam_counters=lambda: jobs[0].counters() if jobs else {})
+    observer = RunObserver(
+        run_dir,
+        config,
+        sample_rows=tracker_sample_rows(run_dir, config.model.name, SAMPLE_ROLLOUTS),
+        beam_counters=lambda: jobs[0].counters() if jobs else {},
+    )
     with Supervisor() as parts:
         parts.add("run observer", observer.close)
         wired = job_parts(config)  # the job's parts, built once: the servers' key, the schedule
@@ -52,8 +56,11 @@ def run_job(config: RunConfig, console: Console | None = None) -> RunDir:
         pipeline = PipelineWaiter(job)
         trainer = None
         if config.trainer.kind == "reference":
-            trainer = parts.start("trainer", [sys.executable, "-m", "beam_rl.cli", "train", "--run-dir", str(run_dir.path)],
-                                  run_dir.path / "trainer.log")
+            trainer = parts.start(
+                "trainer",
+                [sys.executable, "-m", "beam_rl.cli", "train", "--run-dir", str(run_dir.path)],
+                run_dir.path / "trainer.log",
+            )
         follow(pipeline, trainer, parts, ProgressView(run_dir, config, started, observer, console))
     plot = write_plot(run_dir)
     console.print(f"done in {time.monotonic() - started:.0f}s; steps under {run_dir.rollouts_dir}; plot {plot}")

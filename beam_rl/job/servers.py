@@ -31,11 +31,20 @@ def inference_servers(parts: JobParts) -> Iterator[list[str]]:
     try:
         # All started before any is waited for: each spends seconds importing torch and loading the model.
         for _ in range(inf.embedded_servers):
-            procs.append(spawn_subprocess_server(
-                model, mode=inf.embedded_mode, max_num_seqs=inf.embedded_max_num_seqs,
-                extra_args=("--served-model-name", config.model.name,
-                            *(("--enable-lora",) if config.trainer.lora is not None else ())),
-                die_with_parent=True, api_key=key))
+            procs.append(
+                spawn_subprocess_server(
+                    model,
+                    mode=inf.embedded_mode,
+                    max_num_seqs=inf.embedded_max_num_seqs,
+                    extra_args=(
+                        "--served-model-name",
+                        config.model.name,
+                        *(("--enable-lora",) if config.trainer.lora is not None else ()),
+                    ),
+                    die_with_parent=True,
+                    api_key=key,
+                )
+            )
         urls = [wait_until_ready(proc) for proc in procs]
         _LOG.info("started %d embedded inference servers: %s", len(urls), ", ".join(urls))
         yield urls

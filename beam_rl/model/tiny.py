@@ -54,8 +54,9 @@ def _tiny_config(vocab_size: int, eos_id: int, pad_id: int, arch: dict[str, Any]
     )
 
 
-def _write_model(directory: pathlib.Path, seed: int, arch: dict[str, Any] = TINY_ARCH,
-                 device: str = "cpu", dtype: str = "float32") -> None:
+def _write_model(
+    directory: pathlib.Path, seed: int, arch: dict[str, Any] = TINY_ARCH, device: str = "cpu", dtype: str = "float32"
+) -> None:
     # torch and transformers' models only here: the orchestrator finds the model cached and never
     # imports them (seconds of start-up, and torch._dynamo's import of triton).
     import torch
@@ -125,8 +126,9 @@ def tiny_model_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None) ->
     return final
 
 
-def write_random_qwen2(directory: str | os.PathLike, arch: dict[str, Any], seed: int = 0, device: str = "cpu",
-                       dtype: str = "float32") -> pathlib.Path:
+def write_random_qwen2(
+    directory: str | os.PathLike, arch: dict[str, Any], seed: int = 0, device: str = "cpu", dtype: str = "float32"
+) -> pathlib.Path:
     """A random-init Qwen2 of any size `arch` (TINY_ARCH's keys) with the tiny tokenizer at `directory`, initialised
     on `device` (a GPU builds a 0.5B model in seconds) and saved in `dtype`. Not cached: for checks and benchmarks
     that need a bigger model of the tiny one's architecture and vocabulary."""
@@ -136,8 +138,9 @@ def write_random_qwen2(directory: str | os.PathLike, arch: dict[str, Any], seed:
     return directory
 
 
-def write_llama_model(directory: str | os.PathLike, hidden_size: int = 64, num_hidden_layers: int = 2,
-                      seed: int = 0) -> pathlib.Path:
+def write_llama_model(
+    directory: str | os.PathLike, hidden_size: int = 64, num_hidden_layers: int = 2, seed: int = 0
+) -> pathlib.Path:
     """A Llama-shaped causal LM with random weights and the tiny tokenizer at `directory`: another architecture
     than the tiny Qwen2 (no attention biases, untied embeddings), for runs and benchmarks that must not depend on
     one model class. Heads of 32 (the smallest vLLM's kernels take), half as many key/value heads."""
@@ -147,11 +150,18 @@ def write_llama_model(directory: str | os.PathLike, hidden_size: int = 64, num_h
     directory = pathlib.Path(directory)
     tokenizer = build_tiny_tokenizer()
     heads = max(1, hidden_size // 32)
-    config = LlamaConfig(vocab_size=_round_up(len(tokenizer), 64), hidden_size=hidden_size,
-                         intermediate_size=2 * hidden_size, num_hidden_layers=num_hidden_layers,
-                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                         max_position_embeddings=1024, tie_word_embeddings=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=_round_up(len(tokenizer), 64),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         LlamaForCausalLM(config).save_pretrained(str(directory))

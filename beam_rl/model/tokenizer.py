@@ -150,7 +150,7 @@ def _cached_tiny() -> PreTrainedTokenizerFast:
 
 
 def load_tokenizer(name: str = "tiny") -> PreTrainedTokenizerBase:
-    """"tiny" -> the (shared, cached) tiny tokenizer; anything else -> a local pretrained tokenizer.
+    """ "tiny" -> the (shared, cached) tiny tokenizer; anything else -> a local pretrained tokenizer.
 
     Callers must not mutate the returned tiny tokenizer: every caller in the process shares it.
     """

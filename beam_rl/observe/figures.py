@@ -45,8 +45,9 @@ def numeric_leaves(record: Mapping[str, Any], path: tuple[str, ...] = ()) -> Ite
             yield (*path, key), float(value)
 
 
-def step_figures(commit: Mapping[str, Any], previous_committed_at: float | None = None,
-                 dispatch: Sequence[Mapping[str, Any]] = ()) -> Figures:
+def step_figures(
+    commit: Mapping[str, Any], previous_committed_at: float | None = None, dispatch: Sequence[Mapping[str, Any]] = ()
+) -> Figures:
     """A committed step's figures from its commit record.
 
     `previous_committed_at`: the commit time of the step before (None for a run's first step): gives the
@@ -88,8 +89,7 @@ def step_figures(commit: Mapping[str, Any], previous_committed_at: float | None 
 
 def trainer_figures(record: Mapping[str, Any]) -> Figures:
     """The trainer's figures of one step: "trainer/<key>" for each numeric one (loss, grad_norm, ...)."""
-    return {"trainer/" + "/".join(path): value for path, value in numeric_leaves(record)
-            if path[0] not in _NOT_FIGURES}
+    return {"trainer/" + "/".join(path): value for path, value in numeric_leaves(record) if path[0] not in _NOT_FIGURES}
 
 
 def eval_figures(record: Mapping[str, Any]) -> Figures:

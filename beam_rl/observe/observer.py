@@ -62,8 +62,14 @@ class RunObserver:
     samples table. `beam_counters()`: the runner's counters for Prometheus.
     """
 
-    def __init__(self, run_dir: RunDir | str | os.PathLike[str], config: RunConfig, *,
-                 sample_rows: SampleRows | None = None, beam_counters: BeamCounters | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: RunDir | str | os.PathLike[str],
+        config: RunConfig,
+        *,
+        sample_rows: SampleRows | None = None,
+        beam_counters: BeamCounters | None = None,
+    ) -> None:
         self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         self.snapshot = Snapshot()
         self._sample_rows = sample_rows
@@ -82,7 +88,9 @@ class RunObserver:
                 self._server, self.prometheus_port = serve(self, beam_counters, host, port)
             except OSError as err:
                 self.close()
-                raise OSError(f"logging.prometheus_port = {port}: cannot serve /metrics on {host}:{port}: {err}") from err
+                raise OSError(
+                    f"logging.prometheus_port = {port}: cannot serve /metrics on {host}:{port}: {err}"
+                ) from err
 
     def poll(self) -> None:
         """Read what the run directory gained; log each new step to the trackers; refresh the snapshot."""
@@ -172,7 +180,7 @@ class RunObserver:
         end = bisect_right(self._dispatch, at, lo=first, key=_time)
         start = first if previous is None else bisect_right(self._dispatch, previous, lo=first, hi=end, key=_time)
         # The load samples since the previous commit; the last one before, if none (as `beam-rl report`).
-        window = self._dispatch[start:end] or self._dispatch[max(end - 1, first):end]
+        window = self._dispatch[start:end] or self._dispatch[max(end - 1, first) : end]
         figures = step_figures(commit, previous, window)
         if any(tracker.logged[ROLLOUTS] < step for tracker in self.trackers):
             self._log(ROLLOUTS, step, figures, self._samples(step))
@@ -182,8 +190,14 @@ class RunObserver:
         tokens_by_fate = dict(snapshot.tokens_by_fate)
         for fate, tokens in ((commit.get("window") or {}).get("tokens_by_fate") or {}).items():
             tokens_by_fate[fate] = tokens_by_fate.get(fate, 0.0) + float(tokens)
-        snapshot = replace(snapshot, steps_committed=step, last_committed_at=at, step=figures, totals=totals,
-                           tokens_by_fate=tokens_by_fate)
+        snapshot = replace(
+            snapshot,
+            steps_committed=step,
+            last_committed_at=at,
+            step=figures,
+            totals=totals,
+            tokens_by_fate=tokens_by_fate,
+        )
         return snapshot, max(end - 1, first)  # the last sample before this commit stands in for a step without one
 
     def _samples(self, step: int) -> list[Sample] | None:
@@ -192,8 +206,9 @@ class RunObserver:
         try:
             return list(self._sample_rows(step))
         except Exception:  # the step's figures matter more than its samples table
-            _LOG.warning("sample rollouts of step %d could not be read; logging the step without them",
-                         step, exc_info=True)
+            _LOG.warning(
+                "sample rollouts of step %d could not be read; logging the step without them", step, exc_info=True
+            )
             return None
 
     def _log(self, stream: str, step: int, figures: Figures, samples: list[Sample] | None = None) -> None:
@@ -205,8 +220,13 @@ class RunObserver:
             except Exception:
                 # A tracker must not stop a run of days; the run directory keeps every figure, and the
                 # next process that follows the run logs what this tracker missed.
-                _LOG.error("%s failed logging %s step %d; it is closed for the rest of this process",
-                           tracker.name, stream, step, exc_info=True)
+                _LOG.error(
+                    "%s failed logging %s step %d; it is closed for the rest of this process",
+                    tracker.name,
+                    stream,
+                    step,
+                    exc_info=True,
+                )
                 self.trackers.remove(tracker)
                 with contextlib.suppress(Exception):
                     tracker.close()
@@ -221,8 +241,14 @@ def _open_trackers(run_dir: RunDir, config: RunConfig) -> list[Tracker]:
     if config.logging.wandb.mode != "disabled":
         from beam_rl.observe.wandb_tracker import WandbTracker
 
-        trackers.append(WandbTracker(run_dir.path / "wandb", config.logging.wandb, run_name=run_dir.path.name,
-                                     config=config.model_dump(mode="json")))
+        trackers.append(
+            WandbTracker(
+                run_dir.path / "wandb",
+                config.logging.wandb,
+                run_name=run_dir.path.name,
+                config=config.model_dump(mode="json"),
+            )
+        )
     return trackers
 
 

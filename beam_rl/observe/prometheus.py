@@ -52,7 +52,10 @@ SERVER_GAUGES = {  # per server, from status.json's "servers" (running/waiting/K
     "healthy": ("server_healthy", "1 while the server takes requests."),
     "running": ("server_requests_running", "Requests the server is running (vLLM num_requests_running)."),
     "waiting": ("server_requests_waiting", "Requests queued on the server (vLLM num_requests_waiting)."),
-    "kv_cache_usage": ("server_kv_cache_usage_ratio", "The server's KV-cache usage, 0 to 1 (vLLM kv_cache_usage_perc)."),
+    "kv_cache_usage": (
+        "server_kv_cache_usage_ratio",
+        "The server's KV-cache usage, 0 to 1 (vLLM kv_cache_usage_perc).",
+    ),
     "draining": ("server_draining", "1 while the server, gone from the fleet, finishes what it runs."),
     "joined_at": ("server_joined_timestamp_seconds", "When the server took its first requests in this run."),
     "join_s": ("server_join_seconds", "From being listed in the fleet to holding the current weights."),
@@ -76,8 +79,13 @@ class RunCollector(Collector):
             except Exception:  # a scrape must still answer with the rest
                 _LOG.warning("reading the runner's counters failed", exc_info=True)
             else:
-                yield _labelled(GaugeMetricFamily, "beam_counter", "The Beam runner's counters (name: namespace/name).",
-                                "name", counters)
+                yield _labelled(
+                    GaugeMetricFamily,
+                    "beam_counter",
+                    "The Beam runner's counters (name: namespace/name).",
+                    "name",
+                    counters,
+                )
 
 
 def serve(observer: RunObserver, beam_counters: BeamCounters | None, host: str, port: int) -> tuple[WSGIServer, int]:
@@ -87,8 +95,12 @@ def serve(observer: RunObserver, beam_counters: BeamCounters | None, host: str, 
     registry.register(RunCollector(observer, beam_counters))
     server, _thread = start_http_server(port, addr=host, registry=registry)
     _LOG.info("Prometheus metrics on http://%s:%d/metrics", host, server.server_port)
-    warn_if_open(host, server.server_port, "Prometheus /metrics: the run's figures, servers and counters, to "
-                 "whoever reaches it, unauthenticated", "logging.prometheus_host")
+    warn_if_open(
+        host,
+        server.server_port,
+        "Prometheus /metrics: the run's figures, servers and counters, to whoever reaches it, unauthenticated",
+        "logging.prometheus_host",
+    )
     return server, server.server_port
 
 
@@ -101,61 +113,98 @@ def _status_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
             yield CounterMetricFamily(PREFIX + name, doc, value=float(status[key]))
     finished = {s: float(status[s]) for s in ROLLOUT_STATUSES if _is_number(status.get(s))}
     if finished:
-        yield _labelled(CounterMetricFamily, "rollouts_finished", "Rollouts that came back, by status.",
-                        "status", finished)
+        yield _labelled(
+            CounterMetricFamily, "rollouts_finished", "Rollouts that came back, by status.", "status", finished
+        )
     causes = {e["cause"]: float(e["count"]) for e in status.get("errors") or () if isinstance(e, Mapping)}
     if causes:  # status.json's errors (beam_rl/source/status.py:ErrorTally): an alert can name the cause
-        yield _labelled(CounterMetricFamily, "rollout_errors", "Errored rollouts, by cause (the error's type).",
-                        "cause", causes)
+        yield _labelled(
+            CounterMetricFamily, "rollout_errors", "Errored rollouts, by cause (the error's type).", "cause", causes
+        )
     reloads = status.get("weight_reloads")
     if isinstance(reloads, list):
-        yield CounterMetricFamily(PREFIX + "weight_reloads", "Weight reloads on the inference servers.",
-                                  value=len(reloads))
+        yield CounterMetricFamily(
+            PREFIX + "weight_reloads", "Weight reloads on the inference servers.", value=len(reloads)
+        )
         if reloads:
-            yield GaugeMetricFamily(PREFIX + "weight_reload_last_seconds", "How long the last weight reload took.",
-                                    value=float(reloads[-1]["seconds"]))
+            yield GaugeMetricFamily(
+                PREFIX + "weight_reload_last_seconds",
+                "How long the last weight reload took.",
+                value=float(reloads[-1]["seconds"]),
+            )
     servers = [s for s in status.get("servers") or () if isinstance(s, Mapping) and "url" in s]
     for key, (name, doc) in SERVER_GAUGES.items():
         values = {server_name(s["url"]): float(s[key]) for s in servers if _is_number(s.get(key))}
         if values:
             yield _labelled(GaugeMetricFamily, name, doc, "server", values)
-    other = {key: float(value) for key, value in status.items()
-             if key not in STATUS_GAUGES and key not in STATUS_COUNTERS and key not in _STATUS_OTHER
-             and _is_number(value)}
+    other = {
+        key: float(value)
+        for key, value in status.items()
+        if key not in STATUS_GAUGES and key not in STATUS_COUNTERS and key not in _STATUS_OTHER and _is_number(value)
+    }
     if other:
-        yield _labelled(GaugeMetricFamily, "status", "Other numeric fields of the orchestrator's status.",
-                        "field", other)
+        yield _labelled(
+            GaugeMetricFamily, "status", "Other numeric fields of the orchestrator's status.", "field", other
+        )
 
 
 def _run_metrics(snapshot: Snapshot) -> Iterator[Metric]:
     if snapshot.steps_committed:
         yield GaugeMetricFamily(PREFIX + "steps_committed", "The last committed step.", value=snapshot.steps_committed)
-        yield GaugeMetricFamily(PREFIX + "last_commit_timestamp_seconds", "When the last step was committed.",
-                                value=snapshot.last_committed_at)
+        yield GaugeMetricFamily(
+            PREFIX + "last_commit_timestamp_seconds",
+            "When the last step was committed.",
+            value=snapshot.last_committed_at,
+        )
         for name, value in snapshot.totals.items():
-            yield CounterMetricFamily(PREFIX + name, f"Sum over committed steps ({name.replace('_', ' ')}).",
-                                      value=value)
-        yield _labelled(GaugeMetricFamily, "step_figure", "The last committed step's figures (as the trackers name them).",
-                        "figure", snapshot.step)
+            yield CounterMetricFamily(
+                PREFIX + name, f"Sum over committed steps ({name.replace('_', ' ')}).", value=value
+            )
+        yield _labelled(
+            GaugeMetricFamily,
+            "step_figure",
+            "The last committed step's figures (as the trackers name them).",
+            "figure",
+            snapshot.step,
+        )
         if "lag/max" in snapshot.step:
-            yield GaugeMetricFamily(PREFIX + "lag_max_steps", "Largest policy lag (staleness) in the last step's window.",
-                                    value=snapshot.step["lag/max"])
+            yield GaugeMetricFamily(
+                PREFIX + "lag_max_steps",
+                "Largest policy lag (staleness) in the last step's window.",
+                value=snapshot.step["lag/max"],
+            )
         if _is_number(snapshot.status.get("policy_version")):
-            yield GaugeMetricFamily(PREFIX + "steps_ahead_of_policy",
-                                    "Committed steps the trainer has not published a policy for yet.",
-                                    value=snapshot.steps_committed - snapshot.status["policy_version"])
+            yield GaugeMetricFamily(
+                PREFIX + "steps_ahead_of_policy",
+                "Committed steps the trainer has not published a policy for yet.",
+                value=snapshot.steps_committed - snapshot.status["policy_version"],
+            )
     if snapshot.tokens_by_fate:
-        yield _labelled(CounterMetricFamily, "tokens_by_fate", "Tokens generated, by what became of them.",
-                        "fate", snapshot.tokens_by_fate)
+        yield _labelled(
+            CounterMetricFamily,
+            "tokens_by_fate",
+            "Tokens generated, by what became of them.",
+            "fate",
+            snapshot.tokens_by_fate,
+        )
     if snapshot.trainer_step:
-        yield GaugeMetricFamily(PREFIX + "trainer_step", "The last step the trainer trained.", value=snapshot.trainer_step)
-        yield _labelled(GaugeMetricFamily, "trainer_figure", "The trainer's figures of its last step.",
-                        "figure", snapshot.trainer)
+        yield GaugeMetricFamily(
+            PREFIX + "trainer_step", "The last step the trainer trained.", value=snapshot.trainer_step
+        )
+        yield _labelled(
+            GaugeMetricFamily, "trainer_figure", "The trainer's figures of its last step.", "figure", snapshot.trainer
+        )
     if snapshot.eval_after_step:
-        yield GaugeMetricFamily(PREFIX + "eval_after_step", "The step after which the last eval round ran.",
-                                value=snapshot.eval_after_step)
-        yield _labelled(GaugeMetricFamily, "eval_figure", "The last eval round's figures (eval/<env>/<figure>).",
-                        "figure", snapshot.eval)
+        yield GaugeMetricFamily(
+            PREFIX + "eval_after_step", "The step after which the last eval round ran.", value=snapshot.eval_after_step
+        )
+        yield _labelled(
+            GaugeMetricFamily,
+            "eval_figure",
+            "The last eval round's figures (eval/<env>/<figure>).",
+            "figure",
+            snapshot.eval,
+        )
 
 
 def _labelled(family: type, name: str, doc: str, label: str, values: Mapping[str, float]) -> Metric:

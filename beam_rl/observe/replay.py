@@ -48,9 +48,13 @@ class Difference:
     where: str = ""  # e.g. "rollout e0-i3/2, token 17"
 
     def __str__(self) -> str:
-        at = "".join([f" row {self.row}" if self.row is not None else "",
-                      f" column {self.column}" if self.column else "",
-                      f" ({self.where})" if self.where else ""])
+        at = "".join(
+            [
+                f" row {self.row}" if self.row is not None else "",
+                f" column {self.column}" if self.column else "",
+                f" ({self.where})" if self.where else "",
+            ]
+        )
         return f"{self.file}{at}: committed {_show(self.committed)}, replay {_show(self.replayed)}"
 
 
@@ -84,8 +88,10 @@ def run_config(run_dir: RunDir, config: RunConfig | None = None) -> RunConfig:
     if config is not None:
         return config
     if not run_dir.config_path.is_file():
-        raise ReplayError(f"{run_dir.path} holds no config.json (a `beam-rl rollouts` run writes none): "
-                          "give the run's config (--config)")
+        raise ReplayError(
+            f"{run_dir.path} holds no config.json (a `beam-rl rollouts` run writes none): "
+            "give the run's config (--config)"
+        )
     return config_from_dict(run_dir.read_config(), source=str(run_dir.config_path))
 
 
@@ -150,11 +156,16 @@ class _Replayer:
             scored = self._parts.scoring.score(rollouts)
             cut = self._builder.add(scored)
             if cut and i < len(groups) - 1:
-                result.differences.append(Difference(
-                    self._relative(self.run_dir.commit_path(step)), None, "cut",
-                    f"step {step} after the window's last group ({len(groups)} of {len(groups)})",
-                    f"step {cut[0].step} after group {i + 1} ({rollouts[0].group_id})",
-                    where=f"the packer's cuts; groups in {WINDOW_FILE} order"))
+                result.differences.append(
+                    Difference(
+                        self._relative(self.run_dir.commit_path(step)),
+                        None,
+                        "cut",
+                        f"step {step} after the window's last group ({len(groups)} of {len(groups)})",
+                        f"step {cut[0].step} after group {i + 1} ({rollouts[0].group_id})",
+                        where=f"the packer's cuts; groups in {WINDOW_FILE} order",
+                    )
+                )
                 return result
             batches += cut
         if not batches and final:
@@ -162,8 +173,15 @@ class _Replayer:
             batches = [flushed] if flushed is not None else []
         if len(batches) != 1 or batches[0].step != step:
             made = ", ".join(f"step {b.step}" for b in batches) or "no batch"
-            result.differences.append(Difference(self._relative(self.run_dir.commit_path(step)), None, "cut",
-                                                 f"step {step} after the window's last group", made))
+            result.differences.append(
+                Difference(
+                    self._relative(self.run_dir.commit_path(step)),
+                    None,
+                    "cut",
+                    f"step {step} after the window's last group",
+                    made,
+                )
+            )
             return result
         self._compare(batches[0], record, window, result)
         if result.differences:
@@ -174,9 +192,10 @@ class _Replayer:
         step = batch.step
         commit_file = self._relative(self.run_dir.commit_path(step))
         if len(batch.micro_batches) != record.counts.ranks:
-            result.differences.append(Difference(commit_file, None, "counts.ranks", record.counts.ranks,
-                                                 len(batch.micro_batches)))
-        for rank, micro_batches in enumerate(batch.micro_batches[:record.counts.ranks]):
+            result.differences.append(
+                Difference(commit_file, None, "counts.ranks", record.counts.ranks, len(batch.micro_batches))
+            )
+        for rank, micro_batches in enumerate(batch.micro_batches[: record.counts.ranks]):
             path, name = self.run_dir.rank_path(step, rank), rank_file_name(rank)
             try:
                 committed = path.read_bytes()  # as it is now, unverified: a damaged file is a difference
@@ -216,8 +235,9 @@ def _window_groups(window: pa.Table, config: RunConfig, source: Path) -> list[li
             groups[-1].append(rollout)
             continue
         if rollout.group_id in seen:
-            raise ReplayError(f"{source}: the rows of group {rollout.group_id} are not together: not a window "
-                              "the packer wrote")
+            raise ReplayError(
+                f"{source}: the rows of group {rollout.group_id} are not together: not a window the packer wrote"
+            )
         seen.add(rollout.group_id)
         groups.append([rollout])
     return groups
@@ -235,16 +255,25 @@ def window_rollouts(window: pa.Table, config: RunConfig, source: Any = "<window>
     for i, row in enumerate(rows):
         values = {f.attr: row[f.name] for f in _ROLLOUT_COLUMNS}
         if values["env_name"] not in sizes:
-            raise ReplayError(f"{source} row {i}: env {values['env_name']!r} is not in the config "
-                              f"(envs: {sorted(sizes)})")
+            raise ReplayError(
+                f"{source} row {i}: env {values['env_name']!r} is not in the config (envs: {sorted(sizes)})"
+            )
         status = RolloutStatus(values.pop("status"))
         if row["prompt_ids"] is None and status is RolloutStatus.OK:
-            raise ReplayError(f"{source} row {i}: rollout {row['rollout_id']} has no recorded tokens "
-                              f"({'; '.join(values['errors']) or 'no error given'})")
+            raise ReplayError(
+                f"{source} row {i}: rollout {row['rollout_id']} has no recorded tokens "
+                f"({'; '.join(values['errors']) or 'no error given'})"
+            )
         values.update(advantage=0.0, filtered=None)
-        rollouts.append(Rollout(**values, status=status, group_size=sizes[values["env_name"]],
-                                prompt_ids=row["prompt_ids"] or [],
-                                turns=[Turn(**turn) for turn in row["turns"] or []]))
+        rollouts.append(
+            Rollout(
+                **values,
+                status=status,
+                group_size=sizes[values["env_name"]],
+                prompt_ids=row["prompt_ids"] or [],
+                turns=[Turn(**turn) for turn in row["turns"] or []],
+            )
+        )
     return rollouts
 
 
@@ -274,9 +303,14 @@ def _compare_rank_file(actual: bytes, replayed: pa.Table, name: str) -> Differen
     if difference is not None:
         return difference
     offset = next((i for i, (a, b) in enumerate(zip(actual, expected)) if a != b), min(len(actual), len(expected)))
-    return Difference(name, None, None, f"{len(actual)} bytes (xxh3_128 {checksum(actual)})",
-                      f"{len(expected)} bytes (xxh3_128 {checksum(expected)})",
-                      where=f"every column equal; bytes differ from offset {offset}")
+    return Difference(
+        name,
+        None,
+        None,
+        f"{len(actual)} bytes (xxh3_128 {checksum(actual)})",
+        f"{len(expected)} bytes (xxh3_128 {checksum(expected)})",
+        where=f"every column equal; bytes differ from offset {offset}",
+    )
 
 
 def first_table_difference(committed: pa.Table, replayed: pa.Table, name: str) -> Difference | None:
@@ -308,10 +342,17 @@ def first_table_difference(committed: pa.Table, replayed: pa.Table, name: str) -
         if len(a_values) != len(b_values):
             return Difference(name, row, column, f"{len(a_values)} tokens", f"{len(b_values)} tokens", ", ".join(where))
         where.append(f"token {token}")
-        return Difference(name, row, column, _typed(a_values[token], a.type.value_type),
-                          _typed(b_values[token], b.type.value_type), ", ".join(where))
-    return Difference(name, row, column, _typed(a[row].as_py(), a.type), _typed(b[row].as_py(), b.type),
-                      ", ".join(where))
+        return Difference(
+            name,
+            row,
+            column,
+            _typed(a_values[token], a.type.value_type),
+            _typed(b_values[token], b.type.value_type),
+            ", ".join(where),
+        )
+    return Difference(
+        name, row, column, _typed(a[row].as_py(), a.type), _typed(b[row].as_py(), b.type), ", ".join(where)
+    )
 
 
 def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
@@ -325,8 +366,8 @@ def _first_in_column(a: pa.Array, b: pa.Array, rows: int) -> tuple[int, int] | N
         a_offsets, b_offsets = a.offsets.to_numpy(), b.offsets.to_numpy()
         a_values, b_values = _bits(a.values), _bits(b.values)
         for row in range(rows):
-            x = a_values[a_offsets[row]:a_offsets[row + 1]]
-            y = b_values[b_offsets[row]:b_offsets[row + 1]]
+            x = a_values[a_offsets[row] : a_offsets[row + 1]]
+            y = b_values[b_offsets[row] : b_offsets[row + 1]]
             if len(x) != len(y):
                 return row, -1
             unequal = np.flatnonzero(x != y)
@@ -359,10 +400,14 @@ def _compare_window(window: pa.Table, batch: TrainBatch, name: str) -> Differenc
     if len(committed_ids) != len(replayed_ids):
         return Difference(name, None, None, f"{len(committed_ids)} rows", f"{len(replayed_ids)} rows")
     values = {
-        "advantage": (window.column("advantage").to_numpy().view(np.uint32),
-                      np.array([r.advantage for r in replayed], dtype=np.float32).view(np.uint32)),
-        "filtered": (np.array(window.column("filtered").to_pylist(), dtype=object),
-                     np.array([r.filtered for r in replayed], dtype=object)),
+        "advantage": (
+            window.column("advantage").to_numpy().view(np.uint32),
+            np.array([r.advantage for r in replayed], dtype=np.float32).view(np.uint32),
+        ),
+        "filtered": (
+            np.array(window.column("filtered").to_pylist(), dtype=object),
+            np.array([r.filtered for r in replayed], dtype=object),
+        ),
     }
     first = None
     for column in _REPLAYED_WINDOW_COLUMNS:
@@ -383,8 +428,10 @@ def _compare_window(window: pa.Table, batch: TrainBatch, name: str) -> Differenc
 def _compare_commit(record: CommitRecord, batch: TrainBatch, name: str) -> Difference | None:
     """The groups trained, in packing order, then the window statistics the packer computed."""
     if record.group_ids != list(batch.group_ids):
-        index = next((i for i, (a, b) in enumerate(zip(record.group_ids, batch.group_ids)) if a != b),
-                     min(len(record.group_ids), len(batch.group_ids)))
+        index = next(
+            (i for i, (a, b) in enumerate(zip(record.group_ids, batch.group_ids)) if a != b),
+            min(len(record.group_ids), len(batch.group_ids)),
+        )
         return Difference(name, None, f"group_ids[{index}]", _at(record.group_ids, index), _at(batch.group_ids, index))
     stats = record.window.model_dump(mode="json")
     replayed = json.loads(json.dumps(batch.window))
@@ -405,8 +452,10 @@ def _reward_precision_note(window: pa.Table) -> list[str]:
     rounded = next((r for r in rewards.to_numpy() if float(str(r)) != float(r)), None)
     if rounded is None:
         return []
-    return [f"rewards are recorded as float32 (e.g. {rounded!s} is stored as {float(rounded)!r}) and the run scored "
-            "their float64 values: advantages and reward means replayed from them can differ in the last bit"]
+    return [
+        f"rewards are recorded as float32 (e.g. {rounded!s} is stored as {float(rounded)!r}) and the run scored "
+        "their float64 values: advantages and reward means replayed from them can differ in the last bit"
+    ]
 
 
 def _at(values: Sequence[Any], index: int) -> Any:

@@ -39,11 +39,20 @@ class StepRow:
     def from_commit(cls, commit: CommitRecord, **derived: Any) -> StepRow:
         """The step's own figures; `derived` adds what needs other records (rate, trainer, load)."""
         window = commit.window
-        return cls(step=commit.step, committed_at=commit.committed_at, rollouts=window.rollouts,
-                   trained=window.trained_rollouts, tokens=commit.counts.tokens, reward_mean=window.reward_mean,
-                   errored=window.errored, filtered=dict(window.filtered),
-                   policy_version_min=window.policy_version_min, staleness_max=window.staleness_max,
-                   tokens_by_fate=dict(window.tokens_by_fate), **derived)
+        return cls(
+            step=commit.step,
+            committed_at=commit.committed_at,
+            rollouts=window.rollouts,
+            trained=window.trained_rollouts,
+            tokens=commit.counts.tokens,
+            reward_mean=window.reward_mean,
+            errored=window.errored,
+            filtered=dict(window.filtered),
+            policy_version_min=window.policy_version_min,
+            staleness_max=window.staleness_max,
+            tokens_by_fate=dict(window.tokens_by_fate),
+            **derived,
+        )
 
     @property
     def goodput(self) -> float | None:
@@ -62,27 +71,42 @@ def _trainer(key: str, spec: str) -> Callable[[StepRow], str]:
 
 
 # Every column a step table can show, in the order they are shown.
-STEP_COLUMNS: dict[str, StepColumn] = {c.header: c for c in (
-    StepColumn("step", lambda r: str(r.step)),
-    StepColumn("rollouts", lambda r: str(r.rollouts)),
-    StepColumn("trained", lambda r: str(r.trained)),
-    StepColumn("tokens", lambda r: str(r.tokens)),
-    StepColumn("reward mean", lambda r: f"{r.reward_mean or 0.0:.3f}"),
-    StepColumn("errored", lambda r: str(r.errored)),
-    StepColumn("filtered", lambda r: ", ".join(f"{k}={v}" for k, v in sorted(r.filtered.items())) or "0"),
-    StepColumn("lag max", lambda r: "" if r.staleness_max is None else str(r.staleness_max)),
-    StepColumn("good", lambda r: "-" if r.goodput is None else f"{100 * r.goodput:.0f}%"),
-    StepColumn("rollouts/s", lambda r: f"{r.rollouts_per_s:.1f}" if r.rollouts_per_s else "-"),
-    StepColumn("permits used", lambda r: "-" if r.permits_in_use is None else f"{100 * r.permits_in_use:.0f}%"),
-    StepColumn("loss", _trainer("loss", ".4f")),
-    StepColumn("trainer wait s", _trainer("wait_s", ".1f")),
-)}
+STEP_COLUMNS: dict[str, StepColumn] = {
+    c.header: c
+    for c in (
+        StepColumn("step", lambda r: str(r.step)),
+        StepColumn("rollouts", lambda r: str(r.rollouts)),
+        StepColumn("trained", lambda r: str(r.trained)),
+        StepColumn("tokens", lambda r: str(r.tokens)),
+        StepColumn("reward mean", lambda r: f"{r.reward_mean or 0.0:.3f}"),
+        StepColumn("errored", lambda r: str(r.errored)),
+        StepColumn("filtered", lambda r: ", ".join(f"{k}={v}" for k, v in sorted(r.filtered.items())) or "0"),
+        StepColumn("lag max", lambda r: "" if r.staleness_max is None else str(r.staleness_max)),
+        StepColumn("good", lambda r: "-" if r.goodput is None else f"{100 * r.goodput:.0f}%"),
+        StepColumn("rollouts/s", lambda r: f"{r.rollouts_per_s:.1f}" if r.rollouts_per_s else "-"),
+        StepColumn("permits used", lambda r: "-" if r.permits_in_use is None else f"{100 * r.permits_in_use:.0f}%"),
+        StepColumn("loss", _trainer("loss", ".4f")),
+        StepColumn("trainer wait s", _trainer("wait_s", ".1f")),
+    )
+}
 # `beam-rl inspect` and `beam-rl report`: what the commit records alone hold.
-COMMITTED_COLUMNS = ("step", "rollouts", "trained", "tokens", "reward mean", "errored", "filtered", "lag max",
-                     "good")
+COMMITTED_COLUMNS = ("step", "rollouts", "trained", "tokens", "reward mean", "errored", "filtered", "lag max", "good")
 # The live table, most wanted first: as many as the terminal is wide enough for (`fitting_columns`).
-LIVE_COLUMNS = ("step", "reward mean", "rollouts/s", "trained", "lag max", "good", "loss", "errored", "filtered",
-                "trainer wait s", "rollouts", "tokens", "permits used")
+LIVE_COLUMNS = (
+    "step",
+    "reward mean",
+    "rollouts/s",
+    "trained",
+    "lag max",
+    "good",
+    "loss",
+    "errored",
+    "filtered",
+    "trainer wait s",
+    "rollouts",
+    "tokens",
+    "permits used",
+)
 
 
 class StepTable(Table):
@@ -173,7 +197,7 @@ class RunTail:
             # Listing the step directories costs O(all steps): once. Then steps commit in order
             # (`RunDir.next_step`), so probing the next one finds each new commit.
             steps = self.run_dir.committed_steps()
-            self._commits.extend(self.run_dir.read_commit(step) for step in steps[-(self.keep + 1):])
+            self._commits.extend(self.run_dir.read_commit(step) for step in steps[-(self.keep + 1) :])
             self._next_step = steps[-1] + 1 if steps else 1
         while self.run_dir.is_committed(self._next_step):
             self._commits.append(self.run_dir.read_commit(self._next_step))
@@ -184,15 +208,19 @@ class RunTail:
         self._trainer = {step: record for step, record in self._trainer.items() if step > commit.step}
         # The last sample at or before that commit stays: a step with no sample of its own shows it.
         at_or_before = bisect_right(self._dispatch, commit.committed_at, key=_time)
-        del self._dispatch[:max(at_or_before - 1, 0)]
+        del self._dispatch[: max(at_or_before - 1, 0)]
 
 
 def _time(sample: dict[str, Any]) -> float:
     return sample["t"]
 
 
-def _rows(commits: Iterable[CommitRecord], previous: float | None, dispatch: list[dict[str, Any]],
-          trainer: dict[int, dict[str, Any]]) -> list[StepRow]:
+def _rows(
+    commits: Iterable[CommitRecord],
+    previous: float | None,
+    dispatch: list[dict[str, Any]],
+    trainer: dict[int, dict[str, Any]],
+) -> list[StepRow]:
     """One row per commit record, in step order. `previous`: the commit time of the step before the first
     (None: the first is the run's first); `dispatch`: load samples sorted by time."""
     times = [d["t"] for d in dispatch]
@@ -203,18 +231,27 @@ def _rows(commits: Iterable[CommitRecord], previous: float | None, dispatch: lis
         # The dispatcher's load samples since the previous commit; the last one before, if none.
         end = bisect_right(times, at)
         start = 0 if previous is None else bisect_right(times, previous)
-        share, per_server = _dispatch_means(dispatch[start:end] or dispatch[max(end - 1, 0):end])
+        share, per_server = _dispatch_means(dispatch[start:end] or dispatch[max(end - 1, 0) : end])
         previous = at
-        rows.append(StepRow.from_commit(commit, rollouts_per_s=rate, trainer=trainer.get(commit.step),
-                                        permits_in_use=share, server_inflight=per_server))
+        rows.append(
+            StepRow.from_commit(
+                commit,
+                rollouts_per_s=rate,
+                trainer=trainer.get(commit.step),
+                permits_in_use=share,
+                server_inflight=per_server,
+            )
+        )
     return rows
 
 
 def error_lines(status: dict[str, Any], limit: int = 3) -> list[str]:
     """The newest causes of errored rollouts in a run's live status (RunDir.read_status), one line each:
     the cause, how many, and its newest example (which names the environment and row)."""
-    return [f"{entry['count']} errored: {entry['cause']}; the newest: {entry['example']}"
-            for entry in status.get("errors", [])[:limit]]
+    return [
+        f"{entry['count']} errored: {entry['cause']}; the newest: {entry['example']}"
+        for entry in status.get("errors", [])[:limit]
+    ]
 
 
 def weight_update_summary(metrics: list[dict[str, Any]]) -> str | None:
@@ -226,10 +263,12 @@ def weight_update_summary(metrics: list[dict[str, Any]]) -> str | None:
         return None
     idle = [s["engine_idle_s"] for s in per_server]
     modes = "/".join(sorted({s["mode"] for s in per_server}))
-    return (f"weight updates: {len(updates)} ({modes}); engine time lost per update and server: "
-            f"mean {sum(idle) / len(idle):.3f} s, max {max(idle):.3f} s; stale rollouts regenerated "
-            f"{sum(u['regenerated_rollouts'] for u in updates)}, cancelled "
-            f"{sum(u['cancelled_stale_rollouts'] for u in updates)}")
+    return (
+        f"weight updates: {len(updates)} ({modes}); engine time lost per update and server: "
+        f"mean {sum(idle) / len(idle):.3f} s, max {max(idle):.3f} s; stale rollouts regenerated "
+        f"{sum(u['regenerated_rollouts'] for u in updates)}, cancelled "
+        f"{sum(u['cancelled_stale_rollouts'] for u in updates)}"
+    )
 
 
 def plot_tokens_by_fate(ax: Any, rows: list[StepRow]) -> None:
@@ -269,12 +308,20 @@ def write_plot(run_dir: RunDir, path: Path | None = None) -> Path:
     axes[2].plot(steps, [r.rollouts_per_s or float("nan") for r in rows], "o-")
     axes[2].set_ylabel("rollouts / s")
     nan = float("nan")
-    axes[3].plot(steps, [100 * r.permits_in_use if r.permits_in_use is not None else nan for r in rows], "o-",
-                 label="permits in use (% of max_inflight)")
+    axes[3].plot(
+        steps,
+        [100 * r.permits_in_use if r.permits_in_use is not None else nan for r in rows],
+        "o-",
+        label="permits in use (% of max_inflight)",
+    )
     urls = sorted({url for r in rows for url in (r.server_inflight or {})})
     for url in urls:
-        axes[3].plot(steps, [(r.server_inflight or {}).get(url, nan) for r in rows], ".--",
-                     label=f"{url.rsplit('//', 1)[-1]}: rollouts in flight")
+        axes[3].plot(
+            steps,
+            [(r.server_inflight or {}).get(url, nan) for r in rows],
+            ".--",
+            label=f"{url.rsplit('//', 1)[-1]}: rollouts in flight",
+        )
     axes[3].set_ylabel("utilization")
     axes[3].legend(fontsize=7)
     plot_tokens_by_fate(axes[4], rows)

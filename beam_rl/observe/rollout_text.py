@@ -46,7 +46,8 @@ class TokenText:
         self.tokenizer = tokenizer
         self.vocab = len(tokenizer)
         self.special = set(tokenizer.all_special_ids) | {
-            i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+            i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special
+        }
 
     def pieces(self, ids: Sequence[int]) -> list[Piece]:
         out: list[Piece] = []
@@ -56,8 +57,11 @@ class TokenText:
             if token in self.special or not self._known(token):
                 out += self._decode(run)
                 run = []
-                out.append(Piece("special", self.tokenizer.convert_ids_to_tokens(token), (token,))
-                           if token in self.special else Piece("unknown", f"<id:{token}>", (token,)))
+                out.append(
+                    Piece("special", self.tokenizer.convert_ids_to_tokens(token), (token,))
+                    if token in self.special
+                    else Piece("unknown", f"<id:{token}>", (token,))
+                )
             else:
                 run.append(token)
         return out + self._decode(run)
@@ -111,8 +115,9 @@ class RolloutNotFound(KeyError):
     """No row of the window has this rollout or group id."""
 
 
-def window_rows(window: pa.Table, count: int | None = None, rollout_ids: Sequence[str] = (),
-                spread: bool = False) -> list[dict[str, Any]]:
+def window_rows(
+    window: pa.Table, count: int | None = None, rollout_ids: Sequence[str] = (), spread: bool = False
+) -> list[dict[str, Any]]:
     """Rows of a window as dicts: those named in `rollout_ids` (a rollout id, or a group id for all of its
     group), in the order named; else the first `count` (or, with `spread`, `count` spaced evenly over
     the window, so they come from several groups)."""
@@ -188,8 +193,10 @@ def rollout_panel(row: dict[str, Any], text: TokenText) -> Panel:
     lines: list[Any] = [
         head,
         Text(f"policy versions: {version_summary(row)}"),
-        Text(f"server {row['server'] or '(never sent)'}  dispatch worker {row['dispatch_worker'] or '-'}  "
-             f"score worker {row['score_worker'] or '-'}"),
+        Text(
+            f"server {row['server'] or '(never sent)'}  dispatch worker {row['dispatch_worker'] or '-'}  "
+            f"score worker {row['score_worker'] or '-'}"
+        ),
     ]
     for error in row["errors"]:
         lines.append(Text(f"error: {error}", "red"))
@@ -202,8 +209,13 @@ def rollout_panel(row: dict[str, Any], text: TokenText) -> Panel:
         if turn["env_ids"]:
             lines.append(Text(f"turn {i}: environment ({len(turn['env_ids'])} tokens, context)", "bold cyan"))
             lines.append(text.rich(turn["env_ids"], STYLES["env"]))
-        lines.append(Text(f"turn {i}: completion ({len(turn['completion_ids'])} tokens, finish "
-                          f"{turn['finish_reason'] or 'unknown'})", "bold green"))
+        lines.append(
+            Text(
+                f"turn {i}: completion ({len(turn['completion_ids'])} tokens, finish "
+                f"{turn['finish_reason'] or 'unknown'})",
+                "bold green",
+            )
+        )
         body = Text()
         runs = _version_runs(turn["completion_ids"], turn["policy_versions"])
         for version, ids in runs:
@@ -254,7 +266,9 @@ def step_sample_rows(run_dir: RunDir, step: int, tokenizer: Any, count: int = 8)
     return [sample_row(row, text) for row in window_rows(run_dir.read_window(step), count, spread=True)]
 
 
-def tracker_sample_rows(run_dir: RunDir, model_name: str, count: int = 8) -> Callable[[int], list[dict[str, str | int | float]]]:
+def tracker_sample_rows(
+    run_dir: RunDir, model_name: str, count: int = 8
+) -> Callable[[int], list[dict[str, str | int | float]]]:
     """RunObserver's `sample_rows`: step -> a few of its rollouts, decoded through the run's tokenizer
     (loaded at the first call)."""
 

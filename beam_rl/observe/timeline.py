@@ -27,8 +27,18 @@ PHASES: tuple[tuple[str, str, str], ...] = (
     ("packing", "t_scored", "t_packed"),
     ("commit", "t_packed", "t_committed"),
 )
-_COLUMNS = ("rollout_id", "status", "server", "t_admitted", "t_sent", "t_first_token", "t_finished", "t_scored",
-            "t_packed", "t_committed")
+_COLUMNS = (
+    "rollout_id",
+    "status",
+    "server",
+    "t_admitted",
+    "t_sent",
+    "t_first_token",
+    "t_finished",
+    "t_scored",
+    "t_packed",
+    "t_committed",
+)
 # Rollouts on the Gantt chart, by status.
 STATUS_COLORS = {"ok": "#2e7d32", "error": "#c62828", "reward_error": "#ef6c00", "cancelled": "#9e9e9e"}
 TIMELINE_FILE = "timeline.png"
@@ -52,8 +62,9 @@ def parse_steps(text: str | None, committed: Sequence[int]) -> list[int]:
         raise StepRangeError(f"--steps {text!r}: expected A:B, A:, :B or N (step numbers)") from None
     steps = [s for s in committed if lo <= s <= hi]
     if not steps:
-        raise StepRangeError(f"--steps {text!r}: no committed step in {lo}..{hi} "
-                             f"(committed: {committed[0]}..{committed[-1]})")
+        raise StepRangeError(
+            f"--steps {text!r}: no committed step in {lo}..{hi} (committed: {committed[0]}..{committed[-1]})"
+        )
     return steps
 
 
@@ -148,8 +159,9 @@ def server_lanes(timelines: pa.Table) -> dict[str, list[Request]]:
     return lanes
 
 
-def write_timeline(run_dir: RunDir, steps: Sequence[int], timelines: pa.Table | None = None,
-                   path: Path | None = None) -> Path:
+def write_timeline(
+    run_dir: RunDir, steps: Sequence[int], timelines: pa.Table | None = None, path: Path | None = None
+) -> Path:
     """The PNG beside report.png: the stages' p50/p99 on top, each server's requests over time below."""
     import matplotlib
 
@@ -162,15 +174,23 @@ def write_timeline(run_dir: RunDir, steps: Sequence[int], timelines: pa.Table | 
     lanes = server_lanes(timelines)
     path = path or run_dir.path / TIMELINE_FILE
     span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 4 + 1.6 * max(len(lanes), 1)),
-                                      gridspec_kw={"height_ratios": [1.4, 1.6 * max(len(lanes), 1)]})
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(11, 4 + 1.6 * max(len(lanes), 1)), gridspec_kw={"height_ratios": [1.4, 1.6 * max(len(lanes), 1)]}
+    )
     _draw_latency(top, breakdown)
     top.set_title(f"where a rollout's time goes ({span}, {timelines.num_rows} rollouts)")
     origin = _draw_lanes(bottom, lanes, timelines)
-    bottom.set_title("requests per inference server over time (a row per rollout in flight; dotted: a step "
-                     "committed)", pad=14)
-    bottom.legend(handles=[Patch(color=c, label=s) for s, c in STATUS_COLORS.items()], loc="upper left",
-                  bbox_to_anchor=(1.005, 1), fontsize=8, title="status", title_fontsize=8)
+    bottom.set_title(
+        "requests per inference server over time (a row per rollout in flight; dotted: a step committed)", pad=14
+    )
+    bottom.legend(
+        handles=[Patch(color=c, label=s) for s, c in STATUS_COLORS.items()],
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1),
+        fontsize=8,
+        title="status",
+        title_fontsize=8,
+    )
     top.set_xlabel("seconds (log scale)")
     if origin is not None:
         bottom.set_xlabel(f"seconds since the first request of {span}", labelpad=2)
@@ -214,17 +234,28 @@ def _draw_lanes(ax: Axes, lanes: dict[str, list[Request]], timelines: pa.Table) 
     for lane, (server, requests) in enumerate(lanes.items()):
         depth = max(r.level for r in requests) + 1
         height = 0.9 / depth
-        ax.barh([lane + 0.05 + r.level * height for r in requests], [max(r.end - r.start, 1e-3) for r in requests],
-                left=[r.start - origin for r in requests], height=height, align="edge",
-                color=[STATUS_COLORS.get(r.status, "black") for r in requests], edgecolor="white",
-                linewidth=0.3 if depth <= 64 else 0)  # a thin gap tells requests apart while rows are thick enough
+        ax.barh(
+            [lane + 0.05 + r.level * height for r in requests],
+            [max(r.end - r.start, 1e-3) for r in requests],
+            left=[r.start - origin for r in requests],
+            height=height,
+            align="edge",
+            color=[STATUS_COLORS.get(r.status, "black") for r in requests],
+            edgecolor="white",
+            linewidth=0.3 if depth <= 64 else 0,
+        )  # a thin gap tells requests apart while rows are thick enough
         names.append(f"{server.rsplit('//', 1)[-1]}\nup to {depth} in flight")
     ax.set_yticks(np.arange(len(names)) + 0.5, names, fontsize=8)
     ax.set_ylim(0, len(names))
     ax.invert_yaxis()
     # Where each step was committed: the steps' boundaries.
-    commits = sorted({(step, t) for step, t in zip(timelines.column("step").to_pylist(),
-                                                  timelines.column("t_committed").to_pylist()) if t is not None})
+    commits = sorted(
+        {
+            (step, t)
+            for step, t in zip(timelines.column("step").to_pylist(), timelines.column("t_committed").to_pylist())
+            if t is not None
+        }
+    )
     for step, at in commits:
         ax.axvline(at - origin, color="black", linestyle=":", linewidth=0.6)
         ax.text(at - origin, 0, f"{step}", fontsize=6, ha="center", va="bottom")

@@ -44,7 +44,7 @@ def records(path: Path) -> Iterator[bytes]:
                 if kind == 0 and length == 0:
                     break  # zero padding to the block's end
                 start = pos + _RECORD_HEADER.size
-                data = block[start:start + length]
+                data = block[start : start + length]
                 if len(data) < length or zlib.crc32(bytes((kind,)) + data) != crc:
                     return  # torn by a crash (or damaged): what follows cannot be trusted
                 pos = start + length

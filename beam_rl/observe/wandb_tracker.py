@@ -45,12 +45,23 @@ class WandbTracker:
             self.logged = last_steps(run_logs(root, run_id), _MARKERS)  # before this segment starts its own
         _wait_for_a_new_segment_name(root, run_id)
         self.run = wandb.init(
-            project=settings.project, entity=settings.entity or None, name=settings.run_name or run_name,
-            id=run_id, resume="allow", dir=root.parent, config=config,
+            project=settings.project,
+            entity=settings.entity or None,
+            name=settings.run_name or run_name,
+            id=run_id,
+            resume="allow",
+            dir=root.parent,
+            config=config,
             settings=wandb.Settings(
-                mode=settings.mode, console="off",  # the live progress table owns the terminal
-                silent=True, disable_git=True, save_code=False, disable_job_creation=True,
-                x_disable_stats=True))  # no system-metrics sampler process
+                mode=settings.mode,
+                console="off",  # the live progress table owns the terminal
+                silent=True,
+                disable_git=True,
+                save_code=False,
+                disable_job_creation=True,
+                x_disable_stats=True,
+            ),
+        )  # no system-metrics sampler process
         if settings.mode == "online":
             summary = self.run.summary
             self.logged = {stream: int(summary.get(f"{stream}/step") or 0) for stream in STREAMS}
@@ -65,7 +76,9 @@ class WandbTracker:
         if samples:
             columns = list(dict.fromkeys(column for sample in samples for column in sample))
             row[f"{stream}/samples"] = self._table(
-                columns=list[str | int](columns), data=[[sample.get(column) for column in columns] for sample in samples])
+                columns=list[str | int](columns),
+                data=[[sample.get(column) for column in columns] for sample in samples],
+            )
         self.run.log(row)
         self.logged[stream] = step
 
@@ -110,6 +123,10 @@ def _quiet(root: Path, offline: bool) -> None:
     if not offline:
         return  # online W&B needs the user's own config (API key, entity): leave it alone
     os.environ["WANDB_ERROR_REPORTING"] = "false"
-    for variable, folder in (("WANDB_CACHE_DIR", ".cache"), ("WANDB_CONFIG_DIR", ".config"),
-                             ("WANDB_DATA_DIR", ".data"), ("WANDB_ARTIFACT_DIR", ".artifacts")):
+    for variable, folder in (
+        ("WANDB_CACHE_DIR", ".cache"),
+        ("WANDB_CONFIG_DIR", ".config"),
+        ("WANDB_DATA_DIR", ".data"),
+        ("WANDB_ARTIFACT_DIR", ".artifacts"),
+    ):
         os.environ[variable] = str(root / folder)

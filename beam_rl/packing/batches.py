@@ -99,8 +99,14 @@ class BatchBuilder:
                 record = window.get(held.rollout_id)
                 if record is not None and record.tokens is not None and record.tokens.input_ids is None:
                     record.tokens = held.tokens
-        self._pending = [dataclasses.replace(g, rollouts=[window.get(r.rollout_id, r) for r in g.rollouts],
-                                             clean=[window.get(r.rollout_id, r) for r in g.clean]) for g in groups]
+        self._pending = [
+            dataclasses.replace(
+                g,
+                rollouts=[window.get(r.rollout_id, r) for r in g.rollouts],
+                clean=[window.get(r.rollout_id, r) for r in g.clean],
+            )
+            for g in groups
+        ]
 
     # Pickled whole, it is stored as split_pending's two halves are, and restored the same way.
     def __getstate__(self) -> dict[str, Any]:
@@ -168,7 +174,8 @@ class BatchBuilder:
         # Goodput: the window's rollouts that can no longer train are counted now, before the post-batch
         # filters flag some of the cohort's (counted with the cohort).
         window_fates = goodput.discarded_fates(self._window) + goodput.unclean_fates(
-            self._window, frozenset(f.name for f in self.post_filters))
+            self._window, frozenset(f.name for f in self.post_filters)
+        )
         self._window_counts = self._window_counts + apply_filters(self.post_filters, rollouts, step=step)
         self._cut_fates += goodput.cut_fates(rollouts)
         kept = {r.rollout_id for r in rollouts if r.filtered is None}
@@ -194,8 +201,7 @@ class BatchBuilder:
             r.t_packed = packed_at
         self._window, self._window_groups, self._window_counts = [], [], FilterCounts()
         self._cut_fates = Counter()
-        return TrainBatch(step=step, micro_batches=micro_batches, group_ids=group_ids, window=window,
-                          rollouts=observed)
+        return TrainBatch(step=step, micro_batches=micro_batches, group_ids=group_ids, window=window, rollouts=observed)
 
     def _window_stats(
         self, step: int, kept: set[str], samples: list[Sample], micro_batches: list[list[MicroBatch]]

@@ -32,8 +32,9 @@ def discarded_fates(rollouts: Iterable[Rollout | RolloutRecord]) -> Counter[str]
     return fates
 
 
-def unclean_fates(rollouts: Iterable[Rollout | RolloutRecord], post_filters: frozenset[str] = frozenset()
-                  ) -> Counter[str]:
+def unclean_fates(
+    rollouts: Iterable[Rollout | RolloutRecord], post_filters: frozenset[str] = frozenset()
+) -> Counter[str]:
     """The tokens in the turns of rollouts that will not be trained on whatever comes next: not ok, or
     flagged by a filter before batching. Clean rollouts are counted when their batch is cut (`cut_fates`),
     so those a post-batch filter (named in `post_filters`) flagged then are left out here."""
@@ -77,5 +78,8 @@ def describe(tokens_by_fate: dict[str, int]) -> str:
         return "tokens by fate: none counted"
     fates = sorted(tokens_by_fate.items(), key=lambda item: (item[0] != TRAINED, item[0]))
     share = goodput(tokens_by_fate)
-    return (f"tokens by fate: {', '.join(f'{fate} {n}' for fate, n in fates)}; goodput "
-            + ("-" if share is None else f"{share:.3f}") + f" of {sum(tokens_by_fate.values())} generated")
+    return (
+        f"tokens by fate: {', '.join(f'{fate} {n}' for fate, n in fates)}; goodput "
+        + ("-" if share is None else f"{share:.3f}")
+        + f" of {sum(tokens_by_fate.values())} generated"
+    )

@@ -63,8 +63,14 @@ class Packer:
         self._stored = state.builder.pending  # the pending groups as the runner holds them
 
     @classmethod
-    def load(cls, value: PackerState | None, pending: Iterable[ScoredGroup], *,
-             new_builder: Callable[[], BatchBuilder], steps: StepStore) -> Packer:
+    def load(
+        cls,
+        value: PackerState | None,
+        pending: Iterable[ScoredGroup],
+        *,
+        new_builder: Callable[[], BatchBuilder],
+        steps: StepStore,
+    ) -> Packer:
         """The packer a runner stored (`value` and its `pending` groups, in packing order), or a new one
         when it stored none; behind the run directory `steps`, it skips what was committed since."""
         if value is None:
@@ -80,11 +86,15 @@ class Packer:
     def _skip_committed(self, steps: StepStore) -> None:
         builder = self.state.builder
         self.dropped = builder.drop_committed(steps.consumed_offsets(), steps.next_step())
-        _LOG.warning("packer behind the run directory: now at step %d, dropped %d groups a committed "
-                     "step holds", builder.next_step, self.dropped)
+        _LOG.warning(
+            "packer behind the run directory: now at step %d, dropped %d groups a committed step holds",
+            builder.next_step,
+            self.dropped,
+        )
 
-    def add(self, items: Sequence[ScoredGroup | EndOfInput], *, shards: int,
-            max_steps: int) -> list[TrainBatch | InputExhausted]:
+    def add(
+        self, items: Sequence[ScoredGroup | EndOfInput], *, shards: int, max_steps: int
+    ) -> list[TrainBatch | InputExhausted]:
         """Take the groups and ends of input of one element: the batches they completed (up to step
         `max_steps`), then, once every one of the `shards` ended and every group it announced came,
         the final partial batch and the `InputExhausted` marker."""
@@ -109,5 +119,8 @@ class Packer:
         rest, pending = self.state.builder.split_pending()
         stored, self._stored = self._stored, pending
         prefix = len(stored) <= len(pending) and all(a is b for a, b in zip(stored, pending))
-        return PackerWrites(dataclasses.replace(self.state, builder=rest),
-                            pending[len(stored):] if prefix else pending, clear_first=not prefix)
+        return PackerWrites(
+            dataclasses.replace(self.state, builder=rest),
+            pending[len(stored) :] if prefix else pending,
+            clear_first=not prefix,
+        )

@@ -56,8 +56,9 @@ class RunDir(StepStore, WeightStore, MetricsStore):
         except ValueError as err:  # not UTF-8 or not JSON: damaged, or not a beam-rl run directory's
             raise RunDirError(f"{self.config_path}: not a beam-rl run config ({err})") from None
         if not isinstance(config, dict):
-            raise RunDirError(f"{self.config_path}: not a beam-rl run config (a JSON {type(config).__name__}, "
-                              "not an object)")
+            raise RunDirError(
+                f"{self.config_path}: not a beam-rl run config (a JSON {type(config).__name__}, not an object)"
+            )
         return config
 
     def dataset(self, kind: str = "window", *, verify: bool = True) -> ds.FileSystemDataset:

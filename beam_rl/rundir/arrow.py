@@ -84,10 +84,12 @@ def table_to_micro_batches(table: pa.Table, source: str = "<table>") -> list[Mic
     by_index: dict[int, list[Sample]] = {}
     for row in np.argsort(mb_index, kind="stable"):
         start, end = offsets[row], offsets[row + 1]
-        by_index.setdefault(int(mb_index[row]), []).append(Sample(
-            **{name: values[start:end] for name, values in flat.items()},
-            **{name: values[row] for name, values in per_sample.items()},
-        ))
+        by_index.setdefault(int(mb_index[row]), []).append(
+            Sample(
+                **{name: values[start:end] for name, values in flat.items()},
+                **{name: values[row] for name, values in per_sample.items()},
+            )
+        )
     return [MicroBatch(by_index[i]) for i in sorted(by_index)]
 
 
@@ -95,8 +97,10 @@ def _check_sample(sample: Sample) -> None:
     n = len(sample)
     for f in SAMPLE_TOKEN_FIELDS:
         if np.shape(getattr(sample, f.name)) != (n,):
-            raise ValueError(f"sample {sample.rollout_id}: {f.name} has shape {np.shape(getattr(sample, f.name))}, "
-                             f"input_ids has ({n},)")
+            raise ValueError(
+                f"sample {sample.rollout_id}: {f.name} has shape {np.shape(getattr(sample, f.name))}, "
+                f"input_ids has ({n},)"
+            )
 
 
 # -- window.arrow: rollouts and their records ---------------------------------------------------------
@@ -113,12 +117,15 @@ def rollouts_to_table(rollouts: Sequence[Rollout | RolloutRecord]) -> pa.Table:
     records = [r.record() for r in rollouts]
     for r in records:
         if r.tokens is not None and r.tokens.input_ids is None:
-            raise ValueError(f"rollout {r.rollout_id}: its record was stored without its token arrays and never "
-                             "given them back (BatchBuilder.restore_pending)")
+            raise ValueError(
+                f"rollout {r.rollout_id}: its record was stored without its token arrays and never "
+                "given them back (BatchBuilder.restore_pending)"
+            )
     tokens = _token_columns([r.tokens for r in records])
-    columns = [tokens[f.name] if f.source == "tokens" else pa.array([getattr(r, f.attr) for r in records],
-                                                                    f.arrow_type)
-               for f in ROLLOUT_FIELDS]
+    columns = [
+        tokens[f.name] if f.source == "tokens" else pa.array([getattr(r, f.attr) for r in records], f.arrow_type)
+        for f in ROLLOUT_FIELDS
+    ]
     return pa.Table.from_arrays(columns, schema=ROLLOUT_RECORD_SCHEMA)
 
 
@@ -129,12 +136,17 @@ def table_to_records(table: pa.Table, source: str = "<table>") -> list[RolloutRe
     values = {f.attr: table.column(f.name).to_pylist() for f in stored}
     values["status"] = [RolloutStatus(v) for v in values["status"]]  # the one enum among them
     records = []
-    for i, (prompt, turns) in enumerate(zip(table.column("prompt_ids").to_pylist(),
-                                            table.column("turns").to_pylist())):
+    for i, (prompt, turns) in enumerate(zip(table.column("prompt_ids").to_pylist(), table.column("turns").to_pylist())):
         row = {name: column[i] for name, column in values.items()}
         # A turn's fields are named as Turn's, so the layout is rebuilt by the code that first made it.
-        trajectory = Rollout(row["group_id"], row["env_name"], row["attempt"], 0, prompt_ids=prompt or [],
-                             turns=[Turn(**turn) for turn in turns or []])
+        trajectory = Rollout(
+            row["group_id"],
+            row["env_name"],
+            row["attempt"],
+            0,
+            prompt_ids=prompt or [],
+            turns=[Turn(**turn) for turn in turns or []],
+        )
         tokens = None if prompt is None else RolloutTokens.from_rollout(trajectory)
         records.append(RolloutRecord(**row, tokens=tokens))
     return records
@@ -149,8 +161,11 @@ def _token_columns(traces: Sequence[RolloutTokens | None]) -> dict[str, pa.Array
     token_kind = np.repeat(kinds, segments)
     arrays = {name: _concat([getattr(t, name) for t in known]) for name in SHARED_TOKEN_ARRAYS}
 
-    prompt = pa.ListArray.from_arrays(_row_offsets(has, segments[kinds == _PROMPT]),
-                                      pa.array(arrays["input_ids"][token_kind == _PROMPT], pa.int32()), mask=missing)
+    prompt = pa.ListArray.from_arrays(
+        _row_offsets(has, segments[kinds == _PROMPT]),
+        pa.array(arrays["input_ids"][token_kind == _PROMPT], pa.int32()),
+        mask=missing,
+    )
     children = []
     for f in TURN_FIELDS:
         if f.segment is None:  # one value per turn
@@ -161,7 +176,10 @@ def _token_columns(traces: Sequence[RolloutTokens | None]) -> dict[str, pa.Array
             children.append(pa.ListArray.from_arrays(_offsets(segments[kinds == code]), values))
     turns = pa.ListArray.from_arrays(
         _row_offsets(has, np.array([t.num_turns for t in known], dtype=np.int64)),
-        pa.StructArray.from_arrays(children, fields=list(TURNS_TYPE.value_type)), type=TURNS_TYPE, mask=missing)
+        pa.StructArray.from_arrays(children, fields=list(TURNS_TYPE.value_type)),
+        type=TURNS_TYPE,
+        mask=missing,
+    )
     return {"prompt_ids": prompt, "turns": turns}
 
 

@@ -47,8 +47,9 @@ def is_adapter(path: str | os.PathLike) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def validate_checkpoint(path: str | os.PathLike, reference_model_dir: str | os.PathLike,
-                        lora: bool = False) -> dict[str, tuple[int, ...]]:
+def validate_checkpoint(
+    path: str | os.PathLike, reference_model_dir: str | os.PathLike, lora: bool = False
+) -> dict[str, tuple[int, ...]]:
     """Check the checkpoint at `path` fits the reference model: whole weights name exactly its tensors, with
     the same shapes; with `lora`, an adapter whose every A/B pair fits a Linear of the model.
 
@@ -58,8 +59,10 @@ def validate_checkpoint(path: str | os.PathLike, reference_model_dir: str | os.P
     """
     path, reference_model_dir = Path(path), Path(reference_model_dir)
     if lora != is_adapter(path):
-        raise CheckpointError(f"{path}: {'whole weights' if lora else 'a LoRA adapter'}, but the run "
-                              f"{'trains a LoRA adapter (trainer.lora)' if lora else 'trains whole weights'}")
+        raise CheckpointError(
+            f"{path}: {'whole weights' if lora else 'a LoRA adapter'}, but the run "
+            f"{'trains a LoRA adapter (trainer.lora)' if lora else 'trains whole weights'}"
+        )
     actual = tensor_shapes(path)
     expected = tensor_shapes(reference_model_dir)
     if lora:
@@ -75,17 +78,22 @@ def validate_checkpoint(path: str | os.PathLike, reference_model_dir: str | os.P
         if actual[name] != expected[name]
     ]
     if problems:
-        raise CheckpointError(f"checkpoint {path} does not match reference model {reference_model_dir}: "
-                              f"{_listed(problems)}")
+        raise CheckpointError(
+            f"checkpoint {path} does not match reference model {reference_model_dir}: {_listed(problems)}"
+        )
     return actual
 
 
-def _validate_adapter(path: Path, actual: dict[str, tuple[int, ...]], base: dict[str, tuple[int, ...]],
-                      reference_model_dir: Path) -> dict[str, tuple[int, ...]]:
+def _validate_adapter(
+    path: Path, actual: dict[str, tuple[int, ...]], base: dict[str, tuple[int, ...]], reference_model_dir: Path
+) -> dict[str, tuple[int, ...]]:
     """lora_A is (rank, in) and lora_B (out, rank) of a base weight (out, in) named by the same module path."""
     problems = []
-    modules = {name[len(_PEFT_PREFIX):-len(_LORA_A)] for name in actual
-               if name.startswith(_PEFT_PREFIX) and name.endswith(_LORA_A)}
+    modules = {
+        name[len(_PEFT_PREFIX) : -len(_LORA_A)]
+        for name in actual
+        if name.startswith(_PEFT_PREFIX) and name.endswith(_LORA_A)
+    }
     if not modules:
         problems.append("no lora_A tensors")
     for module in sorted(modules):
@@ -112,8 +120,11 @@ def _listed(problems: list[str], shown: int = 6) -> str:
 
 def matrix_module_names(model_dir: str | os.PathLike) -> set[str]:
     """The last path part of every 2-D weight of a model ("q_proj"): what LoRA's target_modules may name."""
-    return {name[:-len(".weight")].rsplit(".", 1)[-1] for name, shape in tensor_shapes(model_dir).items()
-            if name.endswith(".weight") and len(shape) == 2}
+    return {
+        name[: -len(".weight")].rsplit(".", 1)[-1]
+        for name, shape in tensor_shapes(model_dir).items()
+        if name.endswith(".weight") and len(shape) == 2
+    }
 
 
 def _tied_embeddings(model_dir: Path) -> bool:

@@ -50,8 +50,9 @@ def committed_dataset(store: StepStore, kind: str = "window", *, verify: bool = 
     located = [_STEP] if kind == "window" else [_STEP, _RANK]
     schema = pa.schema([*located, *KINDS[kind]], metadata=KINDS[kind].metadata)
     # Memory-mapped: a scan's columns are views of the files' pages, as StepReader's arrays are.
-    return ds.FileSystemDataset.from_paths(paths, schema=schema, format=ds.IpcFileFormat(),
-                                           filesystem=fs.LocalFileSystem(use_mmap=True), partitions=where)
+    return ds.FileSystemDataset.from_paths(
+        paths, schema=schema, format=ds.IpcFileFormat(), filesystem=fs.LocalFileSystem(use_mmap=True), partitions=where
+    )
 
 
 def _files(kind: str, record: CommitRecord) -> list[tuple[int | None, str]]:

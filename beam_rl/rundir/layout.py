@@ -31,16 +31,16 @@ def step_dirs(parent: Path) -> Iterator[tuple[int, Path]]:
 class RunLayout:
     """The paths of one run directory. Steps count from 1: step s trains policy s-1 into policy s.
 
-        config.json                       the run config (RunConfig.model_dump(mode="json"))
-        status-<K>.json                   dispatch shard K's live state, replaced as it changes
-        INPUT_EXHAUSTED.json              every group of the input is in a committed step: the run is over
-        metrics.jsonl                     one JSON object per line
-        servers                           the fleet, one base URL per line (inference.discovery = "file")
-        fleet.json                        the servers each dispatch shard drives now (beam_rl/fleet/assignment.py)
-        rollouts/step_<N>/rank_<R>.arrow  packed micro-batches of rank R (Arrow IPC file, TRAIN_BATCH_SCHEMA)
-        rollouts/step_<N>/window.arrow    every rollout seen since the previous step (ROLLOUT_RECORD_SCHEMA)
-        rollouts/step_<N>/COMMIT.json     written last (schemas/commit_record.py): the step exists once it does
-        weights/step_<N>/ + STABLE        published by the trainer; STABLE written last
+    config.json                       the run config (RunConfig.model_dump(mode="json"))
+    status-<K>.json                   dispatch shard K's live state, replaced as it changes
+    INPUT_EXHAUSTED.json              every group of the input is in a committed step: the run is over
+    metrics.jsonl                     one JSON object per line
+    servers                           the fleet, one base URL per line (inference.discovery = "file")
+    fleet.json                        the servers each dispatch shard drives now (beam_rl/fleet/assignment.py)
+    rollouts/step_<N>/rank_<R>.arrow  packed micro-batches of rank R (Arrow IPC file, TRAIN_BATCH_SCHEMA)
+    rollouts/step_<N>/window.arrow    every rollout seen since the previous step (ROLLOUT_RECORD_SCHEMA)
+    rollouts/step_<N>/COMMIT.json     written last (schemas/commit_record.py): the step exists once it does
+    weights/step_<N>/ + STABLE        published by the trainer; STABLE written last
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:

@@ -39,8 +39,10 @@ class RunLease:
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunDirBusyError(f"{self.path.parent} is followed by another beam-rl process ({holder}); "
-                                  "stop it first, or wait for it to end") from None
+            raise RunDirBusyError(
+                f"{self.path.parent} is followed by another beam-rl process ({holder}); "
+                "stop it first, or wait for it to end"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"holder": worker_id(), "since": time.time()}).encode(), 0)
         self._fd = fd

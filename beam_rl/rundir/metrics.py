@@ -63,9 +63,26 @@ class MetricsStore(RunLayout):
         return merge_status(shards)
 
 
-_SUMMED_STATUS = ("inflight", "max_inflight", "started", "ok", "errored", "cancelled", "groups_admitted",
-                  "healthy_servers", "groups_out", "groups_in_transit", "groups_emitted", "cancelled_stale_groups",
-                  "redispatched", "regenerated", "cancelled_stale", "redone_on_restart", "resumed", "resumed_tokens")
+_SUMMED_STATUS = (
+    "inflight",
+    "max_inflight",
+    "started",
+    "ok",
+    "errored",
+    "cancelled",
+    "groups_admitted",
+    "healthy_servers",
+    "groups_out",
+    "groups_in_transit",
+    "groups_emitted",
+    "cancelled_stale_groups",
+    "redispatched",
+    "regenerated",
+    "cancelled_stale",
+    "redone_on_restart",
+    "resumed",
+    "resumed_tokens",
+)
 
 
 def merge_status(shards: list[dict[str, Any]]) -> dict[str, Any]:

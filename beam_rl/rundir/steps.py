@@ -96,7 +96,8 @@ class StepStore(RunLayout):
                 samples += table.num_rows
                 tokens += sum(mb.num_tokens for mb in rank_micro_batches)
                 trained_tokens += sum(
-                    int(np.count_nonzero(s.loss_mask)) for mb in rank_micro_batches for s in mb.samples)
+                    int(np.count_nonzero(s.loss_mask)) for mb in rank_micro_batches for s in mb.samples
+                )
 
             # The window's rows learn when their step was committed: now, with the rank files written.
             window_table = _window_table(batch.rollouts if window is None else window, committed_at=time.time())
@@ -111,8 +112,13 @@ class StepStore(RunLayout):
                 group_ids=[str(g) for g in batch.group_ids],
                 offsets=consumed,
                 counts=StepCounts(
-                    ranks=len(batch.micro_batches), micro_batches=micro_batches, samples=samples, tokens=tokens,
-                    trained_tokens=trained_tokens, groups=len(batch.group_ids), window_rollouts=window_table.num_rows,
+                    ranks=len(batch.micro_batches),
+                    micro_batches=micro_batches,
+                    samples=samples,
+                    tokens=tokens,
+                    trained_tokens=trained_tokens,
+                    groups=len(batch.group_ids),
+                    window_rollouts=window_table.num_rows,
                 ),
                 timings={**timings, "write_s": round(time.monotonic() - t0, 6)},
                 files=files,
@@ -176,7 +182,8 @@ class StepStore(RunLayout):
         what a resumed source must skip."""
         return {
             offset
-            for step in self.committed_steps() if before_step is None or step < before_step
+            for step in self.committed_steps()
+            if before_step is None or step < before_step
             for offset in self.read_commit(step).offsets
         }
 

@@ -174,11 +174,16 @@ def algorithm_problems(name: str, params: dict[str, Any]) -> list[tuple[str, str
     problems = []
     for param, value in params.items():
         if param not in defaults:
-            problems.append((f"algorithm_args.{param}", f"{name!r} takes no parameter {param!r}; it takes "
-                                                        f"{sorted(defaults)}"))
+            problems.append(
+                (f"algorithm_args.{param}", f"{name!r} takes no parameter {param!r}; it takes {sorted(defaults)}")
+            )
         elif not _same_kind(value, defaults[param]):
-            problems.append((f"algorithm_args.{param}", f"expected {_kind(defaults[param])} (the default is "
-                                                        f"{defaults[param]!r}), got {value!r}"))
+            problems.append(
+                (
+                    f"algorithm_args.{param}",
+                    f"expected {_kind(defaults[param])} (the default is {defaults[param]!r}), got {value!r}",
+                )
+            )
     if problems:
         return problems
     try:

@@ -48,9 +48,12 @@ class ScoredGroup:
     # records without the token arrays their samples hold.
     def __getstate__(self) -> dict[str, Any]:
         stripped = without_token_arrays([*self.rollouts, *self.clean], {s.rollout_id for s in self.samples})
-        return {**self.__dict__, "samples": samples_to_columns(self.samples),
-                "rollouts": [stripped.get(id(r), r) for r in self.rollouts],
-                "clean": [stripped.get(id(r), r) for r in self.clean]}
+        return {
+            **self.__dict__,
+            "samples": samples_to_columns(self.samples),
+            "rollouts": [stripped.get(id(r), r) for r in self.rollouts],
+            "clean": [stripped.get(id(r), r) for r in self.clean],
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, samples=samples_from_columns(state["samples"]))
@@ -87,8 +90,9 @@ def score_group(
     clean = [r for r in survivors if r.filtered is None]
     samples = [s for r in clean for s in trace_to_samples(r)]
     records = {id(r): r.record() for r in rollouts}
-    return ScoredGroup(group_ids.pop(), algorithm, [records[id(r)] for r in rollouts],
-                       [records[id(r)] for r in clean], samples, counts)
+    return ScoredGroup(
+        group_ids.pop(), algorithm, [records[id(r)] for r in rollouts], [records[id(r)] for r in clean], samples, counts
+    )
 
 
 @dataclass(frozen=True)
@@ -105,5 +109,6 @@ class GroupScoring:
     def score(self, rollouts: Sequence[Rollout]) -> ScoredGroup:
         """`score_group` with the group's environment's rules (all of a group's rollouts share one)."""
         env = rollouts[0].env_name
-        return score_group(rollouts, self.algorithms[env], self.pre_filters, self.temperature,
-                           min_scored=self.min_scored[env])
+        return score_group(
+            rollouts, self.algorithms[env], self.pre_filters, self.temperature, min_scored=self.min_scored[env]
+        )

@@ -49,8 +49,10 @@ class Judge:
         if config.api_key_env is not None:
             key = os.environ.get(config.api_key_env)
             if not key:
-                raise JudgeError(f"env {env_name!r}: reward.judge.api_key_env names {config.api_key_env}, "
-                                 "which is not set (or empty) in this process's environment")
+                raise JudgeError(
+                    f"env {env_name!r}: reward.judge.api_key_env names {config.api_key_env}, "
+                    "which is not set (or empty) in this process's environment"
+                )
             self._headers["Authorization"] = f"Bearer {key}"
         self._pattern = re.compile(config.verdict.pattern)
         labels = config.verdict.labels
@@ -64,8 +66,10 @@ class Judge:
         try:
             content = self.config.prompt.format_map({**row, "completion": completion})
         except KeyError as err:
-            raise JudgeError(f"env {self.env_name!r}: reward.judge.prompt names {{{err.args[0]}}}, which the row "
-                             f"lacks (its fields: {sorted(row)})") from None
+            raise JudgeError(
+                f"env {self.env_name!r}: reward.judge.prompt names {{{err.args[0]}}}, which the row "
+                f"lacks (its fields: {sorted(row)})"
+            ) from None
         system = [{"role": "system", "content": self.config.system}] if self.config.system else []
         return [*system, {"role": "user", "content": content}]
 
@@ -73,14 +77,16 @@ class Judge:
         """The reward the judge's answer gives; RewardUnavailable (quoting the answer) when it gives none."""
         matches = list(self._pattern.finditer(answer))
         if not matches:
-            raise RewardUnavailable(f"judge answer has no verdict matching {self._pattern.pattern!r}: "
-                                    f"{excerpt(answer)}")
+            raise RewardUnavailable(
+                f"judge answer has no verdict matching {self._pattern.pattern!r}: {excerpt(answer)}"
+            )
         found = matches[-1].group(1) or ""  # the last one: a judge reasons first, then concludes
         if self._labels is not None:
             score = self._labels.get(found.strip().lower())
             if score is None:
-                raise RewardUnavailable(f"judge verdict {excerpt(found)} is none of the labels {sorted(self._labels)}: "
-                                        f"{excerpt(answer)}")
+                raise RewardUnavailable(
+                    f"judge verdict {excerpt(found)} is none of the labels {sorted(self._labels)}: {excerpt(answer)}"
+                )
             return score
         try:
             score = float(found)
@@ -93,8 +99,10 @@ class Judge:
     async def grade(self, row: dict[str, Any], completion: str) -> float:
         """The judge's reward for `completion`; retries connection errors, 408, 429 and 5xx."""
         payload = {
-            "model": self.config.model, "messages": self.messages(row, completion),
-            "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
+            "model": self.config.model,
+            "messages": self.messages(row, completion),
+            "max_tokens": self.config.max_tokens,
+            "temperature": self.config.temperature,
         }
         attempts = self.config.max_retries + 1
         for attempt in range(attempts):
@@ -111,8 +119,10 @@ class Judge:
                 return self.verdict(answer_text(body))
             failure = f"HTTP {status}: {excerpt(_error_text(body))}"
             if status in _FATAL_STATUSES:
-                raise JudgeError(f"env {self.env_name!r}: judge {self.endpoint} refused the request ({failure}); "
-                                 "check reward.judge.url, model and api_key_env")
+                raise JudgeError(
+                    f"env {self.env_name!r}: judge {self.endpoint} refused the request ({failure}); "
+                    "check reward.judge.url, model and api_key_env"
+                )
             if status not in _RETRIED_STATUSES and status < 500:
                 raise RewardUnavailable(f"judge {self.endpoint} answered {failure}")
         raise RewardUnavailable(f"judge {self.endpoint} failed {attempts} time(s), last: {failure}")

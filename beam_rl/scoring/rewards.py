@@ -48,8 +48,13 @@ class EnvReward:
     """One environment's reward as the scoring stage calls it: the environment's own, or its judge's
     grade of the environment's final text."""
 
-    def __init__(self, env: Environment, settings: RewardSection | None = None, judge: Judge | None = None,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        env: Environment,
+        settings: RewardSection | None = None,
+        judge: Judge | None = None,
+        name: str | None = None,
+    ) -> None:
         self.env = env
         self.settings = settings or RewardSection()
         self.judge = judge
@@ -170,15 +175,19 @@ class Rewarder:
 def _failure(reward: EnvReward, rollout: Rollout, exc: Exception) -> Exception:
     if isinstance(exc, (PluginFailure, JudgeError, RewardFailed)):  # already name the env and what broke
         return exc
-    return RewardFailed(f"env {reward.name!r}: reward raised {type(exc).__name__}: {exc}; "
-                        f"rollout {rollout.rollout_id}, row {short_repr(rollout.row)}")
+    return RewardFailed(
+        f"env {reward.name!r}: reward raised {type(exc).__name__}: {exc}; "
+        f"rollout {rollout.rollout_id}, row {short_repr(rollout.row)}"
+    )
 
 
 def _checked(value: Any, reward: EnvReward, rollout: Rollout) -> float:
     number = finite_reward(value)
     if number is None:
-        raise RewardFailed(f"env {reward.name!r}: reward returned {short_repr(value)} ({type(value).__name__}), "
-                           f"not a finite number; rollout {rollout.rollout_id}, row {short_repr(rollout.row)}")
+        raise RewardFailed(
+            f"env {reward.name!r}: reward returned {short_repr(value)} ({type(value).__name__}), "
+            f"not a finite number; rollout {rollout.rollout_id}, row {short_repr(rollout.row)}"
+        )
     return number
 
 

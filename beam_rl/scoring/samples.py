@@ -56,8 +56,9 @@ def _check_finite(tokens: RolloutTokens, rollout: Rollout) -> None:
     if bad.size:
         starts = np.cumsum(tokens.segments)[1::2]  # where each turn's completion starts
         turn = int(np.searchsorted(starts, bad[0], side="right")) - 1
-        raise ValueError(f"rollout {rollout.rollout_id} turn {turn}: logprob {int(bad[0] - starts[turn])} "
-                         f"is {logprobs[bad[0]]}")
+        raise ValueError(
+            f"rollout {rollout.rollout_id} turn {turn}: logprob {int(bad[0] - starts[turn])} is {logprobs[bad[0]]}"
+        )
 
 
 def share_sample_tokens(records: Sequence[RolloutRecord], samples: Iterable[Sample]) -> None:
@@ -71,10 +72,13 @@ def share_sample_tokens(records: Sequence[RolloutRecord], samples: Iterable[Samp
         if sample is None:
             continue
         if len(sample) != record.tokens.num_tokens:
-            raise ValueError(f"rollout {record.rollout_id}: its sample has {len(sample)} tokens, "
-                             f"its record {record.tokens.num_tokens}")
-        record.tokens = dataclasses.replace(record.tokens, **{name: getattr(sample, name)
-                                                              for name in SHARED_TOKEN_ARRAYS})
+            raise ValueError(
+                f"rollout {record.rollout_id}: its sample has {len(sample)} tokens, "
+                f"its record {record.tokens.num_tokens}"
+            )
+        record.tokens = dataclasses.replace(
+            record.tokens, **{name: getattr(sample, name) for name in SHARED_TOKEN_ARRAYS}
+        )
 
 
 def without_token_arrays(records: Sequence[RolloutRecord], rollout_ids: set[str]) -> dict[int, RolloutRecord]:
@@ -107,6 +111,9 @@ def samples_from_columns(packed: tuple[Any, ...] | None) -> list[Sample]:
         return []
     lengths, scalars, columns = packed
     ends = np.cumsum(lengths).tolist()
-    return [Sample(**{name: column[start:end] for name, column in zip(_PER_TOKEN, columns)},
-                   **dict(zip(_PER_SAMPLE, values)))
-            for start, end, values in zip([0, *ends[:-1]], ends, scalars)]
+    return [
+        Sample(
+            **{name: column[start:end] for name, column in zip(_PER_TOKEN, columns)}, **dict(zip(_PER_SAMPLE, values))
+        )
+        for start, end, values in zip([0, *ends[:-1]], ends, scalars)
+    ]

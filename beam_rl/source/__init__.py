@@ -5,4 +5,13 @@ from beam_rl.source.shard import Shard
 from beam_rl.source.source import EndOfInput, RolloutSource, SourceSpec
 from beam_rl.source.status import AllServersDownError
 
-__all__ = ["AllServersDownError", "DispatchRange", "EndOfInput", "InFlight", "Redo", "RolloutSource", "Shard", "SourceSpec"]
+__all__ = [
+    "AllServersDownError",
+    "DispatchRange",
+    "EndOfInput",
+    "InFlight",
+    "Redo",
+    "RolloutSource",
+    "Shard",
+    "SourceSpec",
+]

@@ -93,8 +93,16 @@ def staleness_at_training(state: AdmissionState, limits: AdmissionLimits) -> int
     return state.last_committed + ahead // limits.rollouts_per_step - state.policy_version
 
 
-def limits_for(rollouts_per_step: int, group_size: int, permits: int, max_async_level: int,
-               with_trainer: bool, shards: int = 1, *, max_off_policy_steps: int) -> AdmissionLimits:
+def limits_for(
+    rollouts_per_step: int,
+    group_size: int,
+    permits: int,
+    max_async_level: int,
+    with_trainer: bool,
+    shards: int = 1,
+    *,
+    max_off_policy_steps: int,
+) -> AdmissionLimits:
     """The limits of one of `shards` shards holding `permits` permits, for groups of (at least)
     `group_size`. Run-wide bounds are split evenly, rounded up, so together the shards still reach them."""
     groups_per_step = -(-rollouts_per_step // group_size)

@@ -115,7 +115,9 @@ def describe(run_dir: RunDir, config: RunConfig, steps: list[int]) -> list[str]:
     lines = []
     for env, outcomes in curriculum.summary().items():
         reasons = collections.Counter(kept_back[env].values())
-        lines.append(f"curriculum of {env}: {sum(outcomes.values())} prompts trained, newest outcome "
-                     f"{outcomes['solved']} solved, {outcomes['unsolved']} unsolved, {outcomes['mixed']} mixed; "
-                     f"groups kept back: {reasons['solved']} solved, {reasons['unsolved']} unsolved")
+        lines.append(
+            f"curriculum of {env}: {sum(outcomes.values())} prompts trained, newest outcome "
+            f"{outcomes['solved']} solved, {outcomes['unsolved']} unsolved, {outcomes['mixed']} mixed; "
+            f"groups kept back: {reasons['solved']} solved, {reasons['unsolved']} unsolved"
+        )
     return lines

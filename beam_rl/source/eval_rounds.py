@@ -22,7 +22,9 @@ class EvalRounds:
     `samples_per_prompt` times, under group ids no training group can have. The scoring side collects a
     round by its `eval_round` (the step it follows) until every prompt of the split has come back."""
 
-    def __init__(self, settings: EvalSection, schedule: PromptSchedule | None, shard: Shard, last_committed: int) -> None:
+    def __init__(
+        self, settings: EvalSection, schedule: PromptSchedule | None, shard: Shard, last_committed: int
+    ) -> None:
         self._settings = settings
         self._schedule = schedule
         self._shard = shard
@@ -37,6 +39,12 @@ class EvalRounds:
         groups = []
         for position in range(self._shard.index, len(self._schedule), self._shard.count):
             request = self._schedule.group(position)
-            groups.append(dataclasses.replace(request, group_id=f"{EVAL_PREFIX}@{after_step}/{request.group_id}",
-                                              is_eval=True, eval_round=after_step))
+            groups.append(
+                dataclasses.replace(
+                    request,
+                    group_id=f"{EVAL_PREFIX}@{after_step}/{request.group_id}",
+                    is_eval=True,
+                    eval_round=after_step,
+                )
+            )
         return groups

@@ -82,8 +82,11 @@ class EnvMix:
             return None
         ratios = [e.ratio or 0.0 for e in config.envs]  # set on every environment (RunConfig checks)
         total = sum(ratios)
-        return cls([EnvTarget(e.name, ratio / total, e.group_size) for e, ratio in zip(config.envs, ratios)],
-                   config.dispatch.mix_by, shards)
+        return cls(
+            [EnvTarget(e.name, ratio / total, e.group_size) for e, ratio in zip(config.envs, ratios)],
+            config.dispatch.mix_by,
+            shards,
+        )
 
     # -- what committed steps say --------------------------------------------------------------
 
@@ -125,8 +128,9 @@ class EnvMix:
         if self.by == "samples":
             return float(size)
         units = sum(sum(f.trained.values()) for f in self._recent)
-        rollouts = sum(self.targets[e].group_size * n for f in self._recent for e, n in f.consumed.items()
-                       if e in self.targets)
+        rollouts = sum(
+            self.targets[e].group_size * n for f in self._recent for e, n in f.consumed.items() if e in self.targets
+        )
         return size * units / rollouts if units and rollouts else float(size)
 
     def shares(self) -> dict[str, float | None]:
@@ -140,9 +144,11 @@ class EnvMix:
         """Of `candidates` (environments with prompts left and room under their cap), the one furthest
         behind its target: committed units plus what the shards' pending groups (admitted, not in a
         committed step; this shard's times the shard count) will likely train, over its share."""
+
         def standing(env: str) -> tuple[float, int]:
             projected = self.trained[env] + self.shards * pending_groups.get(env, 0) * self.acceptance(env)
             return projected / self.targets[env].share, list(self.targets).index(env)
+
         return min(candidates, key=standing, default=None)
 
     def caps(self, permits: int) -> dict[str, int] | None:
@@ -160,16 +166,24 @@ class EnvMix:
         total = sum(load.values())
         if total <= 0:
             return None
-        return {env: max(self.targets[env].group_size, math.ceil(CAP_HEADROOM * permits * w / total))
-                for env, w in load.items()}
+        return {
+            env: max(self.targets[env].group_size, math.ceil(CAP_HEADROOM * permits * w / total))
+            for env, w in load.items()
+        }
 
     def summary(self, permits: int) -> dict[str, dict[str, float | int | None]]:
         """For status and `beam-rl inspect`: per environment its target, trained share, acceptance, cap."""
         shares, caps = self.shares(), self.caps(permits) or {}
-        return {env: {"target": round(t.share, 4), "trained": self.trained[env],
-                      "trained_share": None if (share := shares[env]) is None else round(share, 4),
-                      "acceptance": round(self.acceptance(env), 3), "cap": caps.get(env)}
-                for env, t in self.targets.items()}
+        return {
+            env: {
+                "target": round(t.share, 4),
+                "trained": self.trained[env],
+                "trained_share": None if (share := shares[env]) is None else round(share, 4),
+                "acceptance": round(self.acceptance(env), 3),
+                "cap": caps.get(env),
+            }
+            for env, t in self.targets.items()
+        }
 
 
 def trained_by_env(run_dir: RunDir, record: CommitRecord, by: MixBy) -> dict[str, int]:
@@ -187,8 +201,9 @@ def trained_by_env(run_dir: RunDir, record: CommitRecord, by: MixBy) -> dict[str
             continue
         masks = table.column("loss_mask").combine_chunks()
         rows = pc.list_parent_indices(masks).to_numpy()
-        generated = np.bincount(rows, weights=pc.list_flatten(masks).to_numpy(zero_copy_only=False),
-                                minlength=table.num_rows)
+        generated = np.bincount(
+            rows, weights=pc.list_flatten(masks).to_numpy(zero_copy_only=False), minlength=table.num_rows
+        )
         for env, n in zip(envs, generated, strict=True):
             totals[env] += int(n)
     return dict(totals)
@@ -204,6 +219,8 @@ def describe(run_dir: RunDir, config: RunConfig, steps: list[int]) -> list[str]:
     lines = []
     for env, figures in mix.summary(config.inference.max_inflight).items():
         share = "-" if figures["trained_share"] is None else f"{figures['trained_share']:.3f}"
-        lines.append(f"mix of {env}: target {figures['target']:.3f} of trained {mix.by}, trained {share} "
-                     f"({figures['trained']} {mix.by}), acceptance {figures['acceptance']} per group")
+        lines.append(
+            f"mix of {env}: target {figures['target']:.3f} of trained {mix.by}, trained {share} "
+            f"({figures['trained']} {mix.by}), acceptance {figures['acceptance']} per group"
+        )
     return lines

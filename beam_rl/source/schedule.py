@@ -46,14 +46,16 @@ class PromptSchedule:
             raise ValueError("a prompt schedule needs at least one environment")
         self._envs = {e.name: e for e in envs}
         if stream_per_env:
-            self._streams = [[(env.name, epoch, row) for epoch in range(env.epochs) for row in env.row_order(epoch)]
-                             for env in envs]
+            self._streams = [
+                [(env.name, epoch, row) for epoch in range(env.epochs) for row in env.row_order(epoch)] for env in envs
+            ]
             self.stream_envs: tuple[str | None, ...] = tuple(env.name for env in envs)
         else:
             self._streams = [_taking_turns(envs)]
             self.stream_envs = (None,)  # every environment
-        self._position = {offset: self.position_of(s, k)
-                          for s, stream in enumerate(self._streams) for k, offset in enumerate(stream)}
+        self._position = {
+            offset: self.position_of(s, k) for s, stream in enumerate(self._streams) for k, offset in enumerate(stream)
+        }
 
     def __len__(self) -> int:
         return len(self._position)

@@ -34,7 +34,7 @@ class Shard:
         return local * self.count + self.index
 
     def servers(self, servers: Sequence[T]) -> list[T]:
-        return list(servers[self.index::self.count])
+        return list(servers[self.index :: self.count])
 
     def permits(self, total: int) -> int:
         """An even share of `total` permits; the first shards take the remainder."""

@@ -158,15 +158,27 @@ class RolloutSource:
 
     def _note_restore(self, restored: DispatchRange) -> None:
         resume = restored.in_flight.resume
-        record = {"t": time.time(), "shard": self.shard.index, "offset": restored.start,
-                  "groups_emitted_before": self.emitted, "groups_run_again": len(self._admitted),
-                  "rollouts_redone": sum(len(attempts) for _, attempts in restored.in_flight.redo),
-                  "rollouts_resumed": sum(len(p.attempts) for p in resume),
-                  "tokens_resumed": sum(p.tokens for p in resume),
-                  "resume_bytes": sum(p.encoded_bytes for p in resume)}
-        _LOG.warning("shard %d restored at offset %d: %d groups left it before, %d run again, %d rollouts "
-                     "continue from %d tokens", self.shard.index, restored.start, self.emitted, len(self._admitted),
-                     record["rollouts_resumed"], record["tokens_resumed"])
+        record = {
+            "t": time.time(),
+            "shard": self.shard.index,
+            "offset": restored.start,
+            "groups_emitted_before": self.emitted,
+            "groups_run_again": len(self._admitted),
+            "rollouts_redone": sum(len(attempts) for _, attempts in restored.in_flight.redo),
+            "rollouts_resumed": sum(len(p.attempts) for p in resume),
+            "tokens_resumed": sum(p.tokens for p in resume),
+            "resume_bytes": sum(p.encoded_bytes for p in resume),
+        }
+        _LOG.warning(
+            "shard %d restored at offset %d: %d groups left it before, %d run again, %d rollouts "
+            "continue from %d tokens",
+            self.shard.index,
+            restored.start,
+            self.emitted,
+            len(self._admitted),
+            record["rollouts_resumed"],
+            record["tokens_resumed"],
+        )
         self._run_dir.append_metrics({"dispatch_restore": record})
 
     def _restored_draws(self, restored: DispatchRange) -> list[int]:
@@ -175,8 +187,10 @@ class RolloutSource:
             return [restored.start]
         draws = list(restored.draws) + [0] * (streams - len(restored.draws))
         if len(draws) != streams or sum(draws) != restored.start:
-            raise ValueError(f"restored dispatch range {restored} does not say how many prompts each of the "
-                             f"schedule's {streams} streams gave (the environments or their ratios changed?)")
+            raise ValueError(
+                f"restored dispatch range {restored} does not say how many prompts each of the "
+                f"schedule's {streams} streams gave (the environments or their ratios changed?)"
+            )
         return draws
 
     def policy_version(self) -> int:
@@ -184,8 +198,9 @@ class RolloutSource:
 
     def _update_servers(self, path: Path, version: int) -> list[UpdateTiming]:
         weights = self.spec.config.weights
-        return self._dispatcher.update_weights(path, version, weights.update_mode,
-                                               drain_quiet_s=weights.drain_quiet_s, timeout_s=weights.update_timeout_s)
+        return self._dispatcher.update_weights(
+            path, version, weights.update_mode, drain_quiet_s=weights.drain_quiet_s, timeout_s=weights.update_timeout_s
+        )
 
     # -- claim ------------------------------------------------------------------------------------
 
@@ -193,15 +208,27 @@ class RolloutSource:
         """Backpressure (admission.hold_reason) over what this shard and the run directory say now."""
         self._follow_the_run()
         now = time.monotonic()
-        stalled = self._stall.update(now, self._commits.last_step, len(self._admitted), self.emitted,
-                                     waiting_for_trainer=self._held.reason is Hold.TRAINER)
-        hold = hold_reason(AdmissionState(
-            stopping=self._stopping, last_committed=self._commits.last_step,
-            policy_version=self.policy_version(), groups_out=len(self._admitted),
-            groups_in_transit=len(self._in_transit), groups_waiting=self._dispatcher.pending_groups(),
-            rollouts_ahead=self._rollouts_ahead,
-            room_share=self._commits.room_share, stalled=stalled,
-        ), self._limits)
+        stalled = self._stall.update(
+            now,
+            self._commits.last_step,
+            len(self._admitted),
+            self.emitted,
+            waiting_for_trainer=self._held.reason is Hold.TRAINER,
+        )
+        hold = hold_reason(
+            AdmissionState(
+                stopping=self._stopping,
+                last_committed=self._commits.last_step,
+                policy_version=self.policy_version(),
+                groups_out=len(self._admitted),
+                groups_in_transit=len(self._in_transit),
+                groups_waiting=self._dispatcher.pending_groups(),
+                rollouts_ahead=self._rollouts_ahead,
+                room_share=self._commits.room_share,
+                stalled=stalled,
+            ),
+            self._limits,
+        )
         if hold is None and self._mix is not None:
             self._next_mixed = self._mixed_stream()
             if self._next_mixed is None:
@@ -229,8 +256,12 @@ class RolloutSource:
         self._draws[stream] = draw + 1
         self._admit(self.schedule.position_of(stream, self.shard.draw(draw)))
 
-    def _admit(self, position: int, attempts: tuple[int, ...] | None = None,
-               resume: Mapping[str, list[ResumePoint]] | None = None) -> None:
+    def _admit(
+        self,
+        position: int,
+        attempts: tuple[int, ...] | None = None,
+        resume: Mapping[str, list[ResumePoint]] | None = None,
+    ) -> None:
         """Dispatch the group at `position` (all its attempts, or those given, continuing those `resume`
         holds tokens of)."""
         if self.schedule.offset(position) in self._commits.consumed:
@@ -239,8 +270,9 @@ class RolloutSource:
             return
         group = self.schedule.group(position, attempts)
         if resume and group.group_id in resume:
-            group = dataclasses.replace(group, resume=tuple(
-                p for p in resume[group.group_id] if set(p.attempts) <= set(group.attempts_to_run)))
+            group = dataclasses.replace(
+                group, resume=tuple(p for p in resume[group.group_id] if set(p.attempts) <= set(group.attempts_to_run))
+            )
         self._admitted[group.group_id] = position
         self._rollouts_ahead += self.schedule.group_size(position)
         self._dispatcher.add_groups([group])
@@ -255,8 +287,9 @@ class RolloutSource:
         inflight: collections.Counter[str] = collections.Counter()
         for position in self._admitted.values():
             inflight[self.schedule.offset(position)[0]] += self.schedule.group_size(position)
-        pending = collections.Counter(self.schedule.offset(position)[0]
-                                      for position in itertools.chain(self._admitted.values(), self._in_transit))
+        pending = collections.Counter(
+            self.schedule.offset(position)[0] for position in itertools.chain(self._admitted.values(), self._in_transit)
+        )
         candidates = []
         for stream, env in enumerate(self.schedule.stream_envs):
             assert env is not None  # a mix draws from one stream per environment
@@ -278,10 +311,21 @@ class RolloutSource:
             return False
         history = self._curriculum.prompts[(env, index)]
         self._curriculum_skipped += 1
-        self._run_dir.append_metrics({"curriculum_skip": {
-            "t": time.time(), "shard": self.shard.index, "env": env, "epoch": epoch, "index": index,
-            "reason": reason, "outcome_epoch": history.epoch, "pass_rates": history.pass_rates,
-            "after_step": self._commits.last_step}})
+        self._run_dir.append_metrics(
+            {
+                "curriculum_skip": {
+                    "t": time.time(),
+                    "shard": self.shard.index,
+                    "env": env,
+                    "epoch": epoch,
+                    "index": index,
+                    "reason": reason,
+                    "outcome_epoch": history.epoch,
+                    "pass_rates": history.pass_rates,
+                    "after_step": self._commits.last_step,
+                }
+            }
+        )
         return True
 
     # -- work -------------------------------------------------------------------------------------
@@ -325,10 +369,18 @@ class RolloutSource:
             # Before `unreturned`: a rollout that finishes in between is redone from its tokens, not lost.
             self._resume_points = tuple(self._dispatcher.resume_points())
         unreturned = self._dispatcher.unreturned()
-        redo = tuple(sorted((position, unreturned[group_id])
-                            for group_id, position in self._admitted.items() if group_id in unreturned))
-        resume = tuple(p for p in self._resume_points
-                       if p.group_id in unreturned and set(p.attempts) <= set(unreturned[p.group_id]))
+        redo = tuple(
+            sorted(
+                (position, unreturned[group_id])
+                for group_id, position in self._admitted.items()
+                if group_id in unreturned
+            )
+        )
+        resume = tuple(
+            p
+            for p in self._resume_points
+            if p.group_id in unreturned and set(p.attempts) <= set(unreturned[p.group_id])
+        )
         return InFlight(redo, self.emitted, self.token, resume)
 
     def finished(self, all_claimed: bool) -> bool:
@@ -360,8 +412,12 @@ class RolloutSource:
         if not self._stopping and self._commits.last_step >= self.spec.config.run.max_steps:
             self._stopping = True
             cancelled = self._dispatcher.cancel_groups(list(self._admitted))
-            _LOG.info("step %d committed: run complete, shard %d cancelled %d in-flight groups",
-                      self._commits.last_step, self.shard.index, len(cancelled))
+            _LOG.info(
+                "step %d committed: run complete, shard %d cancelled %d in-flight groups",
+                self._commits.last_step,
+                self.shard.index,
+                len(cancelled),
+            )
         if self._stopping:
             return
         if self._fleet_changes is not None and (servers := self._fleet_changes(time.time())) is not None:
@@ -372,16 +428,29 @@ class RolloutSource:
             # The earliest step that could still train a rollout is version + 1, where its staleness is
             # version - its oldest token's; past max_off_policy_steps it could only ever be filtered out.
             regenerated, stale = self._dispatcher.handle_stale(
-                update.version - self.spec.config.off_policy.max_off_policy_steps)
-            self._run_dir.append_metrics({"weight_update": {
-                "t": time.time(), "shard": self.shard.index, **update.as_dict(),
-                "regenerated_rollouts": regenerated, "cancelled_stale_rollouts": stale}})
+                update.version - self.spec.config.off_policy.max_off_policy_steps
+            )
+            self._run_dir.append_metrics(
+                {
+                    "weight_update": {
+                        "t": time.time(),
+                        "shard": self.shard.index,
+                        **update.as_dict(),
+                        "regenerated_rollouts": regenerated,
+                        "cancelled_stale_rollouts": stale,
+                    }
+                }
+            )
         rounds = self._evals.due(self._commits.last_step)
         if rounds:
             self._dispatcher.add_groups(rounds)
             self._evaluating.update(g.group_id for g in rounds)
-            _LOG.info("evaluation round after step %d: shard %d sends %d held-out prompts",
-                      rounds[0].eval_round, self.shard.index, len(rounds))
+            _LOG.info(
+                "evaluation round after step %d: shard %d sends %d held-out prompts",
+                rounds[0].eval_round,
+                self.shard.index,
+                len(rounds),
+            )
 
     def _publish_status(self, now: float) -> None:
         counters, servers = self._dispatcher.counters_and_servers()
@@ -391,25 +460,31 @@ class RolloutSource:
             record_failure(self._run_dir.path, "dispatch", err)
             raise
         self._held.note(self._held.reason, now)
-        self._status.publish({
-            "policy_version": self.policy_version(),
-            "waiting_for_trainer": self._held.reason is not None and self._held.reason.value == "trainer",
-            "held_back_s": {reason: round(s, 3) for reason, s in self._held.total_s.items()},
-            "groups_out": len(self._admitted),
-            "groups_in_transit": len(self._in_transit),
-            "groups_emitted": self.emitted,
-            "weight_reloads": [{"version": u.version, "seconds": round(u.seconds, 3)} for u in self._weights.updates],
-            # What the last update cost each server (every update's: metrics.jsonl "weight_update" records).
-            "last_weight_update": self._weights.updates[-1].as_dict() if self._weights.updates else None,
-            "all_servers_down_for_s": (round(now - self._servers_down.down_since, 1)
-                                       if self._servers_down.down_since is not None else None),
-            "max_inflight": self._max_inflight,
-            "curriculum_skipped": self._curriculum_skipped,
-            "mix": self._mix.summary(self._dispatcher.inflight_cap) if self._mix is not None else None,
-            "servers": servers,
-            "errors": self._errors.as_status(),
-            **counters,
-        }, now)
+        self._status.publish(
+            {
+                "policy_version": self.policy_version(),
+                "waiting_for_trainer": self._held.reason is not None and self._held.reason.value == "trainer",
+                "held_back_s": {reason: round(s, 3) for reason, s in self._held.total_s.items()},
+                "groups_out": len(self._admitted),
+                "groups_in_transit": len(self._in_transit),
+                "groups_emitted": self.emitted,
+                "weight_reloads": [
+                    {"version": u.version, "seconds": round(u.seconds, 3)} for u in self._weights.updates
+                ],
+                # What the last update cost each server (every update's: metrics.jsonl "weight_update" records).
+                "last_weight_update": self._weights.updates[-1].as_dict() if self._weights.updates else None,
+                "all_servers_down_for_s": (
+                    round(now - self._servers_down.down_since, 1) if self._servers_down.down_since is not None else None
+                ),
+                "max_inflight": self._max_inflight,
+                "curriculum_skipped": self._curriculum_skipped,
+                "mix": self._mix.summary(self._dispatcher.inflight_cap) if self._mix is not None else None,
+                "servers": servers,
+                "errors": self._errors.as_status(),
+                **counters,
+            },
+            now,
+        )
         try:  # after the status that shows why
             self._progress.check(now, self._commits.last_step, waiting_for_trainer=self._held.reason is Hold.TRAINER)
         except NothingTrainsError as err:

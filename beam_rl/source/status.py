@@ -53,8 +53,9 @@ class StallWatch:
         self._committed_at: float | None = None
         self._step_s: float | None = None  # between the last two commits that no stall held up
 
-    def update(self, now: float, last_committed: int, groups_out: int, groups_returned: int,
-               waiting_for_trainer: bool = False) -> bool:
+    def update(
+        self, now: float, last_committed: int, groups_out: int, groups_returned: int, waiting_for_trainer: bool = False
+    ) -> bool:
         if waiting_for_trainer:  # no step comes until the trainer publishes: that is no stall
             self._last_news = now
         if last_committed != self._step:
@@ -66,9 +67,12 @@ class StallWatch:
         quiet_s = self.first_quiet_s if self._step_s is None else max(self.min_quiet_s, self.quiet_steps * self._step_s)
         if groups_out == 0 and now - self._last_news > quiet_s and not self.stalled:
             self.stalled = True
-            _LOG.warning("no step in %.0fs with nothing out: the groups returned were filtered out or errored "
-                         "(`beam-rl status RUN` shows errors by cause); admitting past the off-policy and sink "
-                         "limits until a step commits", now - self._last_news)
+            _LOG.warning(
+                "no step in %.0fs with nothing out: the groups returned were filtered out or errored "
+                "(`beam-rl status RUN` shows errors by cause); admitting past the off-policy and sink "
+                "limits until a step commits",
+                now - self._last_news,
+            )
         return self.stalled
 
 
@@ -96,16 +100,23 @@ class ServersDownWatch:
         limit = self._limit_s if answered else self._startup_limit_s
         if self.down_since is None:
             self.down_since = now
-            _LOG.warning("all %d inference servers are unhealthy; waiting for one to come back (limit %.0fs)",
-                         len(self.urls), limit)
+            _LOG.warning(
+                "all %d inference servers are unhealthy; waiting for one to come back (limit %.0fs)",
+                len(self.urls),
+                limit,
+            )
         elif now - self.down_since > limit:
             servers = f"all {len(self.urls)} inference servers ({', '.join(self.urls)})"
             if answered:
-                raise AllServersDownError(f"{servers} have been unhealthy for {now - self.down_since:.0f}s, past "
-                                          f"inference.all_servers_down_timeout_s = {limit:g}")
-            raise AllServersDownError(f"none of {servers} has answered a request since the run started: all "
-                                      f"unhealthy {now - self.down_since:.0f}s ago, past "
-                                      f"inference.startup_timeout_s = {limit:g}")
+                raise AllServersDownError(
+                    f"{servers} have been unhealthy for {now - self.down_since:.0f}s, past "
+                    f"inference.all_servers_down_timeout_s = {limit:g}"
+                )
+            raise AllServersDownError(
+                f"none of {servers} has answered a request since the run started: all "
+                f"unhealthy {now - self.down_since:.0f}s ago, past "
+                f"inference.startup_timeout_s = {limit:g}"
+            )
 
 
 _ERROR_TYPE = re.compile(r"([A-Za-z_][\w.]*): ")
@@ -153,8 +164,10 @@ class ErrorTally:
 
     def as_status(self) -> list[dict[str, Any]]:
         """For the status file: each cause, the newest first."""
-        return [{"cause": cause, "count": e.count, "example": e.example, "last_at": e.last_at}
-                for cause, e in sorted(self.causes.items(), key=lambda item: -item[1].last_at)]
+        return [
+            {"cause": cause, "count": e.count, "example": e.example, "last_at": e.last_at}
+            for cause, e in sorted(self.causes.items(), key=lambda item: -item[1].last_at)
+        ]
 
 
 class NothingTrainsError(RuntimeError):
@@ -197,13 +210,14 @@ class ProgressWatch:
             raise NothingTrainsError(
                 f"nothing can train: every rollout of the last {self.errored_groups} groups errored "
                 f"(run.stop_after_errored_groups = {self.errored_groups}); most frequent cause: "
-                f"{self._tally.most_frequent()}")
-        if (self.failing_s and now - self._since > self.failing_s and self._errored
-                and self._errored >= self._ok):
+                f"{self._tally.most_frequent()}"
+            )
+        if self.failing_s and now - self._since > self.failing_s and self._errored and self._errored >= self._ok:
             raise NothingTrainsError(
                 f"nothing can train: no step committed in {now - self._since:.0f}s while {self._errored} of the "
                 f"{self._errored + self._ok} rollouts finished errored (run.stop_after_failing_s = "
-                f"{self.failing_s:g}); most frequent cause: {self._tally.most_frequent()}")
+                f"{self.failing_s:g}); most frequent cause: {self._tally.most_frequent()}"
+            )
 
 
 class StatusBoard:
@@ -227,6 +241,14 @@ class StatusBoard:
         if now - self._last_history < self._history_s:
             return
         self._last_history = now
-        self._run_dir.append_metrics({"dispatch": {
-            "t": time.time(), "shard": self._shard, "inflight": status["inflight"],
-            "max_inflight": status["max_inflight"], "servers": status["servers"]}})
+        self._run_dir.append_metrics(
+            {
+                "dispatch": {
+                    "t": time.time(),
+                    "shard": self._shard,
+                    "inflight": status["inflight"],
+                    "max_inflight": status["max_inflight"],
+                    "servers": status["servers"],
+                }
+            }
+        )

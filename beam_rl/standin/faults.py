@@ -37,15 +37,19 @@ class FaultConfig(BaseModel):
         0.0, ge=0, description="seconds added to every request (model and instant: while it holds its running slots)"
     )
     step_delay_s: float = Field(
-        0.0, ge=0, description="seconds added to every decode step (a slow engine); instant mode then makes one token per step"
+        0.0,
+        ge=0,
+        description="seconds added to every decode step (a slow engine); instant mode then makes one token per step",
     )
     error_rate: float = Field(0.0, ge=0, le=1, description="answer HTTP 500")
     hang_rate: float = Field(0.0, ge=0, le=1, description="never answer; ends when the client disconnects")
     empty_rate: float = Field(0.0, ge=0, le=1, description="answer HTTP 200 with zero completion tokens")
     drop_rate: float = Field(0.0, ge=0, le=1, description="close the connection without a response")
     die_after_tokens: int | None = Field(
-        None, ge=1, description="die once this many more tokens are generated: a subprocess server exits, an "
-        "in-process one closes every connection and its port"
+        None,
+        ge=1,
+        description="die once this many more tokens are generated: a subprocess server exits, an "
+        "in-process one closes every connection and its port",
     )
     replies: list[ScriptedReply] = Field(
         default_factory=list, description="answer every choice with these texts in turn (cycled) instead of generating"
@@ -108,7 +112,10 @@ def scripted_choice(reply: ScriptedReply, tokenizer: Any, params: GenerationPara
     if len(ids) > params.max_tokens:
         ids, finish = ids[: params.max_tokens], "length"
     return ChoiceResult(
-        token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish, sampled_by=[weights] * len(ids),
+        token_ids=ids,
+        logprobs=[0.0] * len(ids),
+        finish_reason=finish,
+        sampled_by=[weights] * len(ids),
         top_logprobs=[{t: 0.0} for t in ids] if params.top_logprobs else [],
     )
 
@@ -120,8 +127,11 @@ def add_fault_args(parser: argparse.ArgumentParser) -> None:
     """`--enable-faults`, and one `--fault-<field>` flag per FaultConfig field (`--fault-replies TEXT...` for
     the list); each flag defaults to None so that `fault_config_from_args` can tell one was given."""
     group = parser.add_argument_group("fault injection (tests and benchmarks)")
-    group.add_argument("--enable-faults", action="store_true",
-                       help="serve GET/POST /faults, to inject faults at runtime (implied by any --fault-* flag)")
+    group.add_argument(
+        "--enable-faults",
+        action="store_true",
+        help="serve GET/POST /faults, to inject faults at runtime (implied by any --fault-* flag)",
+    )
     for name, field in FaultConfig.model_fields.items():
         flag = "--fault-" + name.replace("_", "-")
         default = field.get_default(call_default_factory=True)

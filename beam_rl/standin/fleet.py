@@ -33,12 +33,26 @@ from beam_rl.standin.server import EmbeddedServer
 from beam_rl.standin.simulated import SimulatedParams, add_simulated_args, simulated_params_from_args
 
 
-async def serve(count: int, max_num_seqs: int, params: SimulatedParams, served_model_name: str | None,
-                host: str = "127.0.0.1", port_base: int = 0) -> None:
+async def serve(
+    count: int,
+    max_num_seqs: int,
+    params: SimulatedParams,
+    served_model_name: str | None,
+    host: str = "127.0.0.1",
+    port_base: int = 0,
+) -> None:
     """Start `count` servers on this loop, print `READY <urls>`, serve until SIGINT or SIGTERM."""
-    servers = [EmbeddedServer(mode="simulated", max_num_seqs=max_num_seqs, served_model_name=served_model_name,
-                              host=host, port=port_base + i if port_base else 0, simulated=params)
-               for i in range(count)]
+    servers = [
+        EmbeddedServer(
+            mode="simulated",
+            max_num_seqs=max_num_seqs,
+            served_model_name=served_model_name,
+            host=host,
+            port=port_base + i if port_base else 0,
+            simulated=params,
+        )
+        for i in range(count)
+    ]
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -58,8 +72,13 @@ def _shares(servers: int, parts: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def start_fleet(servers: int, server_args: tuple[str, ...] | list[str] = (), processes_: int = 1,
-                port_base: int = 0, ready_timeout_s: float = 300.0) -> Iterator[tuple[list[str], list[int]]]:
+def start_fleet(
+    servers: int,
+    server_args: tuple[str, ...] | list[str] = (),
+    processes_: int = 1,
+    port_base: int = 0,
+    ready_timeout_s: float = 300.0,
+) -> Iterator[tuple[list[str], list[int]]]:
     """`servers` simulated servers in `processes_` child processes; yields (their urls, the processes' pids).
     `server_args`: each process's other flags (`--max-num-seqs`, `--served-model-name`, `--sim-*`)."""
     procs: list[subprocess.Popen] = []
@@ -73,8 +92,9 @@ def start_fleet(servers: int, server_args: tuple[str, ...] | list[str] = (), pro
             if port_base:
                 cmd += ["--port-base", str(port_base + offset)]
             offset += count
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env,
-                                          preexec_fn=processes.die_with_parent))
+            procs.append(
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=processes.die_with_parent)
+            )
         urls = [url for proc in procs for url in wait_until_ready(proc, ready_timeout_s).split()]
         yield urls, [proc.pid for proc in procs]
     finally:
@@ -99,8 +119,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.servers < 1 or args.processes < 1:
         raise SystemExit("--servers and --processes must be at least 1")
     if args.processes == 1:
-        asyncio.run(serve(args.servers, args.max_num_seqs, simulated_params_from_args(args), args.served_model_name,
-                          args.host, args.port_base))
+        asyncio.run(
+            serve(
+                args.servers,
+                args.max_num_seqs,
+                simulated_params_from_args(args),
+                args.served_model_name,
+                args.host,
+                args.port_base,
+            )
+        )
         return
     # Several processes: each serves its share with the same flags; this one prints their urls and waits.
     own = {"--servers", "--processes", "--port-base"}

@@ -31,8 +31,15 @@ def start_subprocess_server(
     `die_with_parent`: the server ends with the calling thread (`beam_rl.processes.die_with_parent`).
     `api_key`: the key the server requires (`security.needs_key`), handed over in its environment.
     """
-    proc = spawn_subprocess_server(model_dir, mode=mode, max_num_seqs=max_num_seqs, extra_args=extra_args,
-                                   env=env, die_with_parent=die_with_parent, api_key=api_key)
+    proc = spawn_subprocess_server(
+        model_dir,
+        mode=mode,
+        max_num_seqs=max_num_seqs,
+        extra_args=extra_args,
+        env=env,
+        die_with_parent=die_with_parent,
+        api_key=api_key,
+    )
     return proc, wait_until_ready(proc, ready_timeout_s)
 
 
@@ -59,8 +66,13 @@ def spawn_subprocess_server(
     # Make this checkout importable in the child even when beam_rl is not pip-installed.
     root = str(pathlib.Path(__file__).resolve().parents[2])
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=child_env,
-                            preexec_fn=processes.die_with_parent if die_with_parent else None)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env,
+        preexec_fn=processes.die_with_parent if die_with_parent else None,
+    )
 
 
 def wait_until_ready(proc: subprocess.Popen, ready_timeout_s: float = 120.0) -> str:

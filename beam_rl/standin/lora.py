@@ -46,8 +46,17 @@ class LoraAdapters:
 
     def cards(self, parent: str) -> list[dict[str, Any]]:
         """The /v1/models entries of the loaded adapters, as vLLM lists them."""
-        return [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": path,
-                 "parent": parent} for name, path in self.loaded.items()]
+        return [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "vllm",
+                "root": path,
+                "parent": parent,
+            }
+            for name, path in self.loaded.items()
+        ]
 
     async def _load(self, request: web.Request) -> web.Response:
         try:

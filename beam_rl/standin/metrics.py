@@ -77,21 +77,30 @@ class ServerMetrics:
         yield family(gauge, "vllm:num_requests_running", "Sequences being generated.", b.running)
         yield family(gauge, "vllm:num_requests_waiting", "Sequences waiting for a running slot.", b.waiting)
         yield family(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", b.kv_cache_usage())
-        yield family(counter, "vllm:num_preemptions", "Sequences preempted for KV-cache room.",
-                     getattr(b, "preemptions", 0))
+        yield family(
+            counter, "vllm:num_preemptions", "Sequences preempted for KV-cache room.", getattr(b, "preemptions", 0)
+        )
         yield family(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up.", b.prefix_cache.queries)
         yield family(counter, "vllm:prefix_cache_hits", "Prompt tokens found cached.", b.prefix_cache.hits)
         yield family(counter, "vllm:prompt_tokens", "Prompt tokens processed.", b.prompt_tokens)
-        yield family(counter, "vllm:generation_tokens", "Tokens generated, counted as they are sampled.",
-                     b.generation_tokens)
+        yield family(
+            counter, "vllm:generation_tokens", "Tokens generated, counted as they are sampled.", b.generation_tokens
+        )
         yield family(gauge, "beam_rl:max_concurrent_requests", "Most sequences running at once.", b.max_running)
         yield family(counter, "beam_rl:requests", "Completion requests received.", s.requests_total)
         yield family(counter, "beam_rl:busy_seconds", "Seconds with at least one sequence running.", b.busy_seconds)
         yield family(gauge, "beam_rl:weights_version", "Successful weight reloads so far.", b.weights.loads)
         yield family(gauge, "beam_rl:paused", "1 while paused.", float(s.gate.state != PauseState.UNPAUSED))
-        yield family(counter, "beam_rl:paused_seconds", "Seconds paused, from the pause call to the resume call.",
-                     s.gate.paused_seconds)
+        yield family(
+            counter,
+            "beam_rl:paused_seconds",
+            "Seconds paused, from the pause call to the resume call.",
+            s.gate.paused_seconds,
+        )
         if b.stalled_seconds is not None:
-            yield family(counter, "beam_rl:stalled_seconds",
-                         "Seconds a pause kept the engine from stepping while sequences ran or waited.",
-                         b.stalled_seconds)
+            yield family(
+                counter,
+                "beam_rl:stalled_seconds",
+                "Seconds a pause kept the engine from stepping while sequences ran or waited.",
+                b.stalled_seconds,
+            )

@@ -48,8 +48,9 @@ class SamplingRequest(BaseModel):
             raise ValueError("Stream options can only be defined when `stream=True`.")
         return self
 
-    def generation_params(self, prompt: list[int], max_tokens: int, top_logprobs: int, vocab_size: int,
-                          max_model_len: int) -> GenerationParams:
+    def generation_params(
+        self, prompt: list[int], max_tokens: int, top_logprobs: int, vocab_size: int, max_model_len: int
+    ) -> GenerationParams:
         """What to generate for this request, once its prompt is tokenized; RequestError if it cannot be."""
         if self.top_p < 1.0 or (self.top_k is not None and self.top_k > 0):
             raise RequestError(400, "top_p/top_k truncation is not supported by the embedded server")
@@ -125,8 +126,9 @@ class GenerateRequest(BaseModel):
 
     def generation_params(self, vocab_size: int, max_model_len: int) -> GenerationParams:
         sampling = self.sampling_params.model_copy(update={"cache_salt": self.cache_salt})
-        return sampling.generation_params(self.token_ids, sampling.max_tokens, sampling.logprobs or 0, vocab_size,
-                                          max_model_len)
+        return sampling.generation_params(
+            self.token_ids, sampling.max_tokens, sampling.logprobs or 0, vocab_size, max_model_len
+        )
 
 
 class RequestError(Exception):

@@ -39,8 +39,11 @@ def dumps(obj: Any) -> str:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
 
 
 def _total_usage(params: GenerationParams, choices: list[ChoiceResult]) -> dict[str, int]:
@@ -54,8 +57,12 @@ _ID_PREFIX = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}
 def _envelope(object_type: str, model_name: str) -> dict[str, Any]:
     """The OpenAI envelope's first keys (id, object, created, model), as vLLM writes them: the start of a
     whole completion or chat body, and the head of every chunk of a streamed completion."""
-    return {"id": f"{_ID_PREFIX[object_type]}-{uuid.uuid4().hex}", "object": object_type,
-            "created": int(time.time()), "model": model_name}
+    return {
+        "id": f"{_ID_PREFIX[object_type]}-{uuid.uuid4().hex}",
+        "object": object_type,
+        "created": int(time.time()),
+        "model": model_name,
+    }
 
 
 def visible_text(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool) -> str:
@@ -81,8 +88,9 @@ def _stop_reason(choice: ChoiceResult, params: GenerationParams) -> int | None:
     return None
 
 
-def completion_logprobs(texts: TokenTexts, choice: ChoiceResult, start: int, end: int, top_k: int,
-                        text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    texts: TokenTexts, choice: ChoiceResult, start: int, end: int, top_k: int, text_offset: int = 0
+) -> dict[str, Any]:
     """vLLM's `CompletionLogProbs` of tokens [start, end) of a choice, offsets counted from `text_offset`."""
     tokens = [texts(t) for t in choice.token_ids[start:end]]
     offsets = []
@@ -96,7 +104,11 @@ def completion_logprobs(texts: TokenTexts, choice: ChoiceResult, start: int, end
 
 
 def completion_body(
-    texts: TokenTexts, model_name: str, params: GenerationParams, request: CompletionRequest, choices: list[ChoiceResult]
+    texts: TokenTexts,
+    model_name: str,
+    params: GenerationParams,
+    request: CompletionRequest,
+    choices: list[ChoiceResult],
 ) -> dict[str, Any]:
     """A vLLM-shaped completions response; `token_ids` keep the EOS/stop token that ended a choice."""
     out = []
@@ -104,8 +116,11 @@ def completion_body(
         body = {
             "index": index,
             "text": visible_text(texts.tokenizer, choice.token_ids, request.skip_special_tokens),
-            "logprobs": (completion_logprobs(texts, choice, 0, len(choice.token_ids), request.logprobs)
-                         if request.logprobs is not None else None),
+            "logprobs": (
+                completion_logprobs(texts, choice, 0, len(choice.token_ids), request.logprobs)
+                if request.logprobs is not None
+                else None
+            ),
             "finish_reason": choice.finish_reason,
             "stop_reason": _stop_reason(choice, params),
             "token_ids": choice.token_ids if request.return_token_ids else None,
@@ -170,7 +185,9 @@ class _ChoiceStream:
             chunk["usage"] = _usage(len(self.params.prompt_ids), end)
         return _event(chunk)
 
-    def _choice(self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(
+        self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None
+    ) -> dict[str, Any]:
         raise NotImplementedError
 
     def end(self) -> bytes:
@@ -185,7 +202,9 @@ class _ChoiceStream:
 class CompletionStream(_ChoiceStream):
     """A streamed completion, as vLLM's `completion_stream_generator` writes it."""
 
-    def __init__(self, texts: TokenTexts, model_name: str, params: GenerationParams, request: CompletionRequest) -> None:
+    def __init__(
+        self, texts: TokenTexts, model_name: str, params: GenerationParams, request: CompletionRequest
+    ) -> None:
         super().__init__(params, request.stream_options, request.stream_interval)
         self.texts, self.request = texts, request
         self._backend = texts.tokenizer.backend_tokenizer
@@ -194,7 +213,9 @@ class CompletionStream(_ChoiceStream):
         self._text = [DecodeStream(skip_special_tokens=request.skip_special_tokens) for _ in range(params.n)]
         self._text_offset = [0] * params.n
 
-    def _choice(self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(
+        self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None
+    ) -> dict[str, Any]:
         request = self.request
         logprobs = None
         if request.logprobs is not None:
@@ -224,13 +245,24 @@ class CompletionStream(_ChoiceStream):
         return "".join(stream.step(self._backend, t) or "" for t in token_ids)
 
 
-def _generate_choice(choice: ChoiceResult, params: GenerationParams, request: GenerateRequest,
-                     index: int, start: int, end: int, finish_reason: str | None) -> dict[str, Any]:
+def _generate_choice(
+    choice: ChoiceResult,
+    params: GenerationParams,
+    request: GenerateRequest,
+    index: int,
+    start: int,
+    end: int,
+    finish_reason: str | None,
+) -> dict[str, Any]:
     """One choice of a generate answer or chunk: tokens [start, end), and the labels' spans once it ends."""
     logprobs = None
     if request.sampling_params.logprobs is not None:
-        logprobs = {"content": [{"token_id": t, "logprob": max(lp, -9999.0), "top_logprobs": []}
-                                for t, lp in zip(choice.token_ids[start:end], choice.logprobs[start:end])]}
+        logprobs = {
+            "content": [
+                {"token_id": t, "logprob": max(lp, -9999.0), "top_logprobs": []}
+                for t, lp in zip(choice.token_ids[start:end], choice.logprobs[start:end])
+            ]
+        }
     body: dict[str, Any] = {
         "index": index,
         "finish_reason": finish_reason,
@@ -244,16 +276,18 @@ def _generate_choice(choice: ChoiceResult, params: GenerationParams, request: Ge
     return body
 
 
-def generate_body(texts: TokenTexts, model_name: str, params: GenerationParams,
-                  request: GenerateRequest, choices: list[ChoiceResult]) -> dict[str, Any]:
+def generate_body(
+    texts: TokenTexts, model_name: str, params: GenerationParams, request: GenerateRequest, choices: list[ChoiceResult]
+) -> dict[str, Any]:
     """vLLM's `GenerateTokensResponse` (output_mode "tokens")."""
     return {
         "request_id": uuid.uuid4().hex,
         "model": model_name,
         "created": int(time.time()),
         "output_mode": "tokens",
-        "choices": [_generate_choice(c, params, request, i, 0, len(c.token_ids), c.finish_reason)
-                    for i, c in enumerate(choices)],
+        "choices": [
+            _generate_choice(c, params, request, i, 0, len(c.token_ids), c.finish_reason) for i, c in enumerate(choices)
+        ],
         "usage": _total_usage(params, choices),
     }
 
@@ -266,7 +300,9 @@ class GenerateStream(_ChoiceStream):
         self.request = request
         self._head = {"request_id": uuid.uuid4().hex, "output_mode": "tokens"}
 
-    def _choice(self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(
+        self, index: int, choice: ChoiceResult, start: int, end: int, finish_reason: str | None
+    ) -> dict[str, Any]:
         return _generate_choice(choice, self.params, self.request, index, start, end, finish_reason)
 
 
@@ -275,7 +311,11 @@ def _event(obj: dict[str, Any]) -> bytes:
 
 
 def chat_body(
-    texts: TokenTexts, model_name: str, params: GenerationParams, request: ChatCompletionRequest, choices: list[ChoiceResult]
+    texts: TokenTexts,
+    model_name: str,
+    params: GenerationParams,
+    request: ChatCompletionRequest,
+    choices: list[ChoiceResult],
 ) -> dict[str, Any]:
     """A vLLM-shaped chat completion: the assistant's reply in `choices[].message.content`."""
     out = []
@@ -283,8 +323,15 @@ def chat_body(
         content = visible_text(texts.tokenizer, choice.token_ids, request.skip_special_tokens)
         body = {
             "index": index,
-            "message": {"role": "assistant", "content": content, "refusal": None, "annotations": None,
-                        "audio": None, "function_call": None, "reasoning": None},
+            "message": {
+                "role": "assistant",
+                "content": content,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": None,
+            },
             "logprobs": _chat_logprobs(texts, choice, request.top_logprobs) if request.logprobs else None,
             "finish_reason": choice.finish_reason,
             "stop_reason": _stop_reason(choice, params),

@@ -139,8 +139,9 @@ class EmbeddedServer:
         # Faults are a test's tool: the route that changes them is served only to a server started with some.
         self.faults_enabled = faults is not None
         self.gate = PauseGate()
-        self.backend: Backend = self._make_backend(mode, max_num_seqs, kv_cache_tokens, torch_threads, simulated,
-                                                   device, dtype)
+        self.backend: Backend = self._make_backend(
+            mode, max_num_seqs, kv_cache_tokens, torch_threads, simulated, device, dtype
+        )
         # vLLM's runtime LoRA routes, served only when enabled (as vLLM with --enable-lora).
         self.lora = LoraAdapters(self.backend, self.model_dir if mode == "model" else None) if enable_lora else None
         # None = answer whatever `model` a request names; a name given here is enforced like vLLM.
@@ -153,8 +154,9 @@ class EmbeddedServer:
         self._dead = False  # died of die_after_tokens, in-process: answers nothing until started again
         keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
         self._middlewares: list[Middleware] = [self._crashed, *([api_key_middleware(keys)] if keys else [])]
-        self._ssl = (server_ssl_context(str(ssl_certfile), str(ssl_keyfile) if ssl_keyfile else None) if ssl_certfile
-                     else None)
+        self._ssl = (
+            server_ssl_context(str(ssl_certfile), str(ssl_keyfile) if ssl_keyfile else None) if ssl_certfile else None
+        )
         self._metrics_collector = ServerMetrics(self)
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
@@ -163,18 +165,28 @@ class EmbeddedServer:
         self._stopped = False
         self.url: str | None = None
 
-    def _make_backend(self, mode: Mode, max_num_seqs: int, kv_cache_tokens: int, torch_threads: int | None,
-                      simulated: SimulatedParams | None, device: str, dtype: str) -> Backend:
+    def _make_backend(
+        self,
+        mode: Mode,
+        max_num_seqs: int,
+        kv_cache_tokens: int,
+        torch_threads: int | None,
+        simulated: SimulatedParams | None,
+        device: str,
+        dtype: str,
+    ) -> Backend:
         special = set(self.tokenizer.all_special_ids)
         if mode == "model":
             assert self.model_dir is not None
-            return ModelBackend(self.model_dir, max_num_seqs, self.gate, self.faults, kv_cache_tokens, torch_threads,
-                                device, dtype)
+            return ModelBackend(
+                self.model_dir, max_num_seqs, self.gate, self.faults, kv_cache_tokens, torch_threads, device, dtype
+            )
         if mode == "instant":
             return InstantBackend(len(self.tokenizer), special, max_num_seqs, self.gate, self.faults, kv_cache_tokens)
         eos = frozenset(t for t in [self.tokenizer.eos_token_id] if t is not None)
-        return SimulatedEngine(simulated or SimulatedParams(), max_num_seqs, len(self.tokenizer), special, eos,
-                               self.gate, self.faults)
+        return SimulatedEngine(
+            simulated or SimulatedParams(), max_num_seqs, len(self.tokenizer), special, eos, self.gate, self.faults
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -285,14 +297,16 @@ class EmbeddedServer:
             if body.echo:
                 raise RequestError(400, "echo is not supported by the embedded server")
             prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
-            params = self._with_adapter(body, body.generation_params(prompt, body.max_tokens, body.logprobs or 0,
-                                                                     *self._limits))
+            params = self._with_adapter(
+                body, body.generation_params(prompt, body.max_tokens, body.logprobs or 0, *self._limits)
+            )
         except RequestError as exc:
             return web.json_response(exc.body(), status=exc.status)
         if body.stream:
             stream = CompletionStream(self.texts, self.served_model_name, params, body)
-            return await self._answer(request, params, lambda source: self._send_events(request, stream, source),
-                                      progress=True)
+            return await self._answer(
+                request, params, lambda source: self._send_events(request, stream, source), progress=True
+            )
         return await self._answer(request, params, self._whole(params, body, completion_body), progress=False)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -302,9 +316,13 @@ class EmbeddedServer:
             if body.stream:
                 raise RequestError(400, "stream is not supported by the embedded server's chat completions")
             prompt = self._render_chat(body)
-            max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.backend.max_model_len - len(prompt))
-            params = self._with_adapter(body, body.generation_params(
-                prompt, max_tokens, body.top_logprobs if body.logprobs else 0, *self._limits))
+            max_tokens = (
+                body.max_completion_tokens or body.max_tokens or max(1, self.backend.max_model_len - len(prompt))
+            )
+            params = self._with_adapter(
+                body,
+                body.generation_params(prompt, max_tokens, body.top_logprobs if body.logprobs else 0, *self._limits),
+            )
         except RequestError as exc:
             return web.json_response(exc.body(), status=exc.status)
         return await self._answer(request, params, self._whole(params, body, chat_body), progress=False)
@@ -318,13 +336,17 @@ class EmbeddedServer:
             return web.json_response(exc.body(), status=exc.status)
         if body.stream:
             stream = GenerateStream(params, body)
-            return await self._answer(request, params, lambda source: self._send_events(request, stream, source),
-                                      progress=True)
+            return await self._answer(
+                request, params, lambda source: self._send_events(request, stream, source), progress=True
+            )
         return await self._answer(request, params, self._whole(params, body, generate_body), progress=False)
 
     async def _answer(
-        self, request: web.Request, params: GenerationParams,
-        respond: Callable[[AsyncIterator[list[ChoiceResult]]], Any], progress: bool,
+        self,
+        request: web.Request,
+        params: GenerationParams,
+        respond: Callable[[AsyncIterator[list[ChoiceResult]]], Any],
+        progress: bool,
     ) -> web.StreamResponse:
         """Apply the request's fault, then `respond` from the choices as they are generated (after
         every step with `progress`, else once finished)."""
@@ -347,8 +369,12 @@ class EmbeddedServer:
         finally:
             seen.ended = time.time()
 
-    async def _choices(self, params: GenerationParams, empty: bool, progress: bool,
-                       ) -> AsyncGenerator[list[ChoiceResult], None]:
+    async def _choices(
+        self,
+        params: GenerationParams,
+        empty: bool,
+        progress: bool,
+    ) -> AsyncGenerator[list[ChoiceResult], None]:
         """The request's choices as they grow: generated, scripted (fault `replies`) or empty (fault)."""
         if empty:
             await asyncio.sleep(self.faults.config.latency_s)
@@ -373,8 +399,9 @@ class EmbeddedServer:
 
         return respond
 
-    async def _send_events(self, request: web.Request, stream: CompletionStream | GenerateStream,
-                           source: AsyncIterator[list[ChoiceResult]]) -> web.StreamResponse:
+    async def _send_events(
+        self, request: web.Request, stream: CompletionStream | GenerateStream, source: AsyncIterator[list[ChoiceResult]]
+    ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
         try:
@@ -413,8 +440,11 @@ class EmbeddedServer:
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                [m.model_dump() for m in body.messages], tokenize=False,
-                add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+                [m.model_dump() for m in body.messages],
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+                **(body.chat_template_kwargs or {}),
+            )
         except Exception as exc:  # a template that cannot render these messages is the request's fault
             raise RequestError(400, f"cannot apply the chat template: {type(exc).__name__}: {exc}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -486,7 +516,9 @@ class EmbeddedServer:
             method = body["method"]
             weights_path = (body.get("kwargs") or {})["weights_path"]
         except (ValueError, KeyError, TypeError):
-            return error_response(400, 'expected {"method": "reload_weights", "kwargs": {"weights_path": DIR}}', "BadRequestError")
+            return error_response(
+                400, 'expected {"method": "reload_weights", "kwargs": {"weights_path": DIR}}', "BadRequestError"
+            )
         if method != "reload_weights":
             return error_response(400, f"unsupported collective_rpc method {method!r}", "BadRequestError")
         try:
@@ -567,8 +599,10 @@ class EmbeddedServer:
         return web.Response(body=self._metrics_collector.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _noting_the_end(source: AsyncIterator[list[ChoiceResult]], seen: SeenRequest,
-                          ) -> AsyncIterator[list[ChoiceResult]]:
+async def _noting_the_end(
+    source: AsyncIterator[list[ChoiceResult]],
+    seen: SeenRequest,
+) -> AsyncIterator[list[ChoiceResult]]:
     choices: list[ChoiceResult] = []
     async for choices in source:
         yield choices
@@ -589,13 +623,21 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--torch-threads", type=int, default=1, help="intra-op threads; 1 suits a tiny model and many servers per host"
     )
-    parser.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                        help="require `Authorization: Bearer KEY` on /v1/* and on every route that changes the "
-                        "server's state (default: $VLLM_API_KEY, if set; the variable keeps the key out of `ps`)")
+    parser.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1/* and on every route that changes the "
+        "server's state (default: $VLLM_API_KEY, if set; the variable keeps the key out of `ps`)",
+    )
     parser.add_argument("--ssl-keyfile", default=None, help="serve https with this PEM private key")
     parser.add_argument("--ssl-certfile", default=None, help="serve https with this PEM certificate")
-    parser.add_argument("--enable-lora", action="store_true",
-                        help="serve vLLM's runtime LoRA routes (/v1/load_lora_adapter, /v1/unload_lora_adapter)")
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve vLLM's runtime LoRA routes (/v1/load_lora_adapter, /v1/unload_lora_adapter)",
+    )
     add_fault_args(parser)
     add_simulated_args(parser)
     return parser.parse_args(argv)

@@ -181,8 +181,9 @@ class SimulatedEngine:
         self.generation_tokens = 0
         self.steps = 0
         self.weights = Weights()
-        self.kv_capacity_blocks = max(1, (params.kv_cache_tokens // KV_BLOCK_SIZE) if params.kv_cache_tokens
-                                      else params.prefix_cache_blocks)
+        self.kv_capacity_blocks = max(
+            1, (params.kv_cache_tokens // KV_BLOCK_SIZE) if params.kv_cache_tokens else params.prefix_cache_blocks
+        )
         self.preemptions = 0
         self._weights_from = [(0, self.weights)]  # (first step, weights) at every load and label
         self._allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64))
@@ -248,8 +249,9 @@ class SimulatedEngine:
         if self._faults.config.latency_s:
             await asyncio.sleep(self._faults.config.latency_s)  # before queueing: holds no slot
         key = params.seed if params.seed is not None else (self.params.seed << 32) + next(self._unseeded)
-        request = _Request(params, asyncio.get_running_loop().create_future(),
-                           [ChoiceResult() for _ in range(params.n)], params.n)
+        request = _Request(
+            params, asyncio.get_running_loop().create_future(), [ChoiceResult() for _ in range(params.n)], params.n
+        )
         request.sequences = [_Sequence(request, i, key, self._draw_length(params, key, i)) for i in range(params.n)]
         self._waiting.extend(request.sequences)
         if self._owed_since is not None:
@@ -592,5 +594,9 @@ def add_simulated_args(parser: Any) -> None:
     group.add_argument("--sim-prefix-cache-blocks", type=int, default=d.prefix_cache_blocks)
     group.add_argument("--sim-time-scale", type=float, default=d.time_scale)
     group.add_argument("--sim-seed", type=int, default=d.seed)
-    group.add_argument("--sim-kv-cache-tokens", type=int, default=d.kv_cache_tokens,
-                       help="bound the KV cache to this many tokens: sequences are preempted when it is full")
+    group.add_argument(
+        "--sim-kv-cache-tokens",
+        type=int,
+        default=d.kv_cache_tokens,
+        help="bound the KV cache to this many tokens: sequences are preempted when it is full",
+    )

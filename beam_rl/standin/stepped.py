@@ -48,8 +48,15 @@ class _SteppedBackend:
 
     weights: Weights
 
-    def __init__(self, vocab_size: int, max_model_len: int, max_num_seqs: int, gate: PauseGate,
-                 faults: FaultInjector, kv_cache_tokens: int) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        gate: PauseGate,
+        faults: FaultInjector,
+        kv_cache_tokens: int,
+    ) -> None:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.admission = Admission(max_num_seqs, gate)
         self.prefix_cache = PrefixCache()
@@ -153,12 +160,21 @@ class ModelBackend(_SteppedBackend):
     two steps of every running request. The decode steps of all requests interleave on that thread,
     like a batch scheduler. `step_delay_s` sleeps on the model thread: a slower GPU."""
 
-    def __init__(self, model_dir: str | pathlib.Path, max_num_seqs: int, gate: PauseGate, faults: FaultInjector,
-                 kv_cache_tokens: int, torch_threads: int | None = 1, device: str = "cpu",
-                 dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model_dir: str | pathlib.Path,
+        max_num_seqs: int,
+        gate: PauseGate,
+        faults: FaultInjector,
+        kv_cache_tokens: int,
+        torch_threads: int | None = 1,
+        device: str = "cpu",
+        dtype: str = "float32",
+    ) -> None:
         self.generator = ModelGenerator(model_dir, device, dtype)
-        super().__init__(self.generator.vocab_size, self.generator.max_model_len, max_num_seqs, gate, faults,
-                         kv_cache_tokens)
+        super().__init__(
+            self.generator.vocab_size, self.generator.max_model_len, max_num_seqs, gate, faults, kv_cache_tokens
+        )
         if torch_threads is not None:
             # Process-wide, unavoidably: a tiny model's matmuls gain nothing from intra-op threads
             # and run ~10x slower when those threads contend for busy cores.
@@ -228,8 +244,15 @@ class InstantBackend(_SteppedBackend):
     """No model: the pseudo-random tokens of generator.InstantGenerator, revealed all in one step,
     or one token per step when `step_delay_s` is set (so a pause or a reload can land mid-request)."""
 
-    def __init__(self, vocab_size: int, special_ids: set[int], max_num_seqs: int, gate: PauseGate,
-                 faults: FaultInjector, kv_cache_tokens: int) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        special_ids: set[int],
+        max_num_seqs: int,
+        gate: PauseGate,
+        faults: FaultInjector,
+        kv_cache_tokens: int,
+    ) -> None:
         self.generator = InstantGenerator(vocab_size, special_ids)
         super().__init__(vocab_size, self.generator.max_model_len, max_num_seqs, gate, faults, kv_cache_tokens)
         self.weights = Weights()

@@ -50,11 +50,19 @@ COLLECTIVE_TIMEOUT_S = 300.0
 class DataParallelTrainer(ReferenceTrainer):
     """One rank of the data-parallel trainer; torch.distributed must be initialised (see `main`)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str] | RunDir, model_dir: str | os.PathLike[str],
-                 config: TrainerSection, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | RunDir,
+        model_dir: str | os.PathLike[str],
+        config: TrainerSection,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("the data-parallel trainer needs torch.distributed initialised (run it with "
-                               "torchrun or beam-rl train --nproc)")
+            raise RuntimeError(
+                "the data-parallel trainer needs torch.distributed initialised (run it with "
+                "torchrun or beam-rl train --nproc)"
+            )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         super().__init__(run_dir, model_dir, config, seed, **kwargs)
 
@@ -64,8 +72,10 @@ class DataParallelTrainer(ReferenceTrainer):
 
     def _read_micro_batches(self, step: int, record: Any) -> list[MicroBatchArrays]:
         if record.counts.ranks != self.world_size:
-            raise ValueError(f"{self.run.step_dir(step)}: step {step} was packed for {record.counts.ranks} ranks "
-                             f"(batch.trainer_ranks), the trainer runs {self.world_size} (--nproc)")
+            raise ValueError(
+                f"{self.run.step_dir(step)}: step {step} was packed for {record.counts.ranks} ranks "
+                f"(batch.trainer_ranks), the trainer runs {self.world_size} (--nproc)"
+            )
         return StepReader(self.run, self.rank).read_step(step, record=record)
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
@@ -81,16 +91,23 @@ class DataParallelTrainer(ReferenceTrainer):
         offset = 0
         for param, grad in zip(params, grads, strict=True):
             n = grad.numel()
-            param.grad = flat[offset:offset + n].view_as(param).clone()
+            param.grad = flat[offset : offset + n].view_as(param).clone()
             offset += n
 
     def _reduce_stats(self, total: float, stats: PolicyLossStats) -> tuple[float, PolicyLossStats]:
         total, tokens, ratio_sum, clipped, kl_sum = self._sum_over_ranks(
-            [total, stats.tokens, stats.ratio_sum, stats.clipped, stats.mismatch_kl_sum])
+            [total, stats.tokens, stats.ratio_sum, stats.clipped, stats.mismatch_kl_sum]
+        )
         extremes = torch.tensor([stats.ratio_min, -stats.ratio_max], dtype=torch.float64, device=self.device)
         dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
-        return total, PolicyLossStats(tokens=int(tokens), ratio_sum=ratio_sum, ratio_min=float(extremes[0]),
-                                      ratio_max=-float(extremes[1]), clipped=int(clipped), mismatch_kl_sum=kl_sum)
+        return total, PolicyLossStats(
+            tokens=int(tokens),
+            ratio_sum=ratio_sum,
+            ratio_min=float(extremes[0]),
+            ratio_max=-float(extremes[1]),
+            clipped=int(clipped),
+            mismatch_kl_sum=kl_sum,
+        )
 
     def _gather(self, items: list[Any]) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
@@ -116,13 +133,26 @@ def train_rank(run_dir: str, model_dir: str, trainer: TrainerSection, max_steps:
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, args: tuple[Any, ...]) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "LOCAL_RANK": str(rank),
+        }
+    )
     train_rank(*args)
 
 
-def launch(run_dir: str | os.PathLike[str], model_dir: str | os.PathLike[str], trainer: TrainerSection,
-           max_steps: int, nproc: int, seed: int = 0) -> None:
+def launch(
+    run_dir: str | os.PathLike[str],
+    model_dir: str | os.PathLike[str],
+    trainer: TrainerSection,
+    max_steps: int,
+    nproc: int,
+    seed: int = 0,
+) -> None:
     """`nproc` ranks on this machine, to `max_steps`; a rank that fails raises here, the others stopped."""
     import torch.multiprocessing as mp
 
@@ -143,10 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", help="default: the run directory's config.json")
     args = parser.parse_args(argv)
     run_dir = RunDir(args.run_dir)
-    config: RunConfig = load_config(args.config) if args.config else config_from_dict(
-        run_dir.read_config(), source=str(run_dir.config_path))
-    train_rank(str(run_dir.path), str(Path(model_dir(config))), config.trainer, config.run.max_steps,
-               config.run.seed)
+    config: RunConfig = (
+        load_config(args.config)
+        if args.config
+        else config_from_dict(run_dir.read_config(), source=str(run_dir.config_path))
+    )
+    train_rank(str(run_dir.path), str(Path(model_dir(config))), config.trainer, config.run.max_steps, config.run.seed)
 
 
 if __name__ == "__main__":

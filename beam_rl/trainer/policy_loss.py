@@ -53,10 +53,12 @@ def check_packed_attention(model: torch.nn.Module, atol: float = 1e-4) -> None:
             torch.cat([positions(len(first)), positions(len(second))]),
             torch.ones(len(first) + len(second), device=device),
         )
-        alone = torch.cat([
-            sampled_token_logprobs(model, seq, positions(len(seq)), torch.ones(len(seq), device=device))
-            for seq in (first, second)
-        ])
+        alone = torch.cat(
+            [
+                sampled_token_logprobs(model, seq, positions(len(seq)), torch.ones(len(seq), device=device))
+                for seq in (first, second)
+            ]
+        )
     error = float((packed - alone).abs().max())
     if not error <= atol:
         raise RuntimeError(

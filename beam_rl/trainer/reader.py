@@ -77,15 +77,18 @@ class StepReader:
         if record is None:
             record = self.run.read_commit(step)  # StepNotCommittedError: never read a half-written step
         if self.rank >= record.counts.ranks:
-            raise ValueError(f"{self.run.step_dir(step)}: rank {self.rank} requested, "
-                             f"step {step} was written for {record.counts.ranks} ranks")
+            raise ValueError(
+                f"{self.run.step_dir(step)}: rank {self.rank} requested, "
+                f"step {step} was written for {record.counts.ranks} ranks"
+            )
         path = self.run.rank_path(step, self.rank)
         data = self.run.map_committed_file(record, rank_file_name(self.rank), verify=self.verify)
         reader = open_arrow_file(step, path, data)
         check_schema(reader.schema, TRAIN_BATCH_SCHEMA, str(path))
         try:
-            micro_batches = [_micro_batch_arrays(reader.get_batch(i), str(path))
-                             for i in range(reader.num_record_batches)]
+            micro_batches = [
+                _micro_batch_arrays(reader.get_batch(i), str(path)) for i in range(reader.num_record_batches)
+            ]
         except (pa.ArrowInvalid, pa.ArrowIOError) as err:  # a damaged body that passed with verify=False
             raise StepCorruptError(step, path, f"not a readable Arrow IPC file: {err}") from None
         if copy:

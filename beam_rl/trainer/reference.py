@@ -81,8 +81,9 @@ class ReferenceTrainer:
         if config.lora is None:
             model = _load_policy(self.model_dir if latest is None else latest[1])
         else:
-            model = with_lora(_load_policy(self.model_dir), config.lora, seed,
-                              adapter_dir=None if latest is None else latest[1])
+            model = with_lora(
+                _load_policy(self.model_dir), config.lora, seed, adapter_dir=None if latest is None else latest[1]
+            )
         # Checked on the device in float32: the masking is what is checked, and bfloat16's rounding would hide it.
         check_packed_attention(model.to(self.device))
         self.model = model.to(dtype=getattr(torch, config.dtype)).train()
@@ -135,8 +136,9 @@ class ReferenceTrainer:
         self.step = step + 1
 
         # Per sample: the version its rollout started on (the per-token `policy_versions` are not used here).
-        parts = self._gather([(mb["sample_policy_versions"], mb["rewards"], len(mb["input_ids"]))
-                              for mb in micro_batches])
+        parts = self._gather(
+            [(mb["sample_policy_versions"], mb["rewards"], len(mb["input_ids"])) for mb in micro_batches]
+        )
         versions = np.concatenate([v for v, _, _ in parts]) if parts else np.zeros(0)
         rewards = np.concatenate([r for _, r, _ in parts]) if parts else np.zeros(0)
         staleness = (step - 1) - versions  # docs/design.md, "Staleness": step s trains policy s-1
@@ -163,8 +165,14 @@ class ReferenceTrainer:
         }
         if self.publishes:
             self.run.append_metrics({"trainer": metrics})
-        logger.info("trainer step %d: loss %.4f, ratio %.4f, clip %.3f, %d tokens",
-                    step, loss, metrics["ratio_mean"], metrics["clip_fraction"], stats.tokens)
+        logger.info(
+            "trainer step %d: loss %.4f, ratio %.4f, clip %.3f, %d tokens",
+            step,
+            loss,
+            metrics["ratio_mean"],
+            metrics["clip_fraction"],
+            stats.tokens,
+        )
         if self.progress is not None:
             self.progress(metrics)
         return metrics
@@ -176,8 +184,11 @@ class ReferenceTrainer:
 
     def _read_micro_batches(self, step: int, record: Any) -> list[MicroBatchArrays]:
         """The step's micro-batches this process trains on: every rank's (it stands in for all of them)."""
-        return [mb for rank in range(record.counts.ranks)
-                for mb in StepReader(self.run, rank).read_step(step, record=record)]
+        return [
+            mb
+            for rank in range(record.counts.ranks)
+            for mb in StepReader(self.run, rank).read_step(step, record=record)
+        ]
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         return values
@@ -204,8 +215,12 @@ class ReferenceTrainer:
         for mb, mask in zip(micro_batches, trainable):
             if not mask.any():
                 continue
-            logp_new = sampled_token_logprobs(self.model, self.as_tensor(mb["input_ids"]),
-                                              self.as_tensor(mb["position_ids"]), self.as_tensor(mb["temperatures"]))
+            logp_new = sampled_token_logprobs(
+                self.model,
+                self.as_tensor(mb["input_ids"]),
+                self.as_tensor(mb["position_ids"]),
+                self.as_tensor(mb["temperatures"]),
+            )
             loss, mb_stats = clipped_policy_loss(
                 logp_new,
                 self.as_tensor(mb["logprobs"]),
@@ -278,14 +293,20 @@ def _load_policy(path: str | os.PathLike[str]) -> torch.nn.Module:
         return load_tiny_model(path)  # any local Hugging Face causal LM, float32 on CPU
 
 
-def with_lora(model: torch.nn.Module, lora: LoraSection, seed: int,
-              adapter_dir: str | os.PathLike[str] | None = None) -> torch.nn.Module:
+def with_lora(
+    model: torch.nn.Module, lora: LoraSection, seed: int, adapter_dir: str | os.PathLike[str] | None = None
+) -> torch.nn.Module:
     """`model` frozen under a trainable LoRA adapter (peft): the published one at `adapter_dir`, or a new one
     (B = 0, so it starts as the base model; A drawn from `seed`)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; scales by a float target_modules=list(lora.target_modules),
-                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; scales by a float target_modules=list(lora.target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # peft asks transformers a question it deprecated (is_gradient_checkpointing): the user can do nothing.
         warnings.simplefilter("ignore", FutureWarning)

@@ -70,6 +70,7 @@ def reverse_text_rows(rng: random.Random) -> dict[str, list[dict[str, Any]]]:
 
 def guess_number_rows(rng: random.Random) -> dict[str, list[dict[str, Any]]]:
     """Secrets in [1, high] for a few range sizes; a game row is a seed, so repeats are fine."""
+
     def game() -> dict[str, Any]:
         high = rng.choice((4, 8, 10, 16))
         return {"secret": rng.randint(1, high), "low": 1, "high": high}
@@ -91,6 +92,7 @@ def code_rows(rng: random.Random) -> dict[str, list[dict[str, Any]]]:
 
 def tool_arithmetic_rows(rng: random.Random) -> dict[str, list[dict[str, Any]]]:
     """Products and sums too big to do in one's head (4- to 6-digit operands): a calculator call away."""
+
     def task() -> dict[str, Any]:
         a, b = rng.randint(1000, 999_999), rng.randint(1000, 99_999)
         op = rng.choice("*+-")
