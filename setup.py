@@ -56,9 +56,9 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm"],
-        # cryptography: self-signed certs for https tests; openai: the black-box agent the tests run (tests/agents);
+        # cryptography: self-signed certs for https tests; openai: the black-box agent the tests run (tests/support/agents);
         # polars, duckdb: readers docs/trainer-api.md shows. Not Hugging Face datasets: its releases that allow
-        # pyarrow<19 pin fsspec<=2025.3.0; tests/test_wheel.py installs it in a venv of its own.
+        # pyarrow<19 pin fsspec<=2025.3.0; tests/ecosystem/test_wheel.py installs it in a venv of its own.
         # ruff, mypy, types-PyYAML: scripts/check.sh, pinned so that a new release's rules do not fail CI.
         "test": ["pytest>=8", "pytest-timeout>=2.3", "cryptography>=42", "openai>=1.40", "polars>=1", "duckdb>=1.1",
                  "ruff==0.17.5", "mypy==2.4.1", "types-PyYAML==6.0.12.20261113"],
