@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from beam_rl.envs import make_env
 from beam_rl.envs.base import Environment
+from beam_rl.inference.client import InferenceClient
 from beam_rl.standin.faults import FaultConfig, FaultInjector
 from beam_rl.standin.server import EmbeddedServer
 from beam_rl.standin.simulated import SimulatedParams

@@ -31,7 +31,7 @@ from beam_rl.standin.server import EmbeddedServer
 from beam_rl.model.tiny import tiny_model_dir
 from beam_rl.model.tokenizer import load_tokenizer
 from beam_rl.types import Rollout, RolloutStatus
-from beam_rl.job import live, run as job_module
+from beam_rl.job import live
 from tests.support.observe_run import observe_config
 from tests.unit.observe.test_prometheus import scrape, value
 
