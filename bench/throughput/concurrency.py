@@ -156,6 +156,11 @@ def sweep(results: dict[str, dict]) -> dict[int, float]:
             if name.startswith("fixed-")}
 
 
+def _ratio(rate: float, best: float) -> float | None:
+    """rate / best, or None when the best fixed cap trained nothing (a machine too busy to run the engine)."""
+    return round(rate / best, 3) if best else None
+
+
 def run_workload(name: str, size: dict, only: list[str] | None, weights: Path) -> dict:
     load = WORKLOADS[name] | ({"time_scale": size["time_scale"]} if "time_scale" in size else {})
     slots = size["servers"] * size["max_num_seqs"]
@@ -193,12 +198,12 @@ def run_workload(name: str, size: dict, only: list[str] | None, weights: Path) -
         for mode in ("goodput", "kv"):
             for suffix, fixed_run in against.items():
                 if mode in results:
-                    out[f"{mode}_over_best_fixed{suffix}"] = round(
-                        results[mode]["trained_tokens_per_s"] / fixed_run["trained_tokens_per_s"], 3)
+                    out[f"{mode}_over_best_fixed{suffix}"] = _ratio(
+                        results[mode]["trained_tokens_per_s"], fixed_run["trained_tokens_per_s"])
             if mode in results:
                 # Its second half (slow start behind it) against the best fixed cap's whole counted span.
-                out[f"{mode}_second_half_over_best_fixed"] = round(
-                    results[mode]["trained_tokens_per_s_second_half"] / against[""]["trained_tokens_per_s"], 3)
+                out[f"{mode}_second_half_over_best_fixed"] = _ratio(
+                    results[mode]["trained_tokens_per_s_second_half"], against[""]["trained_tokens_per_s"])
         print(f"{name}: best {best}, " + ", ".join(f"{k} {v}" for k, v in out.items() if "_over_" in k), flush=True)
     return out
 

@@ -5,6 +5,8 @@ tests/unit/dispatch/test_concurrency.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from beam_rl.config import config_from_dict
 from beam_rl.dispatch.concurrency import GoodputController
 from tests.support.paths import REPO
@@ -53,6 +55,8 @@ def test_goodput_against_the_simulated_engine_holds_a_cap_near_the_best_fixed_ca
     results = out["results"]
     fixed = sweep(results)
     best = max(fixed, key=fixed.__getitem__)
+    if fixed[best] == 0:  # the premise: the engine runs in real time, which a CPU taken by other work stops
+        pytest.skip(f"no fixed cap trained anything ({fixed}): the machine is too busy to run the simulated engine")
     goodput = results["goodput"]
     assert goodput["trained_tokens_per_s_second_half"] >= 0.75 * fixed[best], (fixed, goodput)
     assert best / 2 <= goodput["cap_second_half_mean"] <= min(2 * best, 0.8 * 256), (fixed, goodput)
