@@ -61,7 +61,7 @@ def _group(index: int, sleeps: list[float], fails: tuple[int, ...] = (), **kw: A
 def test_the_groups_of_a_bundle_are_rewarded_together_and_reward_errors_masked(tmp_path):
     SlowRewards.running = SlowRewards.most_running = 0
     config = config_from_dict({
-        "envs": [{"name": "slow", "kind": "test_score_stage:SlowRewards", "group_size": SIZE, "algorithm": "grpo",
+        "envs": [{"name": "slow", "kind": "tests.pipeline.test_score:SlowRewards", "group_size": SIZE, "algorithm": "grpo",
                   "reward": {"timeout_s": 2.0}}],
         "batch": {"rollouts_per_step": SIZE}, "filters": {"zero_advantage": {"mode": "off"}},
     })
