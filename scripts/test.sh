@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/test.sh [--fast] [PYTEST ARGS...]
 #   --fast  the fast tier: tests/unit and tests/architecture, which need no runner, server or sandbox set-up,
-#           so only the venv is set up (setup.sh with no parts); about a minute (docs/testing.md).
+#           so only the venv is set up (setup.sh with no parts); about 1.5 minutes (docs/testing.md).
 #   else    the whole suite: set up everything the tests need (see setup.sh: the venv, Prism, the Flink job
 #           server, the sandbox's packages; verifiers is one of the venv's dependencies), and beside it the
 #           real vLLM-on-CPU server the ecosystem tests start (its own virtualenv, cached;
