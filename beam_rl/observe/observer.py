@@ -8,45 +8,18 @@ import logging
 import os
 from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from beam_rl.config import RunConfig
 from beam_rl.observe.figures import EVAL, ROLLOUTS, TRAINER, Figures, eval_figures, step_figures, trainer_figures
+from beam_rl.observe.snapshot import PACKED_TOTALS, BeamCounters, Snapshot
 from beam_rl.observe.trackers import Sample, Tracker
 from beam_rl.rundir import MetricsTail, RunDir
 
 _LOG = logging.getLogger(__name__)
 
 SampleRows = Callable[[int], Sequence[Sample]]  # a committed step -> a few of its rollouts, for W&B's table
-BeamCounters = Callable[[], Mapping[str, float]]  # the runner's counters, name -> value, read at each scrape
-
-# Totals over every committed step: commit-record path -> Prometheus counter (beam_rl_<name>_total).
-PACKED_TOTALS = {
-    ("counts", "groups"): "groups_packed",
-    ("counts", "samples"): "samples_packed",
-    ("counts", "tokens"): "tokens_packed",
-    ("counts", "trained_tokens"): "tokens_trained",
-    ("window", "rollouts"): "rollouts_observed",
-    ("window", "trained_rollouts"): "rollouts_trained",
-}
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What the run looked like at the end of the last poll; replaced whole, so a scrape from another
-    thread always sees one consistent poll."""
-
-    status: dict[str, Any] = field(default_factory=dict)  # the dispatch shards' status files, merged
-    steps_committed: int = 0
-    last_committed_at: float | None = None
-    step: Figures = field(default_factory=dict)  # the last committed step's figures
-    totals: dict[str, float] = field(default_factory=dict)  # PACKED_TOTALS names -> sum over committed steps
-    tokens_by_fate: dict[str, float] = field(default_factory=dict)  # sum of window.tokens_by_fate, when present
-    trainer_step: int = 0
-    trainer: Figures = field(default_factory=dict)
-    eval_after_step: int = 0
-    eval: Figures = field(default_factory=dict)
 
 
 class RunObserver:
@@ -85,7 +58,7 @@ class RunObserver:
 
             host, port = config.logging.prometheus_host, config.logging.prometheus_port
             try:
-                self._server, self.prometheus_port = serve(self, beam_counters, host, port)
+                self._server, self.prometheus_port = serve(lambda: self.snapshot, beam_counters, host, port)
             except OSError as err:
                 self.close()
                 raise OSError(

@@ -4,7 +4,7 @@ the runner's counters) into metric families at each scrape."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import start_http_server
@@ -13,11 +13,11 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from beam_rl.listeners import warn_if_open
 from beam_rl.observe.figures import server_name
+from beam_rl.observe.snapshot import BeamCounters, Snapshot
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from beam_rl.observe.observer import BeamCounters, RunObserver, Snapshot
 
 _LOG = logging.getLogger(__name__)
 PREFIX = "beam_rl_"
@@ -65,12 +65,12 @@ SERVER_GAUGES = {  # per server, from status.json's "servers" (running/waiting/K
 class RunCollector(Collector):
     """Reads the observer's snapshot at scrape time: no gauge is ever set by hand."""
 
-    def __init__(self, observer: RunObserver, beam_counters: BeamCounters | None = None) -> None:
-        self._observer = observer
+    def __init__(self, snapshot: Callable[[], Snapshot], beam_counters: BeamCounters | None = None) -> None:
+        self._snapshot = snapshot
         self._beam_counters = beam_counters
 
     def collect(self) -> Iterator[Metric]:
-        snapshot = self._observer.snapshot  # one poll's consistent view
+        snapshot = self._snapshot()  # one poll's consistent view
         yield from _status_metrics(snapshot.status)
         yield from _run_metrics(snapshot)
         if self._beam_counters is not None:
@@ -88,11 +88,13 @@ class RunCollector(Collector):
                 )
 
 
-def serve(observer: RunObserver, beam_counters: BeamCounters | None, host: str, port: int) -> tuple[WSGIServer, int]:
+def serve(
+    snapshot: Callable[[], Snapshot], beam_counters: BeamCounters | None, host: str, port: int
+) -> tuple[WSGIServer, int]:
     """Serve /metrics on host:port from a registry of its own; returns the server and the bound port. A host
     beyond loopback is warned about: the run's figures, to whoever reaches it."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RunCollector(observer, beam_counters))
+    registry.register(RunCollector(snapshot, beam_counters))
     server, _thread = start_http_server(port, addr=host, registry=registry)
     _LOG.info("Prometheus metrics on http://%s:%d/metrics", host, server.server_port)
     warn_if_open(

@@ -36,12 +36,7 @@ ABOVE_THE_DOMAIN = (CLI, JOB, WIRING)
 KNOWN_MODULE_LEVEL_CYCLES: frozenset[frozenset[str]] = frozenset()
 
 # Counting function-local and TYPE_CHECKING imports too.
-KNOWN_HIDDEN_CYCLES: frozenset[frozenset[str]] = frozenset({
-    # observe/observer.py starts the Prometheus endpoint through a function-local import of
-    # observe/prometheus.py (prometheus_client is imported only when the endpoint is on), which imports
-    # the observer's types under TYPE_CHECKING for its annotations: never a cycle at run time.
-    frozenset({"beam_rl.observe.observer", "beam_rl.observe.prometheus"}),
-})
+KNOWN_HIDDEN_CYCLES: frozenset[frozenset[str]] = frozenset()
 
 
 @dataclass(frozen=True)
