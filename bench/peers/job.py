@@ -12,9 +12,12 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
+
+# Each simulated server's max_num_seqs: a peer whose concurrency is configurable keeps len(urls) * this in flight.
+SLOTS_PER_SERVER = 16
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,18 @@ class Peer(Protocol):
     def version(self) -> str:
         """ "trl 1.16.0", "prime-rl <commit>"."""
         ...
+
+
+def save_job(job: PeerJob, path: Path) -> None:
+    """The job as JSON, for an adapter whose loop runs in a process (or a venv) of its own: `load_job` reads it."""
+    path.write_text(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in asdict(job).items()}))
+
+
+def load_job(path: Path) -> PeerJob:
+    raw: dict[str, Any] = json.loads(path.read_text())
+    paths = {f.name for f in fields(PeerJob) if f.type in (Path, "Path")}
+    values: dict[str, Any] = {k: Path(v) if k in paths else v for k, v in raw.items()}
+    return PeerJob(**values)
 
 
 def write_prompts(path: Path, groups: Iterable[dict[str, Any]]) -> None:
