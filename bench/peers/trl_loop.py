@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench.peers.job
 from transformers import PreTrainedTokenizerFast
 
-from bench.peers.job import append_rollout, read_prompts
+from bench.peers.job import SLOTS_PER_SERVER, PeerJob, append_rollout, load_job, read_prompts
 
 HEALTH_STALE_S = 300.0  # TRL's own allowance for the child's start (child_ready_timeout)
 
@@ -50,16 +50,21 @@ def no_reward(completions: list[Any], **_: Any) -> list[float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--url", required=True, help="the one vLLM server TRL's worker posts to")
-    parser.add_argument("--model", required=True, help="the served model name")
-    parser.add_argument("--tokenizer", required=True, help="a local tokenizer directory")
-    parser.add_argument("--prompts", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--group-size", required=True, type=int)
-    parser.add_argument("--max-tokens", required=True, type=int)
-    parser.add_argument("--groups", required=True, type=int)
-    parser.add_argument("--max-inflight", required=True, type=int, help="the worker's max_inflight_tasks")
+    parser.add_argument("--job", required=True, type=Path, help="the PeerJob, as bench.peers.job.save_job wrote it")
+    parser.add_argument("--tokenizer", required=True, help="the served model's tokenizer, a local directory")
     return parser.parse_args(argv)
+
+
+def worker_settings(job: PeerJob) -> dict[str, Any]:
+    """The worker's arguments that the job decides. TRL's worker takes one server (its config's
+    vllm_server_base_url): the fleet's first. In flight, as every peer keeps: the fleet's slots."""
+    return {
+        "vllm_server_url": job.urls[0],
+        "model_name": job.model,
+        "num_generations": job.group_size,
+        "max_tokens": job.max_tokens,
+        "max_inflight_tasks": len(job.urls) * SLOTS_PER_SERVER,
+    }
 
 
 def rollout_line(
@@ -94,43 +99,39 @@ def _tokenizer(path: str) -> Any:
     return tokenizer
 
 
-def _worker(args: argparse.Namespace, prompts: list[dict[str, Any]], tokenizer: Any) -> Any:
+def _worker(job: PeerJob, prompts: list[dict[str, Any]], tokenizer: Any) -> Any:
     from datasets import Dataset  # type: ignore[import-not-found]
     from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker  # type: ignore[import-not-found]
 
     messages = [[{"role": "user", "content": row["prompt"], "prompt_ids": row["prompt_ids"]}] for row in prompts]
-    dataset = Dataset.from_list([{"prompt": conversation} for conversation in messages])
     return AsyncRolloutWorker(
-        model_name=args.model,
-        dataset=dataset,
+        dataset=Dataset.from_list([{"prompt": conversation} for conversation in messages]),
         reward_funcs=[no_reward],
         processing_class=tokenizer,
         eos_token_ids=[tokenizer.eos_token_id],
-        num_generations=args.group_size,
-        max_inflight_tasks=args.max_inflight,
-        vllm_server_url=args.url,
-        max_tokens=args.max_tokens,
+        **worker_settings(job),
     )
 
 
 def main() -> None:
     args = parse_args()
+    job = load_job(args.job)
     # The trainer's Accelerator sets up accelerate's state, which the worker's logging needs.
     from accelerate.state import PartialState  # type: ignore[import-untyped]
 
     PartialState()
     _allow_without_vllm()
-    prompts = read_prompts(args.prompts)
+    prompts = read_prompts(job.prompts_path)
     tokenizer = _tokenizer(args.tokenizer)
-    worker = _worker(args, prompts, tokenizer)
+    worker = _worker(job, prompts, tokenizer)
     group_ids = [str(row["group_id"]) for row in prompts]
     stop_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
     delivered: dict[int, int] = {}  # TRL's group number -> its rollouts delivered
     finished = 0
     worker.start()
     try:
-        with open(args.out, "a") as out:
-            while finished < args.groups:
+        with open(job.out_path, "a") as out:
+            while finished < job.groups:
                 try:
                     sample = worker.rollout_buffer.get(timeout=1.0)
                 except queue.Empty:
@@ -139,7 +140,7 @@ def main() -> None:
                 line = rollout_line(sample.group_id, sample.completion_mask, sample.input_ids, stop_ids, group_ids)
                 append_rollout(out, **line, t=time.time())
                 delivered[sample.group_id] = delivered.get(sample.group_id, 0) + 1
-                finished += delivered[sample.group_id] == args.group_size
+                finished += delivered[sample.group_id] == job.group_size
     finally:
         worker.stop()
 

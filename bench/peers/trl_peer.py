@@ -21,7 +21,7 @@ from typing import ClassVar
 
 from beam_rl.cache import cache_root
 from beam_rl.model.tiny import tiny_model_dir
-from bench.peers.job import PeerJob
+from bench.peers.job import PeerJob, save_job
 
 TRL_VERSION = "1.16.0"
 PINS = (
@@ -38,7 +38,6 @@ INSTALL_TIMEOUT_S = 1800  # a cold cache downloads torch and its CUDA libraries:
 # `env` execs the loop in its place (one process): no hub (the tokenizer is the offline tiny one, from its
 # directory), and no warning that trl.experimental is experimental. The worker's spawned child inherits both.
 ENV = ("env", "HF_HUB_OFFLINE=1", "HF_DATASETS_OFFLINE=1", "TRL_EXPERIMENTAL_SILENCE=1")
-SLOTS_PER_SERVER = 16  # each simulated server's max_num_seqs: the worker keeps this many in flight per URL given
 
 
 def venv_dir() -> Path:
@@ -102,18 +101,12 @@ class Trl:
         venv = venv_dir()
         if not _complete(venv):
             raise RuntimeError(f"TRL's venv {venv} is not built: Trl().prepare() builds it (the harness's --prepare)")
-        options = {
-            "--url": job.urls[0],
-            "--model": job.model,
-            "--tokenizer": str(tiny_model_dir()),  # the fleet serves the tiny model; there is no hub here
-            "--prompts": str(job.prompts_path),
-            "--out": str(job.out_path),
-            "--group-size": str(job.group_size),
-            "--max-tokens": str(job.max_tokens),
-            "--groups": str(job.groups),
-            "--max-inflight": str(len(job.urls) * SLOTS_PER_SERVER),
-        }
-        return [*ENV, str(venv / "bin" / "python"), str(LOOP), *(word for pair in options.items() for word in pair)]
+        job_path = job.work_dir / "job.json"
+        job.work_dir.mkdir(parents=True, exist_ok=True)
+        save_job(job, job_path)
+        python = str(venv / "bin" / "python")
+        # The fleet serves the tiny model: its tokenizer is read from the directory beam-rl builds (no hub here).
+        return [*ENV, python, str(LOOP), "--job", str(job_path), "--tokenizer", str(tiny_model_dir())]
 
     def version(self) -> str:
         return f"trl {TRL_VERSION}"

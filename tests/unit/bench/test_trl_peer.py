@@ -12,8 +12,8 @@ import pytest
 from beam_rl.cache import cache_root
 from beam_rl.model.tiny import tiny_model_dir
 from bench.peers import trl_loop
-from bench.peers.job import PeerJob
-from bench.peers.trl_peer import LOOP, SLOTS_PER_SERVER, Trl, venv_dir
+from bench.peers.job import SLOTS_PER_SERVER, PeerJob, load_job
+from bench.peers.trl_peer import LOOP, Trl, venv_dir
 
 URLS = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
 
@@ -27,24 +27,37 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def job(tmp_path: Path) -> PeerJob:
-    return PeerJob(name="short", urls=URLS, model="tiny", prompts_path=tmp_path / "prompts.jsonl", group_size=4,
-                   max_tokens=64, groups=8, out_path=tmp_path / "rollouts.jsonl", work_dir=tmp_path / "peer", seed=0)
+    return PeerJob(
+        name="short",
+        urls=URLS,
+        model="tiny",
+        prompts_path=tmp_path / "prompts.jsonl",
+        group_size=4,
+        max_tokens=64,
+        groups=8,
+        out_path=tmp_path / "rollouts.jsonl",
+        work_dir=tmp_path / "peer",
+        seed=0,
+    )
 
 
-def test_the_command_runs_trls_loop_from_its_own_venv_on_the_first_server_with_the_fleets_slots(own_cache: Path) -> None:
+def test_the_command_runs_trls_loop_from_its_own_venv_on_the_first_server_with_the_fleets_slots(
+    own_cache: Path,
+) -> None:
     venv = venv_dir()
     assert venv.parent == cache_root() / "peers" / "trl"
     venv.mkdir(parents=True)
     (venv / "complete").write_text("pins\n")
-    argv = Trl().command(job(own_cache))
+    given = job(own_cache)
+    argv = Trl().command(given)
     loop_at = argv.index(str(LOOP))
     assert argv[0] == "env" and argv[loop_at - 1] == str(venv / "bin" / "python")
     assert "HF_HUB_OFFLINE=1" in argv[:loop_at]  # the loop never reaches for the hub
     args = trl_loop.parse_args(argv[loop_at + 1 :])  # what the loop itself reads from the argv
-    assert (args.url, args.model, args.group_size, args.max_tokens, args.groups) == (URLS[0], "tiny", 4, 64, 8)
-    assert args.max_inflight == len(URLS) * SLOTS_PER_SERVER
-    assert (args.prompts, args.out) == (own_cache / "prompts.jsonl", own_cache / "rollouts.jsonl")
-    assert args.tokenizer == str(tiny_model_dir())
+    assert load_job(args.job) == given and args.tokenizer == str(tiny_model_dir())
+    settings = trl_loop.worker_settings(given)
+    assert (settings["vllm_server_url"], settings["max_inflight_tasks"]) == (URLS[0], len(URLS) * SLOTS_PER_SERVER)
+    assert (settings["model_name"], settings["num_generations"], settings["max_tokens"]) == ("tiny", 4, 64)
 
 
 def test_an_unbuilt_venv_is_refused_in_one_line_naming_it(own_cache: Path) -> None:
@@ -58,8 +71,9 @@ def test_the_worker_posts_the_prompts_own_token_ids_and_renders_any_other_conver
     ids = [327, 263, 140, 159, 23, 41, 11, 92, 416, 333]  # random tokens, as the harness's workloads draw them
     prompt = tokenizer.decode(ids)
     assert tokenizer.encode(prompt) != ids  # so rendering the text would post another prompt
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompt, "prompt_ids": ids}],
-                                             return_dict=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt, "prompt_ids": ids}], return_dict=False, add_generation_prompt=True
+    )
     assert rendered == ids
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert tokenizer.apply_chat_template(chat, tokenize=False).startswith("<|im_start|>user\nhi<|im_end|>")
