@@ -55,11 +55,10 @@ def _complete(venv: Path) -> bool:
 
 def _build(venv: Path) -> None:
     """uv makes the venv (from this interpreter's Python) and installs the pins; one line on failure."""
-    python = venv / "bin" / "python"
-    for argv in (
-        [str(_uv()), "venv", "-q", "--clear", "--python", sys.executable, str(venv)],
-        [str(_uv()), "pip", "install", "-q", "--python", str(python), "--exclude-newer", EXCLUDE_NEWER, *PINS],
-    ):
+    uv, python = str(_uv()), str(venv / "bin" / "python")
+    # --compile-bytecode as pip does: a first run would otherwise compile torch's and TRL's modules as it imports
+    install = [uv, "pip", "install", "-q", "--python", python, "--compile-bytecode", "--exclude-newer", EXCLUDE_NEWER]
+    for argv in ([uv, "venv", "-q", "--clear", "--python", sys.executable, str(venv)], [*install, *PINS]):
         done = subprocess.run(argv, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, check=False)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or [f"status {done.returncode}"])[-1]
