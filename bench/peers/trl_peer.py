@@ -84,9 +84,10 @@ class Trl:
     }
 
     def unavailable(self) -> str | None:
-        if _complete(venv_dir()) or _uv().exists():
-            return None  # built, or prepare() can build it
-        return f"TRL's venv is not built and uv, which builds it, is not beside {sys.executable}"
+        venv = venv_dir()
+        if _complete(venv):
+            return None
+        return f"TRL's venv {venv} is not built: prepare() builds it from PyPI (the harness's --prepare)"
 
     def prepare(self) -> None:
         venv = venv_dir()
@@ -97,13 +98,13 @@ class Trl:
                 _build(venv)
 
     def command(self, job: PeerJob) -> list[str]:
-        venv = venv_dir()
-        if not _complete(venv):
-            raise RuntimeError(f"TRL's venv {venv} is not built: Trl().prepare() builds it (the harness's --prepare)")
+        why = self.unavailable()
+        if why:
+            raise RuntimeError(why)
         job_path = job.work_dir / "job.json"
         job.work_dir.mkdir(parents=True, exist_ok=True)
         save_job(job, job_path)
-        python = str(venv / "bin" / "python")
+        python = str(venv_dir() / "bin" / "python")
         # The fleet serves the tiny model: its tokenizer is read from the directory beam-rl builds (no hub here).
         return [*ENV, python, str(LOOP), "--job", str(job_path), "--tokenizer", str(tiny_model_dir())]
 

@@ -48,6 +48,7 @@ def test_the_command_runs_trls_loop_from_its_own_venv_on_the_first_server_with_t
     assert venv.parent == cache_root() / "peers" / "trl"
     venv.mkdir(parents=True)
     (venv / "complete").write_text("pins\n")
+    assert Trl().unavailable() is None
     given = job(own_cache)
     argv = Trl().command(given)
     loop_at = argv.index(str(LOOP))
@@ -60,10 +61,11 @@ def test_the_command_runs_trls_loop_from_its_own_venv_on_the_first_server_with_t
     assert (settings["model_name"], settings["num_generations"], settings["max_tokens"]) == ("tiny", 4, 64)
 
 
-def test_an_unbuilt_venv_is_refused_in_one_line_naming_it(own_cache: Path) -> None:
-    with pytest.raises(RuntimeError, match="not built") as refused:
+def test_until_its_venv_is_built_it_is_unavailable_in_one_line_naming_the_venv(own_cache: Path) -> None:
+    why = Trl().unavailable()
+    assert why is not None and "not built" in why and str(venv_dir()) in why and "\n" not in why
+    with pytest.raises(RuntimeError, match="not built"):
         Trl().command(job(own_cache))
-    assert str(venv_dir()) in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_the_worker_posts_the_prompts_own_token_ids_and_renders_any_other_conversation_with_the_template() -> None:
