@@ -1,0 +1,1 @@
+"""The benchmarks' own code: the peers harness' adapters (bench/peers/)."""
