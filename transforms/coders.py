@@ -9,6 +9,9 @@ value's token counts instead.
 
 Values are registered by type; a PCollection gets this coder when its type hint names one of them
 (`PackerItem` stands for the union of what the packer takes, which Beam would give its fallback).
+`GroupPart` is a group's rollouts as one value, pickled in one call: Beam would code `list[Rollout]`
+one rollout at a time (a part of 8 rollouts of 256 tokens: 45 us a rollout there and back, 33 as one
+pickle, which also writes the strings the rollouts share once).
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ _RECORD_BYTES = 850  # a pickled RolloutRecord's fields other than its token arr
 
 class PackerItem:
     """Type hint for the packer's input elements: a `ScoredGroup` or the `EndOfInput` marker."""
+
+
+class GroupPart:
+    """Type hint for what leaves Dispatch for CompleteGroups and Score: some rollouts of one group (a
+    `list[Rollout]`, coded as one value), or a shard's `EndOfInput` on its way to the packer."""
 
 
 class PackerOutput:
@@ -60,6 +68,8 @@ def estimated_bytes(value: Any) -> int:
         return _ROLLOUT_BYTES + _PICKLED_TOKEN_BYTES * value.num_tokens
     if isinstance(value, RolloutRecord):
         return _record_bytes(value)
+    if isinstance(value, list):  # a GroupPart
+        return sum(map(estimated_bytes, value))
     if isinstance(value, TrainBatch):
         samples = [s for rank in value.micro_batches for micro in rank for s in micro.samples]
         return sum(map(_sample_bytes, samples)) + _unshared_bytes(value.rollouts, samples)
@@ -83,5 +93,15 @@ class DomainCoder(beam.coders.Coder):
         return Any
 
 
-for _type in (Rollout, RolloutRecord, ScoredGroup, TrainBatch, EndOfInput, InputExhausted, PackerItem, PackerOutput):
+for _type in (
+    Rollout,
+    RolloutRecord,
+    ScoredGroup,
+    TrainBatch,
+    EndOfInput,
+    InputExhausted,
+    GroupPart,
+    PackerItem,
+    PackerOutput,
+):
     beam.coders.registry.register_coder(_type, DomainCoder)

@@ -2,7 +2,10 @@
 
 Like an IO connector's reader, each shard's DoFn claims prompt offsets from its restriction as the
 dispatcher has room, emits finished rollouts as they finish (keyed by group, for CompleteGroups), and
-checkpoints itself every fraction of a second so they leave in small bundles. The dispatcher's event loop
+checkpoints itself every fraction of a second so they leave in small bundles. Its end of input leaves on
+the same output, keyed apart, and passes through CompleteGroups and Score to the packer: the scored
+groups then meet no Flatten on their way, which made the runner unfuse the stage after Score (each
+scored group crossed the runner twice). The dispatcher's event loop
 lives across bundles in the worker process (one RolloutSource per shard, held with Beam's `Shared`). A
 shard's restriction (beam_rl.source.DispatchRange) carries what a restore must run again.
 """
@@ -25,11 +28,11 @@ from beam_rl import wiring
 from beam_rl.dispatch.heap import settle_heap
 from beam_rl.source import DispatchRange, EndOfInput, RolloutSource, Shard, SourceSpec
 from beam_rl.types import Rollout
-from transforms import coders  # noqa: F401  (registers the coder of Rollout)
+from transforms.coders import GroupPart
 from transforms.flink_keys import operator_index
 from transforms.sdf import WatermarkFromStart
 
-END_OF_INPUT = "end_of_input"
+END_OF_INPUT = "end_of_input"  # the key prefix of a shard's EndOfInput
 BUNDLE_S = 0.2  # how long one process() call collects rollouts before it checkpoints
 POLL_S = 0.02
 
@@ -222,7 +225,7 @@ class _DispatchFn(beam.DoFn):
             watermark.set_watermark(now)
             if source.finished(all_claimed=next_offset >= restriction.end_marker):
                 if tracker.try_claim(restriction.end_marker):
-                    yield beam.pvalue.TaggedOutput(END_OF_INPUT, EndOfInput(shard, source.emitted))
+                    yield TimestampedValue((f"{END_OF_INPUT}/{shard}", EndOfInput(shard, source.emitted)), now)
                 source.close()
                 return
             # Defer.
@@ -258,7 +261,7 @@ def _routing_key(spec: SourceSpec, shard: int, size: int) -> str:
 
 class DispatchRollouts(beam.PTransform):
     """Every rollout of the run as it finishes, in parts keyed by their group (errored and cancelled ones
-    too: every started rollout leaves exactly once); plus one EndOfInput per shard."""
+    too: every started rollout leaves exactly once); plus one EndOfInput per shard, keyed by its shard."""
 
     def __init__(self, spec: SourceSpec) -> None:
         super().__init__()
@@ -270,7 +273,5 @@ class DispatchRollouts(beam.PTransform):
             pbegin
             | beam.Impulse()
             | "Shards" >> beam.FlatMap(lambda _: elements).with_output_types(ShardElement)
-            | beam.ParDo(_DispatchFn(self._spec))
-            .with_output_types(tuple[str, list[Rollout]])
-            .with_outputs(END_OF_INPUT, main="rollouts")
+            | beam.ParDo(_DispatchFn(self._spec)).with_output_types(tuple[str, GroupPart])
         )

@@ -3,7 +3,8 @@
 
 Errored and cancelled rollouts count toward completion (the dispatcher emits every started rollout
 exactly once), so every admitted group is released; its state is cleared on release. Keyed by group id,
-the stage spreads groups, and the scoring fused after it, over the runner's workers.
+the stage spreads groups, and the scoring fused after it, over the runner's workers. A shard's EndOfInput
+passes through untouched, on its way to the packer.
 """
 
 from __future__ import annotations
@@ -11,15 +12,19 @@ from __future__ import annotations
 import apache_beam as beam
 from apache_beam.transforms import userstate
 
+from beam_rl.source import EndOfInput
 from beam_rl.types import Rollout
-from transforms.coders import DomainCoder
+from transforms.coders import DomainCoder, GroupPart
 
 
 class _CollectGroup(beam.DoFn):
     ARRIVED = userstate.BagStateSpec("arrived", DomainCoder())  # the group's rollouts so far
 
-    def process(self, keyed: tuple[str, list[Rollout]], arrived=beam.DoFn.StateParam(ARRIVED)):
+    def process(self, keyed: tuple[str, list[Rollout] | EndOfInput], arrived=beam.DoFn.StateParam(ARRIVED)):
         _, part = keyed  # keyed by the group (transforms/dispatch.py chooses the key)
+        if isinstance(part, EndOfInput):
+            yield keyed
+            return
         if len(part) < part[0].group_size:
             group = [*arrived.read(), *part]
             if len(group) < part[0].group_size:
@@ -34,7 +39,8 @@ class _CollectGroup(beam.DoFn):
 
 
 class CompleteGroups(beam.PTransform):
-    """(a group's key, some of its rollouts) -> (group id, the group's rollouts ordered by attempt), once per group."""
+    """(a group's key, some of its rollouts) -> (group id, the group's rollouts ordered by attempt), once per group;
+    (a key, EndOfInput) -> itself."""
 
     def expand(self, rollouts):
-        return rollouts | beam.ParDo(_CollectGroup()).with_output_types(tuple[str, list[Rollout]])
+        return rollouts | beam.ParDo(_CollectGroup()).with_output_types(tuple[str, GroupPart])

@@ -1,5 +1,6 @@
 """Score: each complete group's rewards (beam_rl.scoring.rewards), then its advantages, temperatures and pre-batch
-filters (beam_rl.scoring.group.score_group). Evaluation groups are only rewarded, and leave on their own output."""
+filters (beam_rl.scoring.group.score_group). Evaluation groups are only rewarded, and leave on their own output;
+a shard's EndOfInput goes on to the packer with the scored groups."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from beam_rl.config import RunConfig
 from beam_rl.envs.plugins import PluginFailure
 from beam_rl.processes import worker_id
 from beam_rl.rundir.failures import record_failure
-from beam_rl.scoring.group import TOO_FEW_SCORED, ScoredGroup
+from beam_rl.scoring.group import TOO_FEW_SCORED
 from beam_rl.scoring.rewards import GroupRewards, Rewarder, RewardFailed, RewardLoop, wait_for_any
+from beam_rl.source import EndOfInput
 from beam_rl.types import RolloutRecord, RolloutStatus
-from transforms import coders  # noqa: F401  (registers the coder of ScoredGroup)
+from transforms.coders import PackerItem
 
 EVALUATION = "evaluation"
 _METRICS = "beam_rl"
@@ -52,6 +54,9 @@ class _ScoreFn(beam.DoFn):
 
     def process(self, keyed_group, timestamp=beam.DoFn.TimestampParam, window=beam.DoFn.WindowParam):
         _, rollouts = keyed_group
+        if isinstance(rollouts, EndOfInput):
+            yield rollouts
+            return
         self._bundle_groups += 1
         with self._recording_failure():
             # The output keeps this element's timestamp and window, whenever it is emitted.
@@ -116,7 +121,8 @@ class _ScoreFn(beam.DoFn):
 
 
 class ScoreGroups(beam.PTransform):
-    """Complete groups -> ScoredGroup (main output) and (eval round, rollout records) on EVALUATION."""
+    """Complete groups -> ScoredGroup (main output, with each EndOfInput that came in) and (eval round,
+    rollout records) on EVALUATION."""
 
     def __init__(self, config: RunConfig, run_dir: str | None = None) -> None:
         super().__init__()
@@ -124,7 +130,7 @@ class ScoreGroups(beam.PTransform):
         self._run_dir = run_dir
 
     def expand(self, groups):
-        return groups | beam.ParDo(_ScoreFn(self._config, self._run_dir)).with_output_types(ScoredGroup).with_outputs(
+        return groups | beam.ParDo(_ScoreFn(self._config, self._run_dir)).with_output_types(PackerItem).with_outputs(
             EVALUATION, main="scored"
         )
 

@@ -16,8 +16,7 @@ from apache_beam.pvalue import PCollection
 from beam_rl.rundir import RunDir
 from beam_rl.source import SourceSpec
 from beam_rl.wiring import JobParts
-from transforms.coders import PackerItem
-from transforms.dispatch import END_OF_INPUT, DispatchRollouts
+from transforms.dispatch import DispatchRollouts
 from transforms.evaluate import EvaluateRounds
 from transforms.groups import CompleteGroups
 from transforms.pack import PackBatches
@@ -27,15 +26,17 @@ from transforms.write import WriteTrainBatches
 
 def build_rollout_pipeline(pipeline: beam.Pipeline, spec: SourceSpec) -> PCollection[int]:
     """Adds the rollout graph to `pipeline`; returns the PCollection of committed step numbers."""
-    dispatched = pipeline | "Dispatch" >> DispatchRollouts(spec)
+    # Each shard's end of input travels with the rollouts, through CompleteGroups and Score, to the packer.
     scored = (
-        dispatched.rollouts | "CompleteGroups" >> CompleteGroups() | "Score" >> ScoreGroups(spec.config, spec.run_dir)
+        pipeline
+        | "Dispatch" >> DispatchRollouts(spec)
+        | "CompleteGroups" >> CompleteGroups()
+        | "Score" >> ScoreGroups(spec.config, spec.run_dir)
     )
     if spec.config.eval.every_steps:
         scored[EVALUATION] | "Evaluate" >> EvaluateRounds(spec.config, spec.run_dir)
     return (
-        (scored.scored, dispatched[END_OF_INPUT])
-        | "WithEndOfInput" >> beam.Flatten().with_output_types(PackerItem)
+        scored.scored
         | "PackBatches" >> PackBatches(spec.config, spec.first_step, spec.with_trainer, spec.run_dir)
         | "WriteTrainBatches" >> WriteTrainBatches(spec.run_dir)
     )

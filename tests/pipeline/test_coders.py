@@ -88,3 +88,21 @@ def test_beam_measures_element_sizes_without_pickling_them(monkeypatch, tmp_path
              | beam.Map(record))
     assert sorted(out.read_text().split()) == sorted(g.group_id for g in groups)
     assert ScoredGroup not in dumped
+
+
+def test_a_group_part_is_one_pickle_and_round_trips_exactly():
+    rollouts = [
+        Rollout(group_id="g", env_name="e", attempt=i, group_size=2, prompt_ids=[1, 2], reward=0.1 * (i + 1),
+                turns=[Turn(completion_ids=[3, 2**40], logprobs=[-0.1, -1e-300], policy_versions=[0, 1])])
+        for i in range(2)
+    ]
+    coder = beam.coders.registry.get_coder(convert_to_beam_type(tuple[str, coders.GroupPart]))
+    back = coder.decode(coder.encode(("g", rollouts)))
+    # The part is one value (one pickle for the group), and nothing is rounded on the way: a reward of
+    # 0.1 or 0.2, which float32 does not hold, and logprobs and ids beyond float32 and int32, come back as sent.
+    assert isinstance(coder.coders()[1], DomainCoder)
+    assert back == ("g", rollouts)
+    assert [r.reward for r in back[1]] == [0.1, 0.2] and back[1][0].turns[0].logprobs == [-0.1, -1e-300]
+    end = EndOfInput(shard=3, groups=17)
+    assert coder.decode(coder.encode(("end_of_input/3", end))) == ("end_of_input/3", end)
+    assert coders.estimated_bytes(rollouts) == sum(map(coders.estimated_bytes, rollouts))

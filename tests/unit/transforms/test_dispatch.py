@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 
-import apache_beam as beam
 import pytest
 from apache_beam.runners.sdf_utils import RestrictionTrackerView, ThreadsafeRestrictionTracker
 from apache_beam.utils.timestamp import Timestamp
@@ -85,8 +84,10 @@ def _call(fn, restriction: DispatchRange):
     residual = None
     if tracker.deferred_status() is not None:  # the runner keeps an encoded copy
         residual = copy.deepcopy(tracker.deferred_status()[0])
-    rollouts = [r for o in outputs if not isinstance(o, beam.pvalue.TaggedOutput) for r in o.value[1]]
-    ends = [o.value for o in outputs if isinstance(o, beam.pvalue.TaggedOutput)]
+    # A shard's end of input leaves on the rollouts' output, keyed by its shard.
+    values = [o.value for o in outputs]
+    rollouts = [r for _, part in values if not isinstance(part, EndOfInput) for r in part]
+    ends = [(key, part) for key, part in values if isinstance(part, EndOfInput)]
     return rollouts, ends, residual
 
 
@@ -118,7 +119,7 @@ def test_process_claims_while_the_source_admits_yields_keyed_rollouts_and_defers
     source.allow = 4
     rollouts, ends, residual = _call(fn, residual)
     assert [r.group_id for r in rollouts] == ["g2", "g3"]
-    assert ends == [EndOfInput(shard=0, groups=4)] and residual is None and source.closed
+    assert ends == [("end_of_input/0", EndOfInput(shard=0, groups=4))] and residual is None and source.closed
     assert len(_Source.built) == 1  # one source served both calls
 
 
