@@ -109,7 +109,7 @@ def read_rollouts(out_path: Path) -> list[dict[str, Any]]:
 
 # module (under bench.peers) -> the names of the Peer classes it defines; imported lazily so that a peer whose
 # adapter has not landed, or whose import fails, is skipped rather than breaking the harness.
-PEER_MODULES = ("beam_rl_peer", "trl_peer", "verifiers_peer", "prime_rl_peer", "skyrl_peer")
+PEER_MODULES = ("beam_rl_peer", "plain_loop_peer", "trl_peer", "verifiers_peer", "prime_rl_peer", "skyrl_peer")
 
 
 def registry() -> dict[str, list[type]]:
