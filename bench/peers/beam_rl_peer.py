@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from beam_rl.config import RunConfig, config_from_dict
 from bench.common.engines import SyntheticEnv
-from bench.peers.job import SLOTS_PER_SERVER, PeerJob, append_rollout, load_job, read_prompts, save_job
+from bench.peers.job import SLOTS_PER_SERVER, PeerJob, append_rollout, job_file, load_job, read_prompts
 from bench.peers.workloads import MULTI_TURN_MAX_TURNS, STEP_GROUPS, multi_turn_rows
 
 MULTI_TURN_ENV = "guess_number"  # every turn answered by the environment ("higher", "lower", "reply with a number")
@@ -41,7 +41,7 @@ class PromptsFile(SyntheticEnv):
         return [{"prompt_ids": group["prompt_ids"]} for group in read_prompts(Path(self.path))]
 
 
-def job_config(job: PeerJob, runner: str) -> RunConfig:
+def job_config(job: PeerJob, runner: str, env_mode: str = "group") -> RunConfig:
     """The run: every prompt of the file once (multi-turn: `guess_number`'s rows, epoch after epoch, as the
     harness wrote them), as many steps as the groups fill, permits for every slot of the fleet."""
     if job.groups % STEP_GROUPS:
@@ -49,11 +49,12 @@ def job_config(job: PeerJob, runner: str) -> RunConfig:
     if job.name == "multi_turn":
         rows = len(multi_turn_rows())
         env = {"name": MULTI_TURN_ENV, "max_turns": MULTI_TURN_MAX_TURNS, "epochs": -(-job.groups // rows)}
+        env_mode = "rollout"  # a conversation is its own request turn after turn: no group call
     else:
         env = {"name": "prompts", "kind": f"{__name__}:PromptsFile", "args": {"path": str(job.prompts_path)}}
     return config_from_dict({
         "run": {"dir": str(job.work_dir / "run"), "max_steps": job.groups // STEP_GROUPS, "seed": job.seed},
-        "envs": [env | {"group_size": job.group_size, "mode": "group"}],
+        "envs": [env | {"group_size": job.group_size, "mode": env_mode}],
         "model": {"max_context": 2048},
         "batch": {"rollouts_per_step": STEP_GROUPS * job.group_size, "seq_len": 2048},
         "inference": {"urls": job.urls, "max_tokens": job.max_tokens, "temperature": 1.0,
@@ -102,10 +103,11 @@ class Follower(threading.Thread):
 
 
 class BeamRl:
-    """beam-rl on Prism (the runner `direct`)."""
+    """beam-rl on Prism (the runner `direct`), its defaults: a group per request (`envs.mode = "group"`)."""
 
     NAME = "beam-rl (prism)"
     RUNNER = "direct"
+    ENV_MODE = "group"
     CANNOT: ClassVar[dict[str, str]] = {}
 
     def unavailable(self) -> str | None:
@@ -115,10 +117,8 @@ class BeamRl:
         """Nothing to install: beam-rl runs from this checkout's environment."""
 
     def command(self, job: PeerJob) -> list[str]:
-        job.work_dir.mkdir(parents=True, exist_ok=True)
-        path = job.work_dir / "job.json"
-        save_job(job, path)
-        return [sys.executable, "-m", __name__, "--runner", self.RUNNER, "--job", str(path)]
+        return [sys.executable, "-m", __name__, "--runner", self.RUNNER, "--env-mode", self.ENV_MODE,
+                "--job", str(job_file(job))]
 
     def version(self) -> str:
         import subprocess
@@ -141,13 +141,22 @@ class BeamRlFlinkLocal(BeamRl):
         return None if shutil.which("java") else "no `java` on PATH (flink-local runs Flink's job server in a JVM)"
 
 
+class BeamRlRolloutMode(BeamRl):
+    """beam-rl on Prism with a request per rollout (`envs.mode = "rollout"`): a slot is free as soon as its own
+    rollout ends, not when its group's longest one does."""
+
+    NAME = "beam-rl (prism, rollout mode)"
+    ENV_MODE = "rollout"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", type=Path, required=True, help="the PeerJob as JSON (BeamRl.command writes it)")
     parser.add_argument("--runner", default="direct", choices=("direct", "flink-local"))
+    parser.add_argument("--env-mode", default="group", choices=("group", "rollout"))
     args = parser.parse_args(argv)
     job = load_job(args.job)
-    config = job_config(job, args.runner)
+    config = job_config(job, args.runner, args.env_mode)
     group_ids = [g["group_id"] for g in read_prompts(job.prompts_path)]
     follower = Follower(job.work_dir / "run", job.out_path, group_ids,
                         len(multi_turn_rows()) if job.name == "multi_turn" else None)

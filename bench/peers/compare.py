@@ -158,6 +158,11 @@ class Run:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
+    def error(self) -> str:
+        """The last line of the system's log: what a failed run died of."""
+        lines = (self.job.work_dir / "peer.log").read_text(errors="replace").strip().splitlines()
+        return lines[-1][:200] if lines else "no output"
+
     def rollouts(self) -> list[dict[str, Any]]:
         return read_rollouts(self.job.out_path)
 
@@ -176,8 +181,9 @@ def steady(run: Run, urls: list[str]) -> dict[str, Any]:
     if window is None:
         return {"steady_window": None}
     start, end = window
-    rows = run.rollouts()
-    inside = [r for r in rows if start <= r["t"] <= end]
+    # What was delivered after the first moment up to the last: a system that delivers in batches (a step) is
+    # counted batch for batch, the one at `start` excluded.
+    inside = [r for r in run.rollouts() if start < r["t"] <= end]
     samples = np.array([s for s in run.samples if start <= s[0] <= end], dtype=float).reshape(-1, 5)
     cpu_ms = None
     if len(samples) >= 2 and samples[-1, 1] > samples[0, 1]:
@@ -291,12 +297,15 @@ def _delivered(run: Run, urls: list[str], column: str, extra_generated: float = 
     out = {"rollouts_delivered": len(rows), "tokens_delivered": delivered, "tokens_generated": int(generated),
            "finished": run.finished, "returncode": run.returncode, "run_s": round(run.ended - run.launched, 2),
            "start_s": round(first - run.launched, 2) if first else None}
+    wanted = run.job.groups * run.job.group_size
     if run.finished:
         out[column] = int(generated - delivered)
+    elif run.returncode:
+        out[column] = None
+        out[f"{column}_why"] = f"it failed (exit {run.returncode}, {len(rows)} of {wanted} rollouts): {run.error()}"
     else:
         out[column] = None
-        out[f"{column}_why"] = (f"stopped at its time limit with {len(rows)} of {run.job.groups * run.job.group_size}"
-                                " rollouts delivered")
+        out[f"{column}_why"] = f"stopped at its time limit with {len(rows)} of {wanted} rollouts delivered"
     return out
 
 
@@ -370,6 +379,8 @@ def compare(peers: dict[str, Any], workloads: list[Workload], sizes: list[int], 
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    # A stopped harness stops what it launched: SIGTERM unwinds like Ctrl-C (each run's process group, the fleets).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", default="beam-rl-prism", help="comma-separated keys (--list names them)")
     parser.add_argument("--workloads", default="short,long_tail,multi_turn")

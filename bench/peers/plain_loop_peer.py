@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import httpx
 
-from bench.peers.job import SLOTS_PER_SERVER, PeerJob, append_rollout, load_job, read_prompts, save_job
+from bench.peers.job import SLOTS_PER_SERVER, PeerJob, append_rollout, job_file, load_job, read_prompts
 
 ATTEMPTS = 5
 
@@ -34,10 +34,7 @@ class PlainLoop:
         """Nothing to install: httpx from this checkout's environment."""
 
     def command(self, job: PeerJob) -> list[str]:
-        job.work_dir.mkdir(parents=True, exist_ok=True)
-        path = job.work_dir / "job.json"
-        save_job(job, path)
-        return [sys.executable, "-m", __name__, "--job", str(path)]
+        return [sys.executable, "-m", __name__, "--job", str(job_file(job))]
 
     def version(self) -> str:
         return f"httpx {httpx.__version__}"

@@ -65,7 +65,8 @@ def _missing(result: dict[str, Any], column: str) -> str:
             return "no update fell inside the steady window"
         return f"not back within the next update's pause ({backs})"
     if result.get("steady_window", 0) is None:
-        return "too few rollouts delivered for a steady window"
+        failed = result.get("tokens_thrown_away_at_updates_why")
+        return failed or "too few rollouts delivered for a steady window"
     return "not measured"
 
 

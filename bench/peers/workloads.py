@@ -14,6 +14,7 @@ from bench.peers.job import SLOTS_PER_SERVER
 
 GROUP_SIZE = 4
 STEP_GROUPS = 8  # the groups a run asks for are a multiple of this (beam-rl packs 8 groups per step)
+MIN_STEPS = 4  # at least this many steps' groups: a steady window between two of them
 # The engine's cost model (beam_rl/standin/simulated.py) as the dispatch benchmarks use it, each step 4x slower
 # (as bench/scale/fleet.py): sixteen servers streaming to one orchestrator on a two-core machine would otherwise
 # measure the machine.
@@ -44,9 +45,9 @@ class Workload:
         return servers * SLOTS_PER_SERVER / (mean_tokens * step_s)
 
     def groups_for(self, servers: int, seconds: float) -> int:
-        """Groups that keep the fleet busy for about `seconds`, a multiple of STEP_GROUPS."""
+        """Groups that keep the fleet busy for about `seconds`: MIN_STEPS steps' worth or more, whole steps."""
         groups = self.fleet_rollouts_per_s(servers) * seconds / GROUP_SIZE
-        return max(STEP_GROUPS, STEP_GROUPS * math.ceil(groups / STEP_GROUPS))
+        return max(MIN_STEPS, math.ceil(groups / STEP_GROUPS)) * STEP_GROUPS
 
 
 WORKLOADS = {
@@ -54,7 +55,7 @@ WORKLOADS = {
     "short": Workload("short", length_median=16, length_sigma=0.5, max_tokens=64, kv_cache_tokens=24_576),
     # A long tail (some answers 20x the median) on a KV cache that holds the slots' prompts and median answers,
     # not their tails: the tail preempts.
-    "long_tail": Workload("long_tail", length_median=48, length_sigma=1.2, max_tokens=1024, kv_cache_tokens=4_096),
+    "long_tail": Workload("long_tail", length_median=48, length_sigma=1.2, max_tokens=1024, kv_cache_tokens=8_192),
     # Four model turns, the environment answering between them (beam-rl: its guess_number game).
     "multi_turn": Workload("multi_turn", length_median=16, length_sigma=0.5, max_tokens=32, kv_cache_tokens=24_576,
                            turns=4),
@@ -66,7 +67,7 @@ def multi_turn_rows() -> list[dict[str, Any]]:
     """`guess_number`'s own rows in its order, rendered: the multi-turn workload's prompts (row k % len)."""
     env = GuessNumber(load_tokenizer("tiny"), MULTI_TURN_MAX_TURNS)
     rows = env.load_rows("train")
-    return [{"prompt_ids": env.render_prompt(r), "prompt": env.PROMPT.format(low=r["low"], high=r["high"])} for r in rows]
+    return [{"prompt_ids": env.render_prompt(r), "prompt": env.PROMPT.format(**r)} for r in rows]
 
 
 def prompts(workload: str, groups: int, seed: int) -> list[dict[str, Any]]:
