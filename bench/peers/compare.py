@@ -14,8 +14,8 @@ process of its own, the others in another, so that one can be killed):
   steady window, until the engines' occupancy (their own step trace, over 0.5 s) is back to 90% of the run's
   steady occupancy (the slowest update); resident memory growth = the tree's RSS, mean of the last quarter of
   the run over the first.
-- the kill run: once 40% of the rollouts are delivered the lone server's process is killed; tokens lost =
-  tokens the servers generated (the killed one's counter as read just before) minus tokens delivered, once the
+- the kill run: once 40% of the rollouts are delivered the lone server is frozen (pause keep), its counter read,
+  and its process killed; tokens lost = tokens the servers generated minus tokens delivered, once the
   system has delivered every group (else stopped at its time limit, and said so).
 """
 
@@ -163,6 +163,12 @@ class Run:
         lines = (self.job.work_dir / "peer.log").read_text(errors="replace").strip().splitlines()
         return lines[-1][:200] if lines else "no output"
 
+    def errors(self) -> list[str]:
+        """The log's error and warning lines, first ones first (each once): what a failed run met on its way."""
+        lines = (self.job.work_dir / "peer.log").read_text(errors="replace").splitlines()
+        marked = [line[:300] for line in lines if re.search(r"Error|ERROR|WARNING:beam_rl", line)]
+        return list(dict.fromkeys(marked))[:40]
+
     def rollouts(self) -> list[dict[str, Any]]:
         return read_rollouts(self.job.out_path)
 
@@ -274,6 +280,8 @@ def kill_run(peer: Any, workload: Workload, servers: int, seconds: float, work: 
 
         def events(run: Run, rows: list[dict[str, Any]]) -> None:
             if not killed and len(rows) >= KILL_AT * wanted:
+                # Frozen between two engine steps first, so that its counter is all it ever generated.
+                pause_all(urls[:1], resume=False)
                 killed["generated"] = generated_tokens(urls[0])
                 killed["delivered"] = len(rows)
                 os.kill(lone_pid, signal.SIGKILL)
@@ -303,6 +311,7 @@ def _delivered(run: Run, urls: list[str], column: str, extra_generated: float = 
     elif run.returncode:
         out[column] = None
         out[f"{column}_why"] = f"it failed (exit {run.returncode}, {len(rows)} of {wanted} rollouts): {run.error()}"
+        out["log_errors"] = run.errors()  # the run's directory goes with the harness's temporary one
     else:
         out[column] = None
         out[f"{column}_why"] = f"stopped at its time limit with {len(rows)} of {wanted} rollouts delivered"

@@ -1,7 +1,7 @@
 """The side-by-side's table (markdown) from `bench/peers/results.json`: one row per system, workload and fleet
 size, the same columns for every system; a cell it cannot fill says why.
 
-    python -m bench.peers.table [bench/peers/results.json]
+    python -m bench.peers.table [bench/peers/results.json ...]
 """
 
 from __future__ import annotations
@@ -86,14 +86,27 @@ def render(report: dict[str, Any]) -> str:
             cells = [value(system, result, column) for column in headers]
             lines.append(f"| {system['name']} | {workload} | {servers} | " + " | ".join(cells) + " |")
     versions = [f"{s['name']}: {s['version']}" for s in report["systems"].values() if "version" in s]
-    return "\n".join(lines) + "\n\n" + "; ".join(versions) + f"\n\n`{report['command']}`\n"
+    commands = "\n".join(f"    {c}" for c in report.get("commands") or [report["command"]])
+    return "\n".join(lines) + "\n\n" + "; ".join(versions) + f"\n\nfrom\n\n{commands}\n"
+
+
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several results files as one table: a later file's cell replaces an earlier one's (a rerun)."""
+    merged: dict[str, Any] = {"systems": {}, "commands": [r["command"] for r in reports]}
+    for report in reports:
+        for key, system in report["systems"].items():
+            into = merged["systems"].setdefault(key, {**system, "cells": {}})
+            into.update({k: v for k, v in system.items() if k != "cells"})
+            into["cells"].update(system.get("cells", {}))
+    return merged
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="?", type=Path, default=Path("bench/peers/results.json"))
+    parser.add_argument("results", nargs="*", type=Path, default=[Path("bench/peers/results.json")],
+                        help="results files; a later one's cells replace an earlier one's")
     args = parser.parse_args(argv)
-    print(render(json.loads(args.results.read_text())), end="")
+    print(render(merge([json.loads(path.read_text()) for path in args.results])), end="")
 
 
 if __name__ == "__main__":
