@@ -60,6 +60,14 @@ def save_job(job: PeerJob, path: Path) -> None:
     path.write_text(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in asdict(job).items()}))
 
 
+def job_file(job: PeerJob) -> Path:
+    """`work_dir/job.json`, written (the work dir made): the argument of a loop that runs as a process of its own."""
+    job.work_dir.mkdir(parents=True, exist_ok=True)
+    path = job.work_dir / "job.json"
+    save_job(job, path)
+    return path
+
+
 def load_job(path: Path) -> PeerJob:
     raw: dict[str, Any] = json.loads(path.read_text())
     paths = {f.name for f in fields(PeerJob) if f.type in (Path, "Path")}
@@ -109,7 +117,7 @@ def read_rollouts(out_path: Path) -> list[dict[str, Any]]:
 
 # module (under bench.peers) -> the names of the Peer classes it defines; imported lazily so that a peer whose
 # adapter has not landed, or whose import fails, is skipped rather than breaking the harness.
-PEER_MODULES = ("beam_rl_peer", "trl_peer", "verifiers_peer", "prime_rl_peer", "skyrl_peer")
+PEER_MODULES = ("beam_rl_peer", "plain_loop_peer", "trl_peer", "verifiers_peer", "prime_rl_peer", "skyrl_peer")
 
 
 def registry() -> dict[str, list[type]]:
