@@ -50,9 +50,10 @@ def make_groups(count: int, group_size: int, seed: int, tag: str) -> list[GroupR
     ]
 
 
-async def step_traces(urls: list[str], since: float) -> list[dict[str, Any]]:
-    """Each simulated server's own step trace since `since` (`GET /simulated/trace`)."""
-    async with httpx.AsyncClient(timeout=60) as client:
+async def step_traces(urls: list[str], since: float, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    """Each simulated server's own step trace since `since` (`GET /simulated/trace`); `timeout_s` also bounds the
+    wait for one of the client's connections (a thousand servers queue behind a hundred)."""
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
         responses = await asyncio.gather(*(client.get(f"{u}/simulated/trace", params={"since": since}) for u in urls))
     return [r.json() for r in responses]
 

@@ -17,6 +17,7 @@ from beam_rl.dispatch import (
     Permits,
     PoolClient,
     Restore,
+    Server,
     ServerPool,
     rollout_seed,
 )
@@ -309,6 +310,41 @@ def test_a_server_seen_full_is_sent_nothing_more_while_another_has_room():
     assert small.slots == 12 and pool.select() is small
     small.observe(ServerLoad(running=5, waiting=0))  # less running and nothing waiting says nothing of its size
     assert small.slots == 12
+
+
+def test_placing_groups_on_a_thousand_servers_weighs_a_few_of_them_each_not_the_fleet(monkeypatch):
+    """A fresh group goes to the least-loaded server. Found by a scan, that was two passes over the fleet a group:
+    at 1,000 servers the shard's first fill() of 12,000 rollouts took 6.6 CPU seconds before any request left,
+    0.8 with the pool keeping its servers on a heap by load."""
+    weighed = collections.Counter()
+    plain = Server.load_key
+
+    def counted(server: Server) -> tuple[bool, float, float, int]:
+        weighed[server.url] += 1
+        return plain(server)
+
+    monkeypatch.setattr(Server, "load_key", counted)
+
+    async def main() -> None:
+        dispatcher, tracker = make(1000, 4000, groups(1001, 4), gated)
+        weighed.clear()
+        assert dispatcher.fill() == 4000
+        await settle()
+        placed = collections.Counter(c.server for c in tracker.calls)
+        assert len(placed) == 1000 and set(placed.values()) == {4}  # one group each: still the least loaded
+        looks = sum(weighed.values())
+        assert looks <= 10 * 1000  # a scan: 2 x 1,000 servers x 1,000 groups
+        # A server whose rollouts finish is the least loaded again: the next group goes there.
+        for call in tracker.calls:
+            if call.server == "http://s567":
+                call.release.set()
+        assert len(await collect(dispatcher, 4)) == 4
+        dispatcher.fill()
+        await settle()
+        assert {c.server for c in tracker.calls[4000:]} == {"http://s567"}
+        await dispatcher.aclose()
+
+    asyncio.run(main())
 
 
 def test_dispatcher_sends_a_fresh_group_to_the_least_loaded_server():
