@@ -29,12 +29,12 @@ _CANNOT = {
 }
 
 
-def tokenizer_dir(job: PeerJob) -> Path:
-    """The served model's tokenizer as files (verifiers' renderer loads one by path; beam-rl's `tiny` is built in
-    code)."""
+def tokenizer_dir(job: PeerJob, name: str = "tokenizer") -> Path:
+    """The served model's tokenizer as files in `job.work_dir / name` (verifiers' renderer loads one by path;
+    beam-rl's `tiny` is built in code)."""
     from beam_rl.model.tokenizer import load_tokenizer
 
-    path = job.work_dir / "tokenizer"
+    path = job.work_dir / name
     if not (path / "tokenizer.json").exists():
         load_tokenizer(job.model).save_pretrained(str(path))
     return path
