@@ -18,7 +18,7 @@ import socket
 from pathlib import Path
 from typing import ClassVar
 
-from bench.peers.job import PeerJob
+from bench.peers.job import SLOTS_PER_SERVER, PeerJob
 from bench.peers.shims.venvs import ensure_venv, peer_dir, venv_python
 from bench.peers.verifiers_peer import REPO, SHIMS, tokenizer_dir
 
@@ -37,7 +37,6 @@ PINS = [
     "prometheus-client==0.25.0", "beartype==0.22.9", "jaxtyping==0.3.10", "tomli==2.4.1", "tomli-w==1.2.0",
     "uv==0.13.9",
 ]  # fmt: skip
-IN_FLIGHT_PER_SERVER = 32  # as verifiers_peer: prime-rl's adaptive cap pinned (min_inflight = max_inflight)
 TRAIN_S = 1.0  # the fake trainer's step
 BATCH_GROUPS = 8  # groups per trainer step
 
@@ -74,7 +73,7 @@ def write_configs(job: PeerJob, output_dir: Path) -> tuple[Path, Path]:
         + f"[serve]\naddress = {toml(f'tcp://127.0.0.1:{port}')}\n"
     )  # fmt: skip
     batch = BATCH_GROUPS * job.group_size
-    in_flight = max(IN_FLIGHT_PER_SERVER * len(job.urls), job.group_size)
+    in_flight = max(SLOTS_PER_SERVER * len(job.urls), job.group_size)  # its adaptive cap, pinned
     orchestrator = job.work_dir / "orchestrator.toml"
     orchestrator.write_text(
         f"output_dir = {toml(str(output_dir))}\nbatch_size = {batch}\ngroup_size = {job.group_size}\n"
@@ -98,13 +97,12 @@ def write_configs(job: PeerJob, output_dir: Path) -> tuple[Path, Path]:
 
 class PrimeRL:
     NAME = "prime-rl"
+    # A workload or column (bench/peers/table.py COLUMNS) it cannot do, and why. Not a column, so said here: it
+    # samples from the first server only (prime-rl spreads over replicas through a router, vllm-router, a binary
+    # from its GitHub releases); the other servers get its admin calls (pause, resume, /update_weights).
     CANNOT: ClassVar[dict[str, str]] = {
-        "affinity": "one sampling URL: prime-rl spreads rollouts over servers only through a router (vllm-router, "
-        "a binary from its GitHub releases), so here every rollout goes to the first server",
         "multi_turn": "its stock `null` harness takes another turn only on a tool call, and the simulated engine "
         "writes none",
-        "partial rollouts": "prime-rl pauses servers with mode=keep around its own weight updates but keeps no "
-        "partial rollout across them of its own",
     }
 
     def unavailable(self) -> str | None:

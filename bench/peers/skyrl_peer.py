@@ -28,7 +28,7 @@ REASON = (
 
 class SkyRL:
     NAME = "skyrl (simulated trainer)"
-    CANNOT: ClassVar[dict[str, str]] = {"all": REASON}
+    CANNOT: ClassVar[dict[str, str]] = {}  # it does not run here at all: unavailable()
 
     def unavailable(self) -> str | None:
         return REASON

@@ -10,23 +10,13 @@ import os
 from pathlib import Path
 from typing import ClassVar
 
-from bench.peers.job import PeerJob
+from bench.peers.job import SLOTS_PER_SERVER, PeerJob
 from bench.peers.shims.venvs import ensure_venv, peer_dir, uv, venv_python
 
 VERSION = "0.4.0"
 PINS = [f"verifiers=={VERSION}", "uv==0.13.9"]  # uv: the `null` harness syncs its chat program's script env with it
-# Rollouts in flight per server: verifiers has no cap of its own (vf-eval's `max_concurrent`, prime-rl's
-# `min_inflight = max_inflight`); this one is fixed, the same for both ways, so a run is comparable.
-IN_FLIGHT_PER_SERVER = 32
 REPO = Path(__file__).resolve().parents[2]
 SHIMS = Path(__file__).resolve().parent / "shims"
-
-# Where a column of the table cannot be had from verifiers, and why (the same for both ways of running it).
-_CANNOT = {
-    "partial rollouts": "a paused server's in-flight requests are lost or waited for: verifiers keeps no partial "
-    "rollout to resume on the next weights",
-    "affinity": "each rollout's client is fixed when it is dispatched; no prefix or group affinity across servers",
-}
 
 
 def tokenizer_dir(job: PeerJob, name: str = "tokenizer") -> Path:
@@ -58,7 +48,7 @@ def loop_env() -> dict[str, str]:
 
 class _Verifiers:
     MODE = ""
-    CANNOT: ClassVar[dict[str, str]] = _CANNOT
+    CANNOT: ClassVar[dict[str, str]] = {}  # a workload or column (bench/peers/table.py) it cannot do, and why
 
     def unavailable(self) -> str | None:
         try:
@@ -84,7 +74,7 @@ class _Verifiers:
             "--prompts", str(job.prompts_path), "--group-size", str(job.group_size),
             "--max-tokens", str(job.max_tokens), "--groups", str(job.groups), "--out", str(job.out_path),
             "--turns", str(self.turns(job)), "--seed", str(job.seed),
-            "--max-concurrent", str(IN_FLIGHT_PER_SERVER * len(job.urls)),
+            "--max-concurrent", str(SLOTS_PER_SERVER * len(job.urls)),  # vf-eval's max_concurrent
         ]  # fmt: skip
         return ["env", *(f"{k}={v}" for k, v in loop_env().items() if k not in os.environ or os.environ[k] != v),
                 *argv]  # fmt: skip
@@ -94,7 +84,6 @@ class VerifiersStock(_Verifiers):
     NAME = "verifiers (stock)"
     MODE = "stock"
     CANNOT: ClassVar[dict[str, str]] = {
-        **_CANNOT,
         "multi_turn": "its stock `null` harness takes another turn only on a tool call, and the simulated engine "
         "writes none",
     }

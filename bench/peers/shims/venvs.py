@@ -43,7 +43,8 @@ def ensure_venv(name: str, pins: list[str]) -> Path:
         marker.unlink(missing_ok=True)
         subprocess.run([uv(), "venv", "-q", "--clear", "--python", sys.executable, str(venv)], check=True)
         done = subprocess.run(
-            [uv(), "pip", "install", "-q", "--python", str(venv_python(name)), *pins],
+            # compiled now, so a first run does not compile the packages while the harness times its start
+            [uv(), "pip", "install", "-q", "--compile-bytecode", "--python", str(venv_python(name)), *pins],
             capture_output=True,
             text=True,
             check=False,
