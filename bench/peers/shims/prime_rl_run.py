@@ -67,6 +67,15 @@ def record_episodes(out_path: str) -> None:
     Dispatcher.emit_episode = emit_and_record
 
 
+def bridge_verifiers() -> None:
+    """prime-rl at this commit reads `Branch.multi_modal_data` (verifiers' main branch, its submodule); verifiers
+    0.4.0's branches have no such field: a text-only branch carries no images, which prime-rl reads as None."""
+    from verifiers.v1.trace import Branch
+
+    if not hasattr(Branch, "multi_modal_data"):
+        Branch.multi_modal_data = property(lambda self: None)  # type: ignore[attr-defined]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--orchestrator", required=True)
@@ -81,6 +90,7 @@ def main() -> None:
     )
     stop = threading.Event()
     threading.Thread(target=fake_trainer, args=(Path(args.output_dir), args.train_s, stop), daemon=True).start()
+    bridge_verifiers()
     record_episodes(args.out)
     from prime_rl.orchestrator import orchestrator
 
