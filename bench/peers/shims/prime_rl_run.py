@@ -34,15 +34,15 @@ def publish(output_dir: Path, step: int) -> None:
 
 def fake_trainer(output_dir: Path, train_s: float, stop: threading.Event) -> None:
     publish(output_dir, 0)  # the trainer's start-up broadcast, which the orchestrator waits for before its first step
-    step = 0
+    step = 1  # the orchestrator's first batch is step 1's; training it publishes step 1's weights
     while not stop.is_set():
         batch = output_dir / "rollouts" / f"step_{step}" / "rank_0.bin"
         if not batch.exists():
             time.sleep(0.05)
             continue
         time.sleep(train_s)
-        step += 1
         publish(output_dir, step)
+        step += 1
 
 
 def record_episodes(out_path: str) -> None:

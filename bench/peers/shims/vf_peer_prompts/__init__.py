@@ -1,6 +1,7 @@
 """A verifiers v1 taskset over the side-by-side harness's prompts file (bench/peers/job.py `prompts_path`):
-one task per line, its "prompt" text the user turn. The reward is a constant: the harness measures the
-rollout loop, not the score, and a reward that costs nothing keeps the env layer's own cost what is measured.
+one task per line, its "prompt" text the user turn. The reward is the reply's length (capped): the harness
+measures the rollout loop, not the score, so it costs nothing, yet it varies within a group, as a trainer
+needs (prime-rl's GRPO drops a group whose rewards are all equal, and stops after 10 empty batches).
 
 Its id is its module name, `vf_peer_prompts` (bench/peers/shims on PYTHONPATH).
 """
@@ -17,8 +18,8 @@ class PromptData(vf.TaskData):
 
 class PromptTask(vf.Task[PromptData]):
     @vf.reward
-    async def answered(self, trace: vf.Trace) -> float:
-        return float(bool(trace.last_reply))
+    async def length(self, trace: vf.Trace) -> float:
+        return min(1.0, len(trace.last_reply) / 256)
 
 
 class PromptsConfig(vf.TasksetConfig):
