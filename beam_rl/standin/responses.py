@@ -259,7 +259,9 @@ def _generate_choice(
     if request.sampling_params.logprobs is not None:
         logprobs = {
             "content": [
-                {"token_id": t, "logprob": max(lp, -9999.0), "top_logprobs": []}
+                # `token` as vLLM writes it without a tokenizer (`token_id:N`): verifiers' renderer client
+                # (prime-rl's generate path) checks it against the sampled ids.
+                {"token_id": t, "token": f"token_id:{t}", "logprob": max(lp, -9999.0), "top_logprobs": []}
                 for t, lp in zip(choice.token_ids[start:end], choice.logprobs[start:end])
             ]
         }

@@ -203,6 +203,7 @@ class EmbeddedServer:
                 web.get("/metrics", self._metrics),
                 web.post("/collective_rpc", self._collective_rpc),
                 web.post("/update_weight_version", self._update_weight_version),
+                web.post("/update_weights", self._update_weights),
                 web.get("/weight_info", self._weight_info),
                 web.post("/pause", self._pause),
                 web.post("/resume", self._resume),
@@ -536,6 +537,11 @@ class EmbeddedServer:
             return error_response(400, "new_version must be a string", "BadRequestError")
         await self.backend.label_weights(new_version)
         return web.json_response({"success": True, "new_version": new_version})
+
+    async def _update_weights(self, request: web.Request) -> web.Response:
+        """prime-rl's inference server route (its `inference/vllm/server.py`): load the weights at `weight_dir`.
+        Simulated weights have nothing to load; the stand-in answers as prime-rl's server does."""
+        return web.json_response({"status": "ok"})
 
     async def _weight_info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.backend.weights.label})

@@ -327,6 +327,16 @@ def test_generate_route_samples_as_completions_do_and_names_the_weights_of_every
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
 
 
+def test_the_routes_prime_rl_drives_answer_as_its_inference_server_does(make_server):
+    """prime-rl's renderer client checks each sampled id against its logprob entry's `token` (`token_id:N`, as
+    vLLM writes it without a tokenizer), and its orchestrator loads each step's weights with `/update_weights`."""
+    s = make_server()
+    (choice,) = _generate(s, stream=False, n=1)
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    answer = httpx.post(s.url + "/update_weights", json={"weight_dir": "/runs/broadcasts/step_1"})
+    assert answer.status_code == 200 and answer.json() == {"status": "ok"}
+
+
 def test_label_spans_are_runs_of_tokens_under_one_label():
     sampled_by = [Weights(0), Weights(0), Weights(1, "1"), Weights(2, "1"), Weights(2, "3")]
     assert label_spans(sampled_by) == [{"version": "default", "start": 0, "end": 2},
