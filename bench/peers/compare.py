@@ -58,7 +58,7 @@ BIN_S = 0.25  # how finely the time back after a resume is resolved
 SMOOTH_S = 0.5  # occupancy after a resume, over this long: a group finishing is not a recovery
 RECOVERED = 0.9  # occupancy back to this share of the run's steady occupancy
 KILL_AT = 0.4  # share of the rollouts delivered when a server is killed
-START_S = 180.0  # a system's start-up allowance (Prism, a JVM, a venv's imports) on top of its time limit
+START_S = 400.0  # a system's start-up allowance (Prism, a JVM, a venv's imports) on top of its time limit
 def peer_key(peer: Any) -> str:
     """The name `--peers` uses: the peer's NAME as a slug ("beam-rl (prism)" -> "beam-rl-prism")."""
     return re.sub(r"[^a-z0-9]+", "-", peer.NAME.lower()).strip("-")
