@@ -6,9 +6,9 @@ number and commit, with nothing upstream to wait for (issue 30: the packer numbe
 Scored groups of 8 rollouts of 256 tokens (32 prompt + 224 completion; bench/scale/pack_state.py makes them), 256
 rollouts a step, are made up front and fed to the same two stages a run ends with (`PackBatches`, then
 `WriteTrainBatches`: the files of each step written keyed by (step, file), then its commit record) on each
-runner, from a bounded source that has them all at once. The rate is the rollouts of steps 2..N over the
-time from step 1's commit to step N's (the commit records' `committed_at`): runner start-up and the first
-bundle are left out. Without Beam, fed lists of `BATCH_GROUPS` groups as a backlog reaches the packer, state
+runner, from a bounded source that has them all at once. The rate is every step's rollouts over the time
+from the first file any step wrote (its mtime) to the last commit record's `committed_at`: runner start-up
+and the packer's first cut are left out. Without Beam, fed lists of `BATCH_GROUPS` groups as a backlog reaches the packer, state
 pickled as a runner stores it: `in_process` runs the packer's key (`_PackFn.process`, the split into files,
 and encoding what leaves the key), then the file writers and the committer, one after the other in one
 thread; `one_key` the key as it was before it only cut, writing each step itself (`RunDir.write_step`).
@@ -48,11 +48,15 @@ def _config(run_dir: str, steps: int) -> RunConfig:
 
 
 def _rate(run_dir: RunDir) -> dict:
+    """Every step's rollouts over the time from the first file any step wrote to the last commit: with the
+    files written apart from their commits, a span from step 1's commit would leave out the files written
+    before it."""
     steps = run_dir.committed_steps()
-    first, last = run_dir.read_commit(steps[0]).committed_at, run_dir.read_commit(steps[-1]).committed_at
-    rollouts = (len(steps) - 1) * ROLLOUTS_PER_STEP
+    first = min(path.stat().st_mtime for path in run_dir.rollouts_dir.glob("step_*/*.arrow"))
+    last = run_dir.read_commit(steps[-1]).committed_at
+    rollouts = len(steps) * ROLLOUTS_PER_STEP
     return {"steps": len(steps), "seconds": round(last - first, 3),
-            "steps_per_s": round((len(steps) - 1) / (last - first), 2),
+            "steps_per_s": round(len(steps) / (last - first), 2),
             "rollouts_per_s": round(rollouts / (last - first), 1)}
 
 
