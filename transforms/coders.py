@@ -47,7 +47,8 @@ class PackerOutput:
 
 
 class CommitItem:
-    """Type hint for what the step committer takes: a step's plan, a file written, or `InputExhausted`."""
+    """Type hint for what crosses WriteTrainBatches' stages: a file to write, a step's plan, a file written,
+    or `InputExhausted`."""
 
 
 def _sample_bytes(sample: Sample) -> int:

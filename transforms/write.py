@@ -43,10 +43,16 @@ from transforms.coders import CommitItem
 _COMMIT_KEY = "commit"
 
 
+_PLAN_PART, _END_PART = -2, -3  # beside the files' parts (ranks, WINDOW_PART), passed on to the committer
+
+
 def _split(item: TrainBatch | InputExhausted):
-    """A step as the parts the writers and the committer take: cheap, since it runs on the packer's key."""
-    yield beam.pvalue.TaggedOutput("commit", (_COMMIT_KEY, item if isinstance(item, InputExhausted) else _plan(item)))
-    if isinstance(item, TrainBatch):
+    """A step as the parts the writers take, keyed (step, part): its files, and its plan, passed on to the
+    committer with them, so that one output and no Flatten leaves the packer's key. Cheap: it runs on the key."""
+    if isinstance(item, InputExhausted):
+        yield (item.last_step, _END_PART), item
+    else:
+        yield (item.step, _PLAN_PART), _plan(item)
         for files in files_to_write(item):
             yield (files.step, files.part), files
 
@@ -73,10 +79,12 @@ class _WriteFileFn(beam.DoFn):
     def setup(self) -> None:
         self._dir = RunDir(self._run_dir)
 
-    def process(self, keyed: tuple[tuple[int, int], FileToWrite]):
-        _, files = keyed
-        if not self._dir.is_committed(files.step):
-            yield _COMMIT_KEY, self._write(files)
+    def process(self, keyed: tuple[tuple[int, int], Any]):
+        _, value = keyed
+        if not isinstance(value, FileToWrite):
+            yield _COMMIT_KEY, value  # a plan or the end of input, for the committer
+        elif not self._dir.is_committed(value.step):
+            yield _COMMIT_KEY, self._write(value)
 
     def _write(self, files: FileToWrite) -> StepPart:
         try:
@@ -179,17 +187,11 @@ class WriteTrainBatches(beam.PTransform):
         self._run_dir = run_dir
 
     def expand(self, batches):
-        split = batches | "SplitSteps" >> beam.FlatMap(_split).with_output_types(
-            tuple[tuple[int, int], FileToWrite]
-        ).with_outputs("commit", main="files")
-        written = (
-            split.files
+        return (
+            batches
+            | "SplitSteps" >> beam.FlatMap(_split).with_output_types(tuple[tuple[int, int], CommitItem])
             # Keyed by (step, part), so each file is written apart from the packer's key and beside the others.
             | "ByStepFile" >> ReshufflePerKey()
             | "WriteStepFiles" >> beam.ParDo(_WriteFileFn(self._run_dir)).with_output_types(tuple[str, CommitItem])
-        )
-        return (
-            (split.commit, written)
-            | "StepParts" >> beam.Flatten().with_output_types(tuple[str, CommitItem])
             | "CommitSteps" >> beam.ParDo(_CommitFn(self._run_dir)).with_output_types(int)
         )

@@ -74,13 +74,12 @@ def in_process(groups: list, steps: int) -> dict:
         key_cpu = 0.0
         for start in range(0, len(groups), BATCH_GROUPS):  # as a backlog reaches the packer: full lists
             t0 = time.thread_time()
-            out = [coder.encode(getattr(part, "value", part))  # a TaggedOutput's value goes to the committer
+            out = [coder.encode(part)
                    for batch in pack.process(("packer", groups[start:start + BATCH_GROUPS]), state=state, pending=pending)
                    for part in _split(batch)]
             key_cpu += time.thread_time() - t0
             for encoded in out:
-                key, value = coder.decode(encoded)
-                for item in (list(write.process((key, value))) if isinstance(key, tuple) else [(key, value)]):
+                for item in write.process(coder.decode(encoded)):
                     list(commit.process(item, parts=parts))
         rate = _rate(RunDir(tmp))
         return {**rate, "key_cpu_us_per_rollout": round(key_cpu / (steps * ROLLOUTS_PER_STEP) * 1e6, 1)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from beam_rl.rundir.step_parts import FileToWrite
 from tests.support.fakes import StateBag
 from transforms.write import _CommitFn, _split, _WriteFileFn
 
@@ -16,9 +17,11 @@ class InProcessWriter:
         self.commit.setup()
 
     def split(self, item: Any) -> tuple[list[Any], list[Any]]:
-        """The files to write and the committer's parts of a packer output, as `_split` emits them."""
+        """The files to write, keyed, and what the writers pass on to the committer, of a packer output."""
         out = list(_split(item))
-        return [p for p in out if not hasattr(p, "tag")], [p.value for p in out if hasattr(p, "tag")]
+        files = [keyed for keyed in out if isinstance(keyed[1], FileToWrite)]
+        others = [keyed for keyed in out if not isinstance(keyed[1], FileToWrite)]
+        return files, [passed for keyed in others for passed in self.files.process(keyed)]
 
     def write(self, keyed_file: Any) -> list[Any]:
         return list(self.files.process(keyed_file))
