@@ -22,6 +22,7 @@ from typing import Any
 import apache_beam as beam
 
 from beam_rl.packing.batches import InputExhausted
+from beam_rl.rundir.step_parts import FileToWrite
 from beam_rl.scoring.group import ScoredGroup
 from beam_rl.source import EndOfInput
 from beam_rl.types import Rollout, RolloutRecord, Sample, TrainBatch
@@ -43,6 +44,11 @@ class GroupPart:
 
 class PackerOutput:
     """Type hint for the packer's output elements: a `TrainBatch` or the `InputExhausted` marker."""
+
+
+class CommitItem:
+    """Type hint for what crosses WriteTrainBatches' stages: a file to write, a step's plan, a file written,
+    or `InputExhausted`."""
 
 
 def _sample_bytes(sample: Sample) -> int:
@@ -73,6 +79,9 @@ def estimated_bytes(value: Any) -> int:
     if isinstance(value, TrainBatch):
         samples = [s for rank in value.micro_batches for micro in rank for s in micro.samples]
         return sum(map(_sample_bytes, samples)) + _unshared_bytes(value.rollouts, samples)
+    if isinstance(value, FileToWrite):
+        samples = [s for micro in value.micro_batches for s in micro.samples]
+        return sum(map(_sample_bytes, samples)) + sum(map(_record_bytes, value.window))
     return _RECORD_BYTES
 
 
@@ -101,7 +110,9 @@ for _type in (
     EndOfInput,
     InputExhausted,
     GroupPart,
+    FileToWrite,
     PackerItem,
     PackerOutput,
+    CommitItem,
 ):
     beam.coders.registry.register_coder(_type, DomainCoder)

@@ -26,41 +26,47 @@ from schemas.window import ROLLOUT_RECORD_SCHEMA
 # -- rank_<R>.arrow: micro-batches of Samples ---------------------------------------------------------
 
 
-def micro_batch_to_record_batch(index: int, micro_batch: MicroBatch) -> pa.RecordBatch:
-    """One micro-batch as one record batch (a row per sample), built with one concatenate per column."""
-    samples = micro_batch.samples
+def samples_to_table(micro_batches: Sequence[MicroBatch]) -> pa.Table:
+    """All micro-batches of one rank as a table whose chunks are the micro-batches, in order: every column
+    built once for the rank (one concatenate each), then sliced per micro-batch, since building a record
+    batch per micro-batch took ~15 Arrow calls each (a rank file of 64 micro-batches of 256-token samples built
+    3.3x slower, measured against the same file bytes)."""
+    samples = [s for mb in micro_batches for s in mb.samples]
     for s in samples:
         _check_sample(s)
     lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
-    offsets = np.zeros(len(samples) + 1, dtype=np.int32)
+    sizes = [len(mb.samples) for mb in micro_batches]
+    row_starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=row_starts[1:])
+    offsets = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    list_offsets = pa.array(offsets)
-    # Positions restart at 0 on every sample: global index minus the start offset of its sample.
     written = {
-        "micro_batch": np.full(len(samples), index, dtype=np.int32),
+        "micro_batch": np.repeat(np.arange(len(sizes), dtype=np.int32), sizes),
         "seq_len": lengths.astype(np.int32),
-        "position_ids": np.arange(offsets[-1], dtype=np.int32) - np.repeat(offsets[:-1], lengths),
+        "position_ids": np.arange(offsets[-1], dtype=np.int32) - np.repeat(offsets[:-1], lengths).astype(np.int32),
     }
-    columns = []
-    for f in SAMPLE_FIELDS:
-        values = written[f.name] if f.written else [getattr(s, f.name) for s in samples]
-        columns.append(pa.array(values, f.arrow_type))
+    flat: dict[str, np.ndarray] = {}
     for t in TOKEN_FIELDS:
-        flat: np.ndarray
         if t.written:
-            flat = written[t.name]
+            flat[t.name] = written[t.name]
         else:  # as the declared dtype first: a mask given as ints must still land as 0/1
             parts = [np.asarray(getattr(s, t.name), dtype=t.dtype) for s in samples]
-            flat = np.concatenate(parts) if parts else np.empty(0, t.dtype)
+            flat[t.name] = np.concatenate(parts) if parts else np.empty(0, t.dtype)
         if t.dtype == np.bool_:
-            flat = flat.view(np.uint8)
-        columns.append(pa.ListArray.from_arrays(list_offsets, pa.array(flat, t.arrow_type)))
-    return pa.RecordBatch.from_arrays(columns, schema=TRAIN_BATCH_SCHEMA)
-
-
-def samples_to_table(micro_batches: Sequence[MicroBatch]) -> pa.Table:
-    """All micro-batches of one rank as a table whose chunks are the micro-batches, in order."""
-    batches = [micro_batch_to_record_batch(i, mb) for i, mb in enumerate(micro_batches)]
+            flat[t.name] = flat[t.name].view(np.uint8)
+    values = {f.name: written[f.name] if f.written else [getattr(s, f.name) for s in samples] for f in SAMPLE_FIELDS}
+    batches = []
+    for start, end in zip(row_starts[:-1].tolist(), row_starts[1:].tolist()):
+        # Numpy views, each an Arrow buffer of its own size: an Arrow slice would carry its neighbours'
+        # bytes into the file as padding, and the files stay byte for byte what they were.
+        first, last = offsets[start], offsets[end]
+        list_offsets = pa.array((offsets[start : end + 1] - first).astype(np.int32))
+        columns = [pa.array(values[f.name][start:end], f.arrow_type) for f in SAMPLE_FIELDS]
+        columns += [
+            pa.ListArray.from_arrays(list_offsets, pa.array(flat[t.name][first:last], t.arrow_type))
+            for t in TOKEN_FIELDS
+        ]
+        batches.append(pa.RecordBatch.from_arrays(columns, schema=TRAIN_BATCH_SCHEMA))
     return pa.Table.from_batches(batches, schema=TRAIN_BATCH_SCHEMA)
 
 

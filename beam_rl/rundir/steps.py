@@ -11,13 +11,13 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
-from pydantic import TypeAdapter, ValidationError
 
 from beam_rl.rundir.arrow import rollouts_to_table, samples_to_table
-from beam_rl.rundir.atomic import atomic_write, fsync_directory, is_temp, json_bytes, json_default, remove
+from beam_rl.rundir.atomic import atomic_write, fsync_directory, is_temp, json_bytes, remove
 from beam_rl.rundir.errors import RunDirError, StepAlreadyCommittedError, StepCorruptError, StepNotCommittedError
 from beam_rl.rundir.layout import COMMIT_FILE, RunLayout, step_dirs
-from beam_rl.types import Rollout, RolloutRecord, TrainBatch
+from beam_rl.rundir.step_parts import RankFile, StepPlan, WindowFile
+from beam_rl.types import MicroBatch, Rollout, RolloutRecord, TrainBatch
 from schemas.commit_record import (
     WINDOW_FILE,
     CommitRecord,
@@ -25,14 +25,11 @@ from schemas.commit_record import (
     FileEntry,
     Offset,
     StepCounts,
-    WindowStats,
-    first_error,
     new_checksum,
+    rank_file_name,
 )
 from schemas.train_batch import SCHEMA_VERSION, check_schema
 from schemas.window import ROLLOUT_RECORD_SCHEMA
-
-_TIMINGS = TypeAdapter(dict[str, float])
 
 
 class StepStore(RunLayout):
@@ -60,78 +57,99 @@ class StepStore(RunLayout):
         exactly these. `window` overrides the observation window written as window.arrow (default:
         `batch.rollouts`, every rollout since the previous step). `extra` goes into the commit record;
         its "timings" dict is merged with the write timing, the rest kept under `extra`.
+        The pipeline writes the same files in parts instead (`write_rank`, `write_window`, `commit_step`).
         """
-        if not isinstance(batch.step, (int, np.integer)) or batch.step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {batch.step!r}")
-        step = int(batch.step)
-        # Check the caller's parts first: a value the record cannot hold must fail before any file is written.
-        extra = json.loads(json.dumps(extra or {}, default=json_default))
-        try:
-            window_stats = WindowStats.model_validate(json.loads(json.dumps(batch.window, default=json_default)))
-        except ValidationError as err:
-            raise ValueError(f"step {step}: window stats: {first_error(err)}") from None
-        try:
-            timings = _TIMINGS.validate_python(extra.pop("timings", {}))
-        except ValidationError as err:
-            raise ValueError(f"step {step}: extra timings: {first_error(err)}") from None
-        consumed = sorted((str(env), int(epoch), int(index)) for env, epoch, index in offsets)
-        if self.is_committed(step):
-            raise StepAlreadyCommittedError(f"{self.step_dir(step)}: step {step} is already committed")
+        plan = StepPlan.of(batch, offsets=offsets, extra=extra)
+        if self.is_committed(plan.step):
+            raise StepAlreadyCommittedError(f"{self.step_dir(plan.step)}: step {plan.step} is already committed")
         t0 = time.monotonic()
-        step_dir = self.step_dir(step)
+        step_dir = self.step_dir(plan.step)
         if step_dir.exists():
             shutil.rmtree(step_dir)  # an uncommitted leftover of a crashed attempt at this step
-        self.rollouts_dir.mkdir(parents=True, exist_ok=True)
-        step_dir.mkdir()
-        fsync_directory(self.rollouts_dir)
-
         try:
-            files: dict[str, FileEntry] = {}
-            micro_batches, samples, tokens, trained_tokens = [], 0, 0, 0
-            for rank, rank_micro_batches in enumerate(batch.micro_batches):
-                table = samples_to_table(rank_micro_batches)
-                path = self.rank_path(step, rank)
-                files[path.name] = _write_checksummed(path, table)
-                micro_batches.append(len(rank_micro_batches))
-                samples += table.num_rows
-                tokens += sum(mb.num_tokens for mb in rank_micro_batches)
-                trained_tokens += sum(
-                    int(np.count_nonzero(s.loss_mask)) for mb in rank_micro_batches for s in mb.samples
-                )
+            ranks = [self.write_rank(plan.step, rank, mbs) for rank, mbs in enumerate(batch.micro_batches)]
+            written = self.write_window(plan.step, batch.rollouts if window is None else window)
+        except OSError as err:
+            raise _not_committed(step_dir, plan.step, err) from err
+        return self.commit_step(plan, ranks, written, t_started=t0)
 
-            # The window's rows learn when their step was committed: now, with the rank files written.
-            window_table = _window_table(batch.rollouts if window is None else window, committed_at=time.time())
-            files[WINDOW_FILE] = _write_checksummed(self.window_path(step), window_table)
+    def write_rank(self, step: int, rank: int, micro_batches: Sequence[MicroBatch]) -> RankFile:
+        """Write rank `rank`'s file of an uncommitted step (atomically, fsynced; its rename made durable by
+        `commit_step`). The bytes depend on the micro-batches only, so writing it again, after a crash or
+        by a duplicated write, puts the same file in place."""
+        table = samples_to_table(micro_batches)
+        self._open_step_dir(step)
+        entry = _write_checksummed(self.rank_path(step, rank), table)
+        return RankFile(
+            step=step,
+            rank=rank,
+            entry=entry,
+            micro_batches=len(micro_batches),
+            samples=table.num_rows,
+            tokens=sum(mb.num_tokens for mb in micro_batches),
+            trained_tokens=sum(int(np.count_nonzero(s.loss_mask)) for mb in micro_batches for s in mb.samples),
+        )
+
+    def write_window(self, step: int, window: Sequence[Rollout | RolloutRecord] | pa.Table) -> WindowFile:
+        """Write an uncommitted step's window.arrow, its rows stamped as committed now (atomically, fsynced)."""
+        # The window's rows learn when their step was committed: now, beside its rank files.
+        table = _window_table(window, committed_at=time.time())
+        self._open_step_dir(step)
+        entry = _write_checksummed(self.window_path(step), table)
+        return WindowFile(step=step, entry=entry, rows=table.num_rows)
+
+    def _open_step_dir(self, step: int) -> Path:
+        """The step's directory, made (and its name made durable) by whichever writer comes first."""
+        step_dir = self.step_dir(step)
+        if not step_dir.is_dir():
+            self.rollouts_dir.mkdir(parents=True, exist_ok=True)
+            step_dir.mkdir(exist_ok=True)
+            fsync_directory(self.rollouts_dir)
+        return step_dir
+
+    def commit_step(
+        self, plan: StepPlan, ranks: Sequence[RankFile], window: WindowFile, *, t_started: float | None = None
+    ) -> Path:
+        """Commit a step whose files are written: one directory fsync makes every rename durable, then the
+        commit record names them. `ranks` must hold each of the step's ranks (duplicates are the same file)."""
+        step = plan.step
+        by_rank = {r.rank: r for r in ranks}
+        if sorted(by_rank) != list(range(plan.ranks)) or window.step != step:
+            raise ValueError(f"step {step}: files of ranks {sorted(by_rank)} for {plan.ranks} ranks")
+        if self.is_committed(step):
+            raise StepAlreadyCommittedError(f"{self.step_dir(step)}: step {step} is already committed")
+        step_dir = self.step_dir(step)
+        files = {rank_file_name(r): by_rank[r].entry for r in range(plan.ranks)}
+        files[WINDOW_FILE] = window.entry
+        rank_files = [by_rank[r] for r in range(plan.ranks)]
+        record = CommitRecord(
+            step=step,
+            schema_version=SCHEMA_VERSION,
+            committed_at=time.time(),
+            group_ids=plan.group_ids,
+            offsets=plan.offsets,
+            counts=StepCounts(
+                ranks=plan.ranks,
+                micro_batches=[r.micro_batches for r in rank_files],
+                samples=sum(r.samples for r in rank_files),
+                tokens=sum(r.tokens for r in rank_files),
+                trained_tokens=sum(r.trained_tokens for r in rank_files),
+                groups=len(plan.group_ids),
+                window_rollouts=window.rows,
+            ),
+            timings={**plan.timings, **({"write_s": round(time.monotonic() - t_started, 6)} if t_started else {})},
+            files=files,
+            window=plan.window,
+            extra=plan.extra,
+        )
+        try:
             # One directory fsync makes every rename above durable before the commit record can exist.
             fsync_directory(step_dir)
-
-            record = CommitRecord(
-                step=step,
-                schema_version=SCHEMA_VERSION,
-                committed_at=time.time(),
-                group_ids=[str(g) for g in batch.group_ids],
-                offsets=consumed,
-                counts=StepCounts(
-                    ranks=len(batch.micro_batches),
-                    micro_batches=micro_batches,
-                    samples=samples,
-                    tokens=tokens,
-                    trained_tokens=trained_tokens,
-                    groups=len(batch.group_ids),
-                    window_rollouts=window_table.num_rows,
-                ),
-                timings={**timings, "write_s": round(time.monotonic() - t0, 6)},
-                files=files,
-                window=window_stats,
-                extra=extra,
-            )
             atomic_write(self.commit_path(step), lambda f: f.write(record.to_json()))
         except OSError as err:
             if self.is_committed(step):
                 raise  # the commit record exists: only its directory fsync failed; the step stands
-            # A full disk (ENOSPC) or an I/O error mid-step: say which step did not make it. Files
-            # already renamed into the step dir stay uncommitted; `clean_uncommitted` removes them.
-            raise RunDirError(f"{step_dir}: step {step} is not committed: writing it failed: {err}") from err
+            raise _not_committed(step_dir, step, err) from err
         return step_dir
 
     def mark_input_exhausted(self, last_step: int) -> None:
@@ -257,6 +275,12 @@ def open_arrow_file(step: int, path: Path, data: pa.Buffer) -> pa.ipc.RecordBatc
         return pa.ipc.open_file(data)
     except (pa.ArrowInvalid, pa.ArrowIOError) as err:
         raise StepCorruptError(step, path, f"not a readable Arrow IPC file: {err}") from None
+
+
+def _not_committed(step_dir: Path, step: int, err: OSError) -> RunDirError:
+    # A full disk (ENOSPC) or an I/O error mid-step: say which step did not make it. Files already
+    # renamed into the step dir stay uncommitted; `clean_uncommitted` removes them.
+    return RunDirError(f"{step_dir}: step {step} is not committed: writing it failed: {err}")
 
 
 def _remove_temps(directory: Path) -> list[Path]:

@@ -21,10 +21,9 @@ def test_describe_lists_trained_first_then_the_other_fates_and_the_goodput():
 
 
 def test_each_steps_metrics_line_carries_its_tokens_by_fate_and_goodput(tmp_path):
-    from transforms.write import _WriteStepFn
+    from tests.support.step_writer import InProcessWriter
 
-    writer = _WriteStepFn(str(tmp_path))
-    writer.setup()
+    writer = InProcessWriter(str(tmp_path))
     fates = {"trained": 60, "server_failure": 20, "filtered/zero_advantage": 20}
     for step, window in ((1, {"tokens_by_fate": fates}), (2, {})):
         assert list(writer.process(TrainBatch(step=step, micro_batches=[], group_ids=[], window=window))) == [step]

@@ -371,3 +371,22 @@ def test_a_corrupt_step_error_keeps_its_step_and_file_across_processes(tmp_path)
     copy = pickle.loads(pickle.dumps(err))
     assert (copy.step, copy.file, copy.what, str(copy)) == (3, err.file, "missing", str(err))
     assert str(err) == f"{tmp_path}/rank_0.arrow: step 3 is corrupt: missing" and isinstance(err, RunDirError)
+
+
+def test_a_rank_built_at_once_is_written_byte_for_byte_as_its_micro_batches_built_one_by_one():
+    import io
+
+    from beam_rl.rundir.arrow import samples_to_table
+    from beam_rl.rundir.steps import _write_arrow_file
+    from schemas.train_batch import TRAIN_BATCH_SCHEMA
+
+    rank = [*batch(1).micro_batches[0], *batch(1).micro_batches[1]]
+    at, index = TRAIN_BATCH_SCHEMA.get_field_index("micro_batch"), TRAIN_BATCH_SCHEMA.field("micro_batch")
+    one_by_one = pa.Table.from_batches(
+        [samples_to_table([mb]).to_batches()[0].set_column(at, index, pa.array([i] * len(mb.samples), pa.int32()))
+         for i, mb in enumerate(rank)], schema=TRAIN_BATCH_SCHEMA)
+    files = [io.BytesIO(), io.BytesIO()]
+    _write_arrow_file(files[0], samples_to_table(rank))
+    _write_arrow_file(files[1], one_by_one)
+    assert files[0].getvalue() == files[1].getvalue()
+    assert samples_to_table(rank).to_batches()[2].column("position_ids").to_pylist()[0] == [0, 1, 2, 3, 4, 5]

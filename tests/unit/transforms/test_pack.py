@@ -133,7 +133,7 @@ def test_a_packer_restored_from_an_older_checkpoint_skips_what_was_committed_sin
     import copy
 
     from beam_rl.rundir import RunDir
-    from transforms.write import _WriteStepFn
+    from tests.support.step_writer import InProcessWriter
 
     config = config_from_dict({
         "run": {"dir": str(tmp_path), "max_steps": 100},
@@ -145,8 +145,7 @@ def test_a_packer_restored_from_an_older_checkpoint_skips_what_was_committed_sin
     for i, group in enumerate(groups):  # each group its own prompt offset
         for record in group.rollouts:
             record.index = i
-    writer = _WriteStepFn(str(tmp_path))
-    writer.setup()
+    writer = InProcessWriter(str(tmp_path))
     fn, state, pending = _PackFn(config, 1, False, str(tmp_path)), StateValue(), StateBag()
     fn.setup()
 
