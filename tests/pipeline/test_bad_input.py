@@ -364,7 +364,9 @@ def test_a_full_disk_mid_run_stops_the_cli_clearly_and_the_next_run_continues(
         server_urls, run_copy, tmp_path, monkeypatch):
     committed_before = snapshot(run_copy / "rollouts")
     at_failure: dict = {}
-    # Steps 1-2 are committed; this run commits step 3, then the disk fills while writing step 4.
+    # Steps 1-2 are committed; the disk fills while this run writes step 4's window. Step 4's files are written
+    # beside step 3's commit (WriteStepFiles runs apart from CommitSteps), so step 3 is committed or not by then:
+    # either way nothing committed changes, and the next run redoes what was not.
     monkeypatch.setattr(steps_module, "atomic_write", _enospc_on("window.arrow", 4, at_failure))
     config = write_config(tmp_path / "c.toml", run_copy, server_urls, max_steps=6)
     status, out = run_cli(monkeypatch, "rollouts", "--config", str(config))
@@ -373,13 +375,15 @@ def test_a_full_disk_mid_run_stops_the_cli_clearly_and_the_next_run_continues(
     assert "the run stopped: RunDirError:" in out and "step 4 is not committed" in out, out
     assert "[Errno 28] No space left on device" in out and "Traceback" not in out, out
     run = RunDir(run_copy)
-    assert run.committed_steps() == [1, 2, 3] and "steps 1..3 are committed" in out, out
+    committed = run.committed_steps()
+    assert committed in ([1, 2], [1, 2, 3]) and f"steps 1..{committed[-1]} are committed" in out, out
     assert temp_files(run_copy) == []
     after = snapshot(run_copy / "rollouts")
-    # Steps committed before this run, and step 3 as it was when the disk filled, are byte-identical.
+    # Steps committed before this run, and a step 3 committed as it was when the disk filled, are byte-identical.
     assert {k: v for k, v in after.items() if k.startswith(("step_1/", "step_2/"))} == committed_before
-    assert {k: v for k, v in after.items() if k.startswith("step_3/")} == {
-        k.removeprefix("rollouts/"): v for k, v in at_failure.items() if k.startswith("rollouts/step_3/")}
+    if 3 in committed:
+        assert {k: v for k, v in after.items() if k.startswith("step_3/")} == {
+            k.removeprefix("rollouts/"): v for k, v in at_failure.items() if k.startswith("rollouts/step_3/")}
 
     monkeypatch.setattr(steps_module, "atomic_write", _REAL_ATOMIC_WRITE)  # the disk has room again
     status, out = run_cli(monkeypatch, "rollouts", "--config", str(config))
