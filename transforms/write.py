@@ -91,10 +91,9 @@ class _WriteFileFn(beam.DoFn):
             if files.part == WINDOW_PART:
                 return self._dir.write_window(files.step, files.window)
             return self._dir.write_rank(files.step, files.part, files.micro_batches)
-        except OSError as err:  # a full disk: the CLI names it from the record, not Beam's text
-            failure = RunDirError(f"{self._dir.step_dir(files.step)}: step {files.step} is not committed: {err}")
-            record_failure(self._run_dir, "write", failure)
-            raise failure from err
+        except RunDirError as err:  # a full disk: the CLI names it from the record, not Beam's text
+            record_failure(self._run_dir, "write", err)
+            raise
 
 
 class _CommitFn(beam.DoFn):

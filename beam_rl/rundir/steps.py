@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -66,11 +67,8 @@ class StepStore(RunLayout):
         step_dir = self.step_dir(plan.step)
         if step_dir.exists():
             shutil.rmtree(step_dir)  # an uncommitted leftover of a crashed attempt at this step
-        try:
-            ranks = [self.write_rank(plan.step, rank, mbs) for rank, mbs in enumerate(batch.micro_batches)]
-            written = self.write_window(plan.step, batch.rollouts if window is None else window)
-        except OSError as err:
-            raise _not_committed(step_dir, plan.step, err) from err
+        ranks = [self.write_rank(plan.step, rank, mbs) for rank, mbs in enumerate(batch.micro_batches)]
+        written = self.write_window(plan.step, batch.rollouts if window is None else window)
         return self.commit_step(plan, ranks, written, t_started=t0)
 
     def write_rank(self, step: int, rank: int, micro_batches: Sequence[MicroBatch]) -> RankFile:
@@ -78,8 +76,9 @@ class StepStore(RunLayout):
         `commit_step`). The bytes depend on the micro-batches only, so writing it again, after a crash or
         by a duplicated write, puts the same file in place."""
         table = samples_to_table(micro_batches)
-        self._open_step_dir(step)
-        entry = _write_checksummed(self.rank_path(step, rank), table)
+        with self._writing(step):
+            self._open_step_dir(step)
+            entry = _write_checksummed(self.rank_path(step, rank), table)
         return RankFile(
             step=step,
             rank=rank,
@@ -94,9 +93,18 @@ class StepStore(RunLayout):
         """Write an uncommitted step's window.arrow, its rows stamped as committed now (atomically, fsynced)."""
         # The window's rows learn when their step was committed: now, beside its rank files.
         table = _window_table(window, committed_at=time.time())
-        self._open_step_dir(step)
-        entry = _write_checksummed(self.window_path(step), table)
+        with self._writing(step):
+            self._open_step_dir(step)
+            entry = _write_checksummed(self.window_path(step), table)
         return WindowFile(step=step, entry=entry, rows=table.num_rows)
+
+    @contextlib.contextmanager
+    def _writing(self, step: int) -> Iterator[None]:
+        """A file of an uncommitted step: an OSError while writing it names the step that did not make it."""
+        try:
+            yield
+        except OSError as err:
+            raise _not_committed(self.step_dir(step), step, err) from err
 
     def _open_step_dir(self, step: int) -> Path:
         """The step's directory, made (and its name made durable) by whichever writer comes first."""
