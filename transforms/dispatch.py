@@ -33,7 +33,12 @@ from transforms.flink_keys import operator_index
 from transforms.sdf import WatermarkFromStart
 
 END_OF_INPUT = "end_of_input"  # the key prefix of a shard's EndOfInput
-BUNDLE_S = 0.2  # how long one process() call collects rollouts before it checkpoints
+# How long one process() call runs before it checkpoints. A call's output reaches the next stage only as it
+# ends, so it ends at most BUNDLE_S after its first output; a call with nothing to give runs up to
+# IDLE_BUNDLE_S, since each call costs the runner and the worker the same whatever it carries (a bundle, its
+# progress reports and its residual's state).
+BUNDLE_S = 0.5
+IDLE_BUNDLE_S = 1.0
 POLL_S = 0.02
 
 # (run id, (shard index, offsets in the shard)): plain values with a deterministic coder, which Flink needs
@@ -198,7 +203,7 @@ class _DispatchFn(beam.DoFn):
         # got (a restore) is then told apart from normal progress.
         source.token = uuid.uuid4().hex
         next_offset = restriction.start
-        deadline = time.monotonic() + BUNDLE_S
+        deadline = time.monotonic() + IDLE_BUNDLE_S
         while True:
             restriction.in_flight = source.in_flight()
             # Claim.
@@ -218,6 +223,8 @@ class _DispatchFn(beam.DoFn):
                 parts.setdefault(rollout.group_id, []).append(rollout)
             for part in parts.values():
                 yield TimestampedValue((self._keys.key(part[0], source), part), now)
+            if parts:
+                deadline = min(deadline, time.monotonic() + BUNDLE_S)
             # The tokens of the rollouts generating are taken as the call ends: its residual is what a
             # checkpoint holds. One reading of the clock decides both, so a call never defers without them.
             ending = time.monotonic() >= deadline

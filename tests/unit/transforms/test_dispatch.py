@@ -5,6 +5,7 @@ flight; a replayed older residual rebuilds the worker's source)."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 from apache_beam.runners.sdf_utils import RestrictionTrackerView, ThreadsafeRestrictionTracker
@@ -101,6 +102,7 @@ def fn(monkeypatch):
     monkeypatch.setattr(wiring.DispatchParts, "source",
                         lambda parts, shard, restored: _Source(parts.spec, shard, restored, parts))
     monkeypatch.setattr(dispatch, "BUNDLE_S", 0.05)
+    monkeypatch.setattr(dispatch, "IDLE_BUNDLE_S", 0.05)
     _Source.built = []
     config = config_from_dict({"envs": [{"name": "reverse_text", "group_size": 1}]})
     dofn = dispatch._DispatchFn(SourceSpec(config=config, server_urls=(), run_dir="/unused", run_id="run",
@@ -121,6 +123,29 @@ def test_process_claims_while_the_source_admits_yields_keyed_rollouts_and_defers
     assert [r.group_id for r in rollouts] == ["g2", "g3"]
     assert ends == [("end_of_input/0", EndOfInput(shard=0, groups=4))] and residual is None and source.closed
     assert len(_Source.built) == 1  # one source served both calls
+
+
+def test_a_call_ends_soon_after_its_first_output_and_runs_longer_with_nothing_to_give(fn, monkeypatch):
+    """A call's output reaches the next stage only as the call ends, so it ends BUNDLE_S after its first
+    output; a call with nothing to give runs IDLE_BUNDLE_S (each call costs the runner alike)."""
+    clock = [0.0]
+    monkeypatch.setattr(dispatch, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(dispatch, "BUNDLE_S", 0.2)
+    monkeypatch.setattr(dispatch, "IDLE_BUNDLE_S", 1.0)
+    poll = _Source.poll
+
+    def waiting_poll(self, max_wait_s):  # nothing finished: the wait runs out
+        out = poll(self, max_wait_s)
+        clock[0] += 0 if out else max_wait_s
+        return out
+
+    monkeypatch.setattr(_Source, "poll", waiting_poll)
+    rollouts, _, residual = _call(fn, DispatchRange(0, OFFSETS + 1))
+    assert len(rollouts) == 2 and clock[0] == pytest.approx(dispatch.BUNDLE_S, abs=dispatch.POLL_S)
+    clock[0] = 0.0
+    rollouts, _, residual = _call(fn, residual)  # the source admits no more: nothing to give
+    assert rollouts == [] and residual is not None
+    assert clock[0] == pytest.approx(dispatch.IDLE_BUNDLE_S, abs=dispatch.POLL_S)
 
 
 def test_a_replayed_older_residual_rebuilds_the_source_from_it(fn):
