@@ -204,8 +204,9 @@ class _DispatchFn(beam.DoFn):
         source.token = uuid.uuid4().hex
         next_offset = restriction.start
         deadline = time.monotonic() + IDLE_BUNDLE_S
+        # What a checkpoint taken at any moment carries: set anew whenever admitting or finishing changes it.
+        restriction.in_flight = source.in_flight()
         while True:
-            restriction.in_flight = source.in_flight()
             # Claim.
             while next_offset < restriction.end_marker and source.wants_more():
                 stream = source.next_stream()
@@ -228,7 +229,8 @@ class _DispatchFn(beam.DoFn):
             # The tokens of the rollouts generating are taken as the call ends: its residual is what a
             # checkpoint holds. One reading of the clock decides both, so a call never defers without them.
             ending = time.monotonic() >= deadline
-            restriction.in_flight = source.in_flight(with_tokens=ending)
+            if parts or ending:
+                restriction.in_flight = source.in_flight(with_tokens=ending)
             watermark.set_watermark(now)
             if source.finished(all_claimed=next_offset >= restriction.end_marker):
                 if tracker.try_claim(restriction.end_marker):

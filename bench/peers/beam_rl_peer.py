@@ -82,14 +82,17 @@ class Follower(threading.Thread):
     def run(self) -> None:
         from beam_rl.rundir import RunDir
 
-        directory, seen = RunDir(str(self.run_dir)), set()
+        directory, following = RunDir(str(self.run_dir)), None
         with open(self.out_path, "a") as out:
             while True:
                 stopping = self.stop.is_set()  # one more look after the job ended: its last step
-                for step in directory.committed_steps():
-                    if step not in seen:
-                        seen.add(step)
-                        self._deliver(out, directory.read_window(step).to_pylist())
+                # Steps commit in order: once the first is seen, a look is one stat of the next step's
+                # commit file, as a trainer's reader waits (the follower runs in the measured process).
+                if following is None:
+                    following = next(iter(directory.committed_steps()), None)
+                while following is not None and directory.is_committed(following):
+                    self._deliver(out, directory.read_window(following).to_pylist())
+                    following += 1
                 if stopping:
                     return
                 self.stop.wait(POLL_S)

@@ -10,13 +10,14 @@ process of its own, the others in another, so that one can be killed):
   (`POST /pause?mode=keep`, as a weight update does), and resumes them `pause_s` later. Rollouts/s and
   tokens/s, the tree's CPU per rollout and the engines' slot occupancy are taken from the rollout at 10% of the
   run to the one at 90%; tokens thrown away = tokens the servers generated (their own counter) minus tokens
-  delivered, once the system has delivered every group; seconds back to 90% = after each resume inside the
+  delivered, read as the system delivers its job's last group (every server paused there: what a system that
+  runs past its job generates after is not counted); seconds back to 90% = after each resume inside the
   steady window, until the engines' occupancy (their own step trace, over 0.5 s) is back to 90% of the run's
   steady occupancy (the slowest update); resident memory growth = the tree's RSS, mean of the last quarter of
   the run over the first.
 - the kill run: once 40% of the rollouts are delivered the lone server is frozen (pause keep), its counter read,
-  and its process killed; tokens lost = tokens the servers generated minus tokens delivered, once the
-  system has delivered every group (else stopped at its time limit, and said so).
+  and its process killed; tokens lost = tokens the servers generated minus tokens delivered, read the same
+  way as the system delivers its job's last group (else stopped at its time limit, and said so).
 """
 
 from __future__ import annotations
@@ -244,6 +245,8 @@ def updates_run(peer: Any, workload: Workload, servers: int, seconds: float, upd
             if rows and "first" not in schedule:
                 schedule["first"] = now
                 schedule["next"] = now + update_every_s
+            if _read_at_last_delivery(run, rows, urls, schedule):
+                return
             if "next" in schedule and now >= schedule["next"]:
                 pause_all(urls, resume=False)
                 time.sleep(pause_s)
@@ -253,7 +256,7 @@ def updates_run(peer: Any, workload: Workload, servers: int, seconds: float, upd
 
         run = Run(peer, job, seconds * 4 + START_S)
         run.go(events)
-        result = steady(run, urls) | _delivered(run, urls, "tokens_thrown_away_at_updates")
+        result = steady(run, urls) | _delivered(run, urls, "tokens_thrown_away_at_updates", schedule)
         window = run.window()
         if window is not None:
             # The updates inside the steady window: before it the pool is still filling, after it draining.
@@ -276,10 +279,13 @@ def kill_run(peer: Any, workload: Workload, servers: int, seconds: float, work: 
     with fleet(workload, servers) as (urls, lone_pid):
         job = _job(workload, servers, seconds, urls, work / "kill")
         killed: dict[str, float] = {}
+        at_end: dict[str, float] = {}
         wanted = job.groups * job.group_size
 
         def events(run: Run, rows: list[dict[str, Any]]) -> None:
-            if not killed and len(rows) >= KILL_AT * wanted:
+            if killed:
+                _read_at_last_delivery(run, rows, urls[1:], at_end)
+            elif len(rows) >= KILL_AT * wanted:
                 # Frozen between two engine steps first, so that its counter is all it ever generated.
                 pause_all(urls[:1], resume=False)
                 killed["generated"] = generated_tokens(urls[0])
@@ -289,18 +295,38 @@ def kill_run(peer: Any, workload: Workload, servers: int, seconds: float, work: 
 
         run = Run(peer, job, seconds * 4 + START_S)
         run.go(events)
-        result = _delivered(run, urls[1:], "tokens_lost_on_server_kill", killed.get("generated", 0.0))
+        result = _delivered(run, urls[1:], "tokens_lost_on_server_kill", at_end, killed.get("generated", 0.0))
         result["killed_at_s"] = round(killed["at"] - run.samples[0][0], 2) if killed else None
         result["tokens_generated_by_killed_server"] = int(killed["generated"]) if killed else None
         result["rollouts_delivered_at_kill"] = killed.get("delivered")
     return result
 
 
-def _delivered(run: Run, urls: list[str], column: str, extra_generated: float = 0.0) -> dict[str, Any]:
-    """Tokens the servers generated minus tokens delivered; a number only once every group was delivered."""
+def _read_at_last_delivery(run: Run, rows: list[dict[str, Any]], urls: list[str], into: dict[str, Any]) -> bool:
+    """Once the job's last group is delivered: every server paused (keep), then what they generated and what was
+    delivered read into `into`, so that a system that runs past its job (cycling its dataset, running ahead) is
+    not charged for what it generates after. True from then on."""
+    if "generated_at_end" in into:
+        return True
+    if len(rows) < run.job.groups * run.job.group_size:
+        return False
+    pause_all(urls, resume=False)
+    into["generated_at_end"] = sum(generated_tokens(u) for u in urls)
+    into["delivered_at_end"] = sum(r["completion_tokens"] for r in rows)
+    return True
+
+
+def _delivered(
+    run: Run, urls: list[str], column: str, at_end: dict[str, Any], extra_generated: float = 0.0
+) -> dict[str, Any]:
+    """Tokens the servers generated minus tokens delivered (as read at the last delivery); a number only once
+    every group was delivered."""
     rows = run.rollouts()
-    delivered = sum(r["completion_tokens"] for r in rows)
-    generated = extra_generated + sum(generated_tokens(u) for u in urls)
+    if "generated_at_end" in at_end:
+        delivered, generated = at_end["delivered_at_end"], extra_generated + at_end["generated_at_end"]
+    else:
+        delivered = sum(r["completion_tokens"] for r in rows)
+        generated = extra_generated + sum(generated_tokens(u) for u in urls)
     first = min((r["t"] for r in rows), default=None)
     out = {"rollouts_delivered": len(rows), "tokens_delivered": delivered, "tokens_generated": int(generated),
            "finished": run.finished, "returncode": run.returncode, "run_s": round(run.ended - run.launched, 2),

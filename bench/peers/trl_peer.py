@@ -1,9 +1,9 @@
 """TRL's rollout loop as a peer in the side-by-side harness (bench/peers/job.py): `trl.experimental.async_grpo`'s
 AsyncRolloutWorker, from TRL's own virtualenv, run by `trl_loop.py` against the fleet.
 
-- The venv is built once per machine from PyPI with uv, under the project's cache (`peers/trl/`), one builder at
-  a time under a file lock, and marked complete only when every pin installed; its name carries the pins'
-  digest, so changing a pin builds a new one beside it.
+- The venv is built once per machine from PyPI with uv, under the project's cache (`peers/trl/`), as every peer's
+  (`shims/venvs.py`): one builder at a time, marked complete only when every pin installed, rebuilt when a pin
+  changes.
 - Pinned: TRL and the packages its worker imports, exactly; the rest of the tree as the index stood on
   EXCLUDE_NEWER. torch is PyPI's build (CUDA libraries and all: PyPI has no CPU-only torch); the worker's child
   never touches a GPU, and torch is the same release as beam-rl's own venv, so uv's cache serves it here.
@@ -12,16 +12,12 @@ AsyncRolloutWorker, from TRL's own virtualenv, run by `trl_loop.py` against the 
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import subprocess
-import sys
 from pathlib import Path
 from typing import ClassVar
 
-from beam_rl.cache import cache_root
 from beam_rl.model.tiny import tiny_model_dir
 from bench.peers.job import PeerJob, save_job
+from bench.peers.shims.venvs import ensure_venv, is_built, venv_python
 
 TRL_VERSION = "1.16.0"
 PINS = (
@@ -38,32 +34,6 @@ INSTALL_TIMEOUT_S = 1800  # a cold cache downloads torch and its CUDA libraries:
 # `env` execs the loop in its place (one process): no hub (the tokenizer is the offline tiny one, from its
 # directory), and no warning that trl.experimental is experimental. The worker's spawned child inherits both.
 ENV = ("env", "HF_HUB_OFFLINE=1", "HF_DATASETS_OFFLINE=1", "TRL_EXPERIMENTAL_SILENCE=1")
-
-
-def venv_dir() -> Path:
-    digest = hashlib.sha256(" ".join((*PINS, EXCLUDE_NEWER)).encode()).hexdigest()[:12]
-    return cache_root() / "peers" / "trl" / f"venv-{digest}"
-
-
-def _uv() -> Path:
-    return Path(sys.executable).parent / "uv"  # beam-rl's venv carries uv (setup.sh installs it)
-
-
-def _complete(venv: Path) -> bool:
-    return (venv / "complete").exists()
-
-
-def _build(venv: Path) -> None:
-    """uv makes the venv (from this interpreter's Python) and installs the pins; one line on failure."""
-    uv, python = str(_uv()), str(venv / "bin" / "python")
-    # --compile-bytecode as pip does: a first run would otherwise compile torch's and TRL's modules as it imports
-    install = [uv, "pip", "install", "-q", "--python", python, "--compile-bytecode", "--exclude-newer", EXCLUDE_NEWER]
-    for argv in ([uv, "venv", "-q", "--clear", "--python", sys.executable, str(venv)], [*install, *PINS]):
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, check=False)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or [f"status {done.returncode}"])[-1]
-            raise RuntimeError(f"building TRL's venv {venv}: `{' '.join(argv[:3])} ...` failed: {last}")
-    (venv / "complete").write_text(" ".join(PINS) + f" --exclude-newer {EXCLUDE_NEWER}\n")
 
 
 class Trl:
@@ -84,18 +54,12 @@ class Trl:
     }
 
     def unavailable(self) -> str | None:
-        venv = venv_dir()
-        if _complete(venv):
+        if is_built("trl", list(PINS), EXCLUDE_NEWER):
             return None
-        return f"TRL's venv {venv} is not built: prepare() builds it from PyPI (the harness's --prepare)"
+        return f"TRL's venv {venv_python('trl').parent.parent} is not built: prepare() builds it from PyPI (--prepare)"
 
     def prepare(self) -> None:
-        venv = venv_dir()
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        with open(venv.parent / f"{venv.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not _complete(venv):
-                _build(venv)
+        ensure_venv("trl", list(PINS), EXCLUDE_NEWER, INSTALL_TIMEOUT_S)
 
     def command(self, job: PeerJob) -> list[str]:
         why = self.unavailable()
@@ -104,7 +68,7 @@ class Trl:
         job_path = job.work_dir / "job.json"
         job.work_dir.mkdir(parents=True, exist_ok=True)
         save_job(job, job_path)
-        python = str(venv_dir() / "bin" / "python")
+        python = str(venv_python("trl"))
         # The fleet serves the tiny model: its tokenizer is read from the directory beam-rl builds (no hub here).
         return [*ENV, python, str(LOOP), "--job", str(job_path), "--tokenizer", str(tiny_model_dir())]
 

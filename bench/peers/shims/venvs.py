@@ -30,27 +30,39 @@ def uv() -> str:
     return found
 
 
-def ensure_venv(name: str, pins: list[str]) -> Path:
+def _marker(pins: list[str], exclude_newer: str | None) -> str:
+    return " ".join(pins) + (f" --exclude-newer {exclude_newer}" if exclude_newer else "") + "\n"
+
+
+def is_built(name: str, pins: list[str], exclude_newer: str | None = None) -> bool:
+    """The venv holds exactly `pins` (resolved as the index stood on `exclude_newer`, when given)."""
+    marker = peer_dir(name) / "complete"
+    return marker.exists() and marker.read_text() == _marker(pins, exclude_newer)
+
+
+def ensure_venv(name: str, pins: list[str], exclude_newer: str | None = None, timeout_s: float | None = None) -> Path:
     """The venv's Python, with `pins` installed; built the first time (a `complete` marker names the pins, so a
-    changed pin rebuilds it). RuntimeError, one line, naming the peer, when the install fails."""
+    changed pin rebuilds it). `exclude_newer` (an RFC 3339 time) resolves what the pins leave open as the index
+    stood then; `timeout_s` bounds each uv command. RuntimeError, one line, naming the peer, when a step fails."""
     root = peer_dir(name)
     root.mkdir(parents=True, exist_ok=True)
-    venv, marker, wanted = root / "venv", root / "complete", " ".join(pins) + "\n"
+    venv = root / "venv"
     with open(root / "venv.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists() and marker.read_text() == wanted:
+        if is_built(name, pins, exclude_newer):
             return venv_python(name)
-        marker.unlink(missing_ok=True)
-        subprocess.run([uv(), "venv", "-q", "--clear", "--python", sys.executable, str(venv)], check=True)
-        done = subprocess.run(
-            # compiled now, so a first run does not compile the packages while the harness times its start
-            [uv(), "pip", "install", "-q", "--compile-bytecode", "--python", str(venv_python(name)), *pins],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
-            raise RuntimeError(f"peer {name!r}: uv pip install {' '.join(pins)} failed: {lines[-1]}")
-        marker.write_text(wanted)
+        (root / "complete").unlink(missing_ok=True)
+        # --compile-bytecode: a first run does not compile the packages while the harness times its start
+        install = [uv(), "pip", "install", "-q", "--compile-bytecode", "--python", str(venv_python(name))]
+        if exclude_newer:
+            install += ["--exclude-newer", exclude_newer]
+        for argv in ([uv(), "venv", "-q", "--clear", "--python", sys.executable, str(venv)], [*install, *pins]):
+            try:
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"peer {name!r}: `uv {argv[1]} ...` took over {timeout_s:g} s") from None
+            if done.returncode != 0:
+                lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+                raise RuntimeError(f"peer {name!r}: `uv {argv[1]} ...` failed: {lines[-1]}")
+        (root / "complete").write_text(_marker(pins, exclude_newer))
     return venv_python(name)

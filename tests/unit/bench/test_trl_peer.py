@@ -13,7 +13,9 @@ from beam_rl.cache import cache_root
 from beam_rl.model.tiny import tiny_model_dir
 from bench.peers import trl_loop
 from bench.peers.job import SLOTS_PER_SERVER, PeerJob, load_job
-from bench.peers.trl_peer import LOOP, Trl, venv_dir
+from bench.peers import trl_peer
+from bench.peers.shims.venvs import peer_dir, venv_python
+from bench.peers.trl_peer import LOOP, Trl
 
 URLS = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
 
@@ -42,17 +44,16 @@ def job(tmp_path: Path) -> PeerJob:
 
 
 def test_the_command_runs_trls_loop_from_its_own_venv_on_the_first_server_with_the_fleets_slots(
-    own_cache: Path,
+    own_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    venv = venv_dir()
-    assert venv.parent == cache_root() / "peers" / "trl"
-    venv.mkdir(parents=True)
-    (venv / "complete").write_text("pins\n")
+    assert peer_dir("trl") == cache_root() / "peers" / "trl"
+    assert Trl().unavailable() is not None  # nothing built in this cache
+    monkeypatch.setattr(trl_peer, "is_built", lambda name, pins, exclude_newer: name == "trl")
     assert Trl().unavailable() is None
     given = job(own_cache)
     argv = Trl().command(given)
     loop_at = argv.index(str(LOOP))
-    assert argv[0] == "env" and argv[loop_at - 1] == str(venv / "bin" / "python")
+    assert argv[0] == "env" and argv[loop_at - 1] == str(venv_python("trl"))
     assert "HF_HUB_OFFLINE=1" in argv[:loop_at]  # the loop never reaches for the hub
     args = trl_loop.parse_args(argv[loop_at + 1 :])  # what the loop itself reads from the argv
     assert load_job(args.job) == given and args.tokenizer == str(tiny_model_dir())
@@ -63,7 +64,7 @@ def test_the_command_runs_trls_loop_from_its_own_venv_on_the_first_server_with_t
 
 def test_until_its_venv_is_built_it_is_unavailable_in_one_line_naming_the_venv(own_cache: Path) -> None:
     why = Trl().unavailable()
-    assert why is not None and "not built" in why and str(venv_dir()) in why and "\n" not in why
+    assert why is not None and "not built" in why and str(venv_python("trl").parent.parent) in why and "\n" not in why
     with pytest.raises(RuntimeError, match="not built"):
         Trl().command(job(own_cache))
 
