@@ -78,8 +78,15 @@ class Follower(threading.Thread):
         super().__init__(daemon=True)
         self.run_dir, self.out_path, self.group_ids, self.per_epoch = run_dir, out_path, group_ids, per_epoch
         self.stop = threading.Event()
+        self.error: BaseException | None = None  # what stopped it: the job's process exits with it
 
     def run(self) -> None:
+        try:
+            self._follow()
+        except BaseException as err:  # noqa: BLE001 (a dead follower must fail the run, not shrink it)
+            self.error = err
+
+    def _follow(self) -> None:
         from beam_rl.rundir import RunDir
 
         directory, following = RunDir(str(self.run_dir)), None
@@ -101,7 +108,10 @@ class Follower(threading.Thread):
         now = time.time()
         for r in window:
             reason = "length" if r["truncated"] else "stop" if r["status"] == "ok" else r["status"]
-            group_id = self.group_ids[_prompt_line(r["group_id"], self.per_epoch)]
+            line = _prompt_line(r["group_id"], self.per_epoch)
+            # A multi-turn run draws its game's rows epoch after epoch and may finish a row past the file's last
+            # (its steps take groups as they finish): that group is delivered under beam-rl's own id.
+            group_id = self.group_ids[line] if line < len(self.group_ids) else f"beam-rl:{r['group_id']}"
             append_rollout(out, group_id, r["completion_tokens"], reason, now)
 
 
@@ -171,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         follower.stop.set()
         follower.join()
+    if follower.error is not None:
+        raise RuntimeError(f"following the run directory failed: {follower.error!r}") from follower.error
 
 
 if __name__ == "__main__":

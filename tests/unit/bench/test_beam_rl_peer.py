@@ -1,0 +1,44 @@
+"""beam-rl's adapter in the side-by-side harness (bench/peers/beam_rl_peer.py): its follower turns committed
+rollouts into the contract's lines, and a follower that fails makes the job fail instead of delivering less."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.peers import beam_rl_peer
+from bench.peers.beam_rl_peer import Follower
+from bench.peers.job import read_rollouts
+
+
+def test_each_rollout_is_named_by_the_prompts_files_line_and_one_past_it_by_beam_rls_own_id(tmp_path: Path) -> None:
+    """Multi-turn rows come epoch after epoch (two rows an epoch here); a run may finish a row past the file's."""
+    out_path = tmp_path / "rollouts.jsonl"
+    follower = Follower(tmp_path / "run", out_path, ["first", "second", "third"], per_epoch=2)
+    with open(out_path, "a") as out:
+        follower._deliver(out, [
+            {"group_id": "guess/e0-i1", "truncated": False, "status": "ok", "completion_tokens": 3},
+            {"group_id": "guess/e1-i0", "truncated": True, "status": "ok", "completion_tokens": 4},
+            {"group_id": "guess/e1-i1", "truncated": False, "status": "error", "completion_tokens": 0},
+        ])
+    rows = read_rollouts(out_path)
+    assert [(r["group_id"], r["finish_reason"]) for r in rows] == [
+        ("second", "stop"), ("third", "length"), ("beam-rl:guess/e1-i1", "error")]
+
+
+def test_a_follower_that_fails_fails_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: Follower) -> None:
+        raise IndexError("no such line")
+
+    monkeypatch.setattr(Follower, "_follow", broken)
+    monkeypatch.setattr(beam_rl_peer, "job_config", lambda job, runner, mode: None)
+    monkeypatch.setattr(beam_rl_peer, "read_prompts", lambda path: [])
+
+    class _Job:
+        work_dir, out_path, prompts_path, name, urls = tmp_path, tmp_path / "out.jsonl", tmp_path, "short", []
+
+    monkeypatch.setattr(beam_rl_peer, "load_job", lambda path: _Job())
+    monkeypatch.setattr("beam_rl.job.rollouts.run_rollouts", lambda *a, **k: None)
+    with pytest.raises(RuntimeError, match="following the run directory failed: IndexError"):
+        beam_rl_peer.main(["--job", str(tmp_path / "job.json")])
