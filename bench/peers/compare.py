@@ -126,6 +126,11 @@ class Run:
         self.returncode: int | None = None
         self.launched = self.ended = 0.0
 
+    @property
+    def wanted(self) -> int:
+        """The job's rollouts: delivered all, the run is finished."""
+        return self.job.groups * self.job.group_size
+
     def go(self, events: Any) -> None:
         self.job.work_dir.mkdir(parents=True, exist_ok=True)
         with open(self.job.work_dir / "peer.log", "w") as log:
@@ -135,7 +140,7 @@ class Run:
             self._follow(proc, events)
 
     def _follow(self, proc: subprocess.Popen, events: Any) -> None:
-        wanted = self.job.groups * self.job.group_size
+        wanted = self.wanted
         deadline = time.time() + self.limit_s
         try:
             while time.time() < deadline:
@@ -239,13 +244,14 @@ def updates_run(peer: Any, workload: Workload, servers: int, seconds: float, upd
         job = _job(workload, servers, seconds, urls, work / "updates")
         resumes: list[float] = []
         schedule: dict[str, float] = {}
+        at_end: dict[str, float] = {}
 
         def events(run: Run, rows: list[dict[str, Any]]) -> None:
             now = time.time()
             if rows and "first" not in schedule:
                 schedule["first"] = now
                 schedule["next"] = now + update_every_s
-            if _read_at_last_delivery(run, rows, urls, schedule):
+            if _read_at_last_delivery(run, rows, urls, at_end):
                 return
             if "next" in schedule and now >= schedule["next"]:
                 pause_all(urls, resume=False)
@@ -256,7 +262,7 @@ def updates_run(peer: Any, workload: Workload, servers: int, seconds: float, upd
 
         run = Run(peer, job, seconds * 4 + START_S)
         run.go(events)
-        result = steady(run, urls) | _delivered(run, urls, "tokens_thrown_away_at_updates", schedule)
+        result = steady(run, urls) | _delivered(run, urls, "tokens_thrown_away_at_updates", at_end)
         window = run.window()
         if window is not None:
             # The updates inside the steady window: before it the pool is still filling, after it draining.
@@ -280,12 +286,11 @@ def kill_run(peer: Any, workload: Workload, servers: int, seconds: float, work: 
         job = _job(workload, servers, seconds, urls, work / "kill")
         killed: dict[str, float] = {}
         at_end: dict[str, float] = {}
-        wanted = job.groups * job.group_size
 
         def events(run: Run, rows: list[dict[str, Any]]) -> None:
             if killed:
                 _read_at_last_delivery(run, rows, urls[1:], at_end)
-            elif len(rows) >= KILL_AT * wanted:
+            elif len(rows) >= KILL_AT * run.wanted:
                 # Frozen between two engine steps first, so that its counter is all it ever generated.
                 pause_all(urls[:1], resume=False)
                 killed["generated"] = generated_tokens(urls[0])
@@ -308,7 +313,7 @@ def _read_at_last_delivery(run: Run, rows: list[dict[str, Any]], urls: list[str]
     not charged for what it generates after. True from then on."""
     if "generated_at_end" in into:
         return True
-    if len(rows) < run.job.groups * run.job.group_size:
+    if len(rows) < run.wanted:
         return False
     pause_all(urls, resume=False)
     into["generated_at_end"] = sum(generated_tokens(u) for u in urls)
@@ -331,7 +336,7 @@ def _delivered(
     out = {"rollouts_delivered": len(rows), "tokens_delivered": delivered, "tokens_generated": int(generated),
            "finished": run.finished, "returncode": run.returncode, "run_s": round(run.ended - run.launched, 2),
            "start_s": round(first - run.launched, 2) if first else None}
-    wanted = run.job.groups * run.job.group_size
+    wanted = run.wanted
     if run.finished:
         out[column] = int(generated - delivered)
     elif run.returncode:
