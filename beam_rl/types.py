@@ -266,6 +266,20 @@ class RolloutTokens:
         generated[2::2] = True
         return np.repeat(generated, self.segments)
 
+    def completion_version_min(self) -> int | None:
+        """The lowest policy version among its completion tokens; None when it has none, or when one of them
+        is unknown (below 0). One slice a turn, not a mask over every token: the packer asks for every rollout."""
+        if self.policy_versions is None:
+            raise ValueError("these tokens were stored without their arrays and never given them back")
+        lowest, start = None, self.segments[0]
+        for env, completion in zip(self.segments[1::2], self.segments[2::2]):
+            start += env
+            if completion:
+                turn = int(self.policy_versions[start : start + completion].min())
+                lowest = turn if lowest is None else min(lowest, turn)
+                start += completion
+        return None if lowest is None or lowest < 0 else lowest
+
     def version_range(self) -> tuple[int | None, int | None]:
         """The oldest and newest known policy version among its tokens."""
         if self.policy_versions is None:

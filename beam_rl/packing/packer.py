@@ -10,8 +10,6 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from beam_rl.types import MicroBatch, Rollout, RolloutRecord, Sample
 
 
@@ -19,26 +17,24 @@ def pack_micro_batches(samples: Sequence[Sample], seq_len: int) -> list[MicroBat
     """First-fit-decreasing: longest sample first, into the first micro-batch with room for it."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    for s in samples:
-        if len(s) == 0:
+    sizes = [len(s) for s in samples]
+    for s, size in zip(samples, sizes):
+        if size == 0:
             raise ValueError(f"sample of rollout {s.rollout_id} has no tokens")
-        if len(s) > seq_len:
+        if size > seq_len:
             raise ValueError(
-                f"sample of rollout {s.rollout_id} has {len(s)} tokens, more than seq_len={seq_len}: "
+                f"sample of rollout {s.rollout_id} has {size} tokens, more than seq_len={seq_len}: "
                 f"raise seq_len or lower the prompt/completion token limits"
             )
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
-    room = np.zeros(len(samples), dtype=np.int64)  # free tokens per open micro-batch
+    order = sorted(range(len(samples)), key=lambda i: -sizes[i])
+    room: list[int] = []  # free tokens per open micro-batch (a list: numpy's per-call cost is most of a scan)
     bins: list[list[Sample]] = []
     for i in order:
-        need = len(samples[i])
-        fits = np.flatnonzero(room[: len(bins)] >= need)
-        if fits.size:
-            b = int(fits[0])
-        else:
-            b = len(bins)
+        need = sizes[i]
+        b = next((b for b, free in enumerate(room) if free >= need), len(bins))
+        if b == len(bins):
             bins.append([])
-            room[b] = seq_len
+            room.append(seq_len)
         bins[b].append(samples[i])
         room[b] -= need
     return [MicroBatch(b) for b in bins]
@@ -84,7 +80,8 @@ class BatchCutter:
         num_rollouts = num_tokens = 0
         for taken, group in enumerate(groups, start=1):
             num_rollouts += len(group)
-            num_tokens += sum(r.num_tokens for r in group)
+            if self.token_budget is not None:  # counting tokens is most of a cut's cost: only when they decide
+                num_tokens += sum(r.num_tokens for r in group)
             if self.is_full(num_rollouts, num_tokens):
                 return taken
         return 0

@@ -124,10 +124,13 @@ _SAMPLE_VALUES = tuple(f.name for f in fields(Sample) if f.name not in {t.name f
 _RECORD_VALUES = tuple(f.name for f in fields(RolloutRecord) if f.name != "tokens")
 
 
-def _concat(arrays: list[np.ndarray], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The arrays laid end to end, and their lengths."""
-    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-    return (np.concatenate(arrays) if arrays else np.empty(0, dtype)), lengths
+def _concat(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:
+    """The arrays laid end to end."""
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype)
+
+
+def _lengths(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
 
 
 def _split_at(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
@@ -136,8 +139,8 @@ def _split_at(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
 
 def _sample_columns(micro_batches: list[MicroBatch]) -> Any:
     samples = [s for mb in micro_batches for s in mb.samples]
-    arrays = {t.name: _concat([getattr(s, t.name) for s in samples], t.dtype)[0] for t in SAMPLE_TOKEN_FIELDS}
-    lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
+    arrays = {t.name: _concat([getattr(s, t.name) for s in samples], t.dtype) for t in SAMPLE_TOKEN_FIELDS}
+    lengths = _lengths([s.input_ids for s in samples])
     values = {name: [getattr(s, name) for s in samples] for name in _SAMPLE_VALUES}
     return [len(mb.samples) for mb in micro_batches], lengths, arrays, values
 
@@ -160,7 +163,8 @@ def _record_columns(window: list[RolloutRecord]) -> Any:
     if any(t is not None and any(getattr(t, a) is None for a in SHARED_TOKEN_ARRAYS) for t in tokens):
         return records  # stored without their arrays (never so in a cut step): as objects
     known = [t for t in tokens if t is not None]
-    arrays = {a: _concat([getattr(t, a) for t in known], np.int32) for a in SHARED_TOKEN_ARRAYS}
+    parts = {a: [getattr(t, a) for t in known] for a in SHARED_TOKEN_ARRAYS}
+    arrays = {a: (_concat(p, np.int32), _lengths(p)) for a, p in parts.items()}
     shape = [None if t is None else (t.segments, t.finish_reasons) for t in tokens]
     values = {name: [getattr(r, name) for r in records] for name in _RECORD_VALUES}
     return len(records), values, arrays, shape

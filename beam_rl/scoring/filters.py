@@ -158,11 +158,11 @@ def oldest_policy_version(rollout: Rollout | RolloutRecord) -> int:
         tokens = rollout.tokens
         if tokens is None or tokens.policy_versions is None:
             return rollout.policy_version_start
-        versions = tokens.policy_versions[tokens.loss_mask()]
-    else:
-        if any(len(t.policy_versions) != len(t.completion_ids) for t in rollout.turns):
-            return rollout.policy_version_start
-        versions = np.fromiter((v for t in rollout.turns for v in t.policy_versions), dtype=np.int64)
+        lowest = tokens.completion_version_min()
+        return rollout.policy_version_start if lowest is None else lowest
+    if any(len(t.policy_versions) != len(t.completion_ids) for t in rollout.turns):
+        return rollout.policy_version_start
+    versions = np.fromiter((v for t in rollout.turns for v in t.policy_versions), dtype=np.int64)
     if versions.size == 0 or (versions < 0).any():
         return rollout.policy_version_start
     return int(versions.min())

@@ -113,6 +113,22 @@ def test_staleness_is_the_oldest_tokens_not_the_start_versions():
     assert [r.filtered for r in (younger, unknown, older)] == [None, None, "stale"]
 
 
+@pytest.mark.parametrize("versions, oldest", [
+    ([[4, 5], [6], [7, 7]], 4),  # each turn's own versions: the lowest of all
+    ([[6, 6], [3], [7, 7]], 3),  # the oldest in a middle turn, after the environment's tokens
+    ([[6, 6], [], [7]], 2),  # a turn whose versions are unknown: judged by the start
+    ([[6, -1], [6], [7]], 2),  # one unknown token
+])
+def test_a_multi_turn_records_oldest_token_is_its_rollouts(versions: list[list[int]], oldest: int) -> None:
+    """The record reads its completion tokens' versions turn by turn from its arrays, past the prompt and
+    the environment's tokens (whose versions are unknown), as the rollout does from its turns."""
+    turns = [Turn([9] * max(len(v), 1), [-1.0] * max(len(v), 1), "stop", env_ids=[8] * 3 * i, policy_versions=v)
+             for i, v in enumerate(versions)]
+    rollout = _rollout(0, policy_version_start=2, turns=turns)
+    rollout.prompt_ids = [1, 1, 1, 1]
+    assert oldest_policy_version(rollout) == oldest_policy_version(rollout.record()) == oldest
+
+
 def test_off_mode_is_skipped_and_errored_rollouts_are_not_inspected():
     truncated = _rollout(finish_reason="length")
     assert apply_filters([OverlongFilter(mode="off")], [truncated]) == FilterCounts()
