@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from beam_rl.config import RunConfig, config_from_dict
 from bench.common.engines import SyntheticEnv
 from bench.peers.job import SLOTS_PER_SERVER, PeerJob, append_rollout, job_file, load_job, read_prompts
-from bench.peers.workloads import MULTI_TURN_MAX_TURNS, STEP_GROUPS, multi_turn_rows
+from bench.peers.workloads import MULTI_TURN_MAX_TURNS, STEP_GROUPS, multi_turn_epochs
 
 MULTI_TURN_ENV = "guess_number"  # every turn answered by the environment ("higher", "lower", "reply with a number")
 POLL_S = 0.1
@@ -42,13 +42,14 @@ class PromptsFile(SyntheticEnv):
 
 
 def job_config(job: PeerJob, runner: str, env_mode: str = "group") -> RunConfig:
-    """The run: every prompt of the file once (multi-turn: `guess_number`'s rows, epoch after epoch, as the
-    harness wrote them), as many steps as the groups fill, permits for every slot of the fleet."""
+    """The run: every prompt of the file once (multi-turn: `guess_number`'s first rows, epoch after epoch, as
+    the harness wrote them: exactly the job's groups), as many steps as the groups fill, permits for every slot
+    of the fleet."""
     if job.groups % STEP_GROUPS:
         raise ValueError(f"{job.name}: groups = {job.groups} is not a multiple of {STEP_GROUPS} (a step's groups)")
     if job.name == "multi_turn":
-        rows = len(multi_turn_rows())
-        env = {"name": MULTI_TURN_ENV, "max_turns": MULTI_TURN_MAX_TURNS, "epochs": -(-job.groups // rows)}
+        epochs, per_epoch = multi_turn_epochs(job.groups)
+        env = {"name": MULTI_TURN_ENV, "max_turns": MULTI_TURN_MAX_TURNS, "epochs": epochs, "limit": per_epoch}
         env_mode = "rollout"  # a conversation is its own request turn after turn: no group call
     else:
         env = {"name": "prompts", "kind": f"{__name__}:PromptsFile", "args": {"path": str(job.prompts_path)}}
@@ -109,8 +110,8 @@ class Follower(threading.Thread):
         for r in window:
             reason = "length" if r["truncated"] else "stop" if r["status"] == "ok" else r["status"]
             line = _prompt_line(r["group_id"], self.per_epoch)
-            # A multi-turn run draws its game's rows epoch after epoch and may finish a row past the file's last
-            # (its steps take groups as they finish): that group is delivered under beam-rl's own id.
+            # The file holds every group the run draws; one past it (a dataset that offers more than the job
+            # asks for) is delivered under beam-rl's own id.
             group_id = self.group_ids[line] if line < len(self.group_ids) else f"beam-rl:{r['group_id']}"
             append_rollout(out, group_id, r["completion_tokens"], reason, now)
 
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     config = job_config(job, args.runner, args.env_mode)
     group_ids = [g["group_id"] for g in read_prompts(job.prompts_path)]
     follower = Follower(job.work_dir / "run", job.out_path, group_ids,
-                        len(multi_turn_rows()) if job.name == "multi_turn" else None)
+                        multi_turn_epochs(job.groups)[1] if job.name == "multi_turn" else None)
     follower.start()
     from beam_rl.job.rollouts import run_rollouts  # Beam: only in the process that runs the job
 

@@ -208,11 +208,24 @@ def steady(run: Run, urls: list[str]) -> dict[str, Any]:
         "steady_window": [round(start, 3), round(end, 3)],
         "rollouts_per_s": round(len(inside) / (end - start), 2),
         "tokens_per_s": round(sum(r["completion_tokens"] for r in inside) / (end - start), 1),
+        "output_length": length_stats([r["completion_tokens"] for r in inside]),
         "cpu_ms_per_rollout": round(cpu_ms, 3) if cpu_ms is not None else None,
         "slots_occupied": round(float(np.mean([occupied_share(t, start, end) for t in traces])), 4),
         "rss_mb_first_quarter": round(rss[:quarter].mean() / 2**20, 1) if quarter else None,
         "rss_growth": round(float(rss[-quarter:].mean() / rss[:quarter].mean() - 1), 4) if quarter else None,
     }
+
+
+PERCENTILES = (1, 10, 50, 90, 99)
+
+
+def length_stats(tokens: list[int]) -> dict[str, float] | None:
+    """Token counts: mean, min, percentiles, max."""
+    if not tokens:
+        return None
+    values = np.array(tokens, dtype=float)
+    return {"mean": round(float(values.mean()), 2), "min": float(values.min()),
+            **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}, "max": float(values.max())}
 
 
 def _answers(url: str) -> bool:

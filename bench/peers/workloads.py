@@ -70,11 +70,21 @@ def multi_turn_rows() -> list[dict[str, Any]]:
     return [{"prompt_ids": env.render_prompt(r), "prompt": env.PROMPT.format(**r)} for r in rows]
 
 
+def multi_turn_epochs(groups: int) -> tuple[int, int]:
+    """(epochs, rows a epoch) whose product is exactly `groups`, the fewest epochs: a job that offers more
+    conversations than it asks for keeps the surplus in flight at its end, where the harness would count it as
+    tokens thrown away."""
+    rows = len(multi_turn_rows())
+    epochs = next(e for e in range(1, groups + 1) if groups % e == 0 and groups // e <= rows)
+    return epochs, groups // epochs
+
+
 def prompts(workload: str, groups: int, seed: int) -> list[dict[str, Any]]:
     """The prompts file's lines: `groups` groups, the same for every system (one seed)."""
     if workload == "multi_turn":
         rows = multi_turn_rows()
-        return [{"group_id": f"{workload}/{i}", **rows[i % len(rows)]} for i in range(groups)]
+        per_epoch = multi_turn_epochs(groups)[1]
+        return [{"group_id": f"{workload}/{i}", **rows[i % per_epoch]} for i in range(groups)]
     tokenizer = load_tokenizer("tiny")
     ids = [g.row["prompt_ids"] for g in make_groups(groups, GROUP_SIZE, seed, workload)]
     return [{"group_id": f"{workload}/{i}", "prompt_ids": p, "prompt": tokenizer.decode(p)} for i, p in enumerate(ids)]

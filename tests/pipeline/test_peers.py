@@ -1,16 +1,21 @@
 """The side-by-side harness (bench/peers, issue 51) as a smoke test: beam-rl on Prism and the plain loop, a few
 seconds each against two simulated servers with weight updates and a killed server, and every column of the table
-filled for each (a number, or the reason the system cannot); no timing is asserted."""
+filled for each (a number, or the reason the system cannot), and each measured cell exported as a Benchmark Report
+that llm-d's own package loads back with the same figures; no timing is asserted."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+from llmd_benchmark_report import import_benchmark_report
 
 from bench.peers.beam_rl_peer import BeamRl
-from bench.peers.compare import Schedule, compare
+from bench.peers.compare import SEED, Schedule, compare
 from bench.peers.plain_loop_peer import PlainLoop
+from bench.peers.report import export
 from bench.peers.table import COLUMNS, render
-from bench.peers.workloads import WORKLOADS
+from bench.peers.workloads import WORKLOADS, prompts
 
 NUMBER = re.compile(r"^[+-]?[0-9.]+%?$")
 # Two seconds of the fleet's work, an update every second: updates fall inside the steady window.
@@ -27,7 +32,7 @@ def _rows(table: str) -> dict[tuple[str, str], list[str]]:
     return rows
 
 
-def test_every_column_is_filled_for_beam_rl_and_the_plain_loop():
+def test_every_column_is_filled_for_beam_rl_and_the_plain_loop(tmp_path: Path):
     # The plain loop on a workload it cannot run too: that row is its reason, with no run behind it.
     short, multi_turn = WORKLOADS["short"], WORKLOADS["multi_turn"]
     report = compare({"beam-rl-prism": BeamRl()}, [short], [2], SCHEDULE, "test")
@@ -54,3 +59,16 @@ def test_every_column_is_filled_for_beam_rl_and_the_plain_loop():
     numbers = [c for column, c in beam_rl.items() if column != "s_back_to_90pct_after_update"]
     assert all(NUMBER.match(c) for c in numbers), numbers
     assert all(c.startswith("cannot: a completions loop") for c in rows["plain loop", "multi_turn"])
+
+    # The Benchmark Reports: one a measured cell (the plain loop's multi_turn row has no run behind it).
+    written = export(report, tmp_path)
+    given = prompts("short", short.groups_for(2, SCHEDULE.seconds), SEED)  # what both systems were given
+    assert sorted(p.name for p in written) == ["beam-rl-prism-short-2.yaml", "plain-loop-short-2.yaml"]
+    for path, key in zip(sorted(written), ("beam-rl-prism", "plain-loop")):
+        cell, loaded = report["systems"][key]["cells"]["short/2"], import_benchmark_report(str(path))
+        aggregate = loaded.results.request_performance.aggregate
+        assert aggregate.requests.total == cell["rollouts_delivered"]
+        assert aggregate.requests.output_length.p50 == cell["output_length"]["p50"]
+        assert aggregate.throughput.request_rate.mean == cell["rollouts_per_s"]
+        assert loaded.scenario.load.standardized.input_seq_len.max == max(len(g["prompt_ids"]) for g in given)
+        assert loaded.results.observability.beam_rl_peers["cpu_ms_per_rollout"] == cell["cpu_ms_per_rollout"]

@@ -42,3 +42,23 @@ def test_a_follower_that_fails_fails_the_job(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr("beam_rl.job.rollouts.run_rollouts", lambda *a, **k: None)
     with pytest.raises(RuntimeError, match="following the run directory failed: IndexError"):
         beam_rl_peer.main(["--job", str(tmp_path / "job.json")])
+
+
+@pytest.mark.parametrize("groups", [32, 160, 320, 440])
+def test_the_multi_turn_run_offers_exactly_the_jobs_groups_and_each_lands_on_its_prompts_line(
+        tmp_path: Path, groups: int) -> None:
+    """A run offered more conversations than it asks for keeps the surplus in flight at its end, which the harness
+    would count as thrown away; each game row beam-rl draws is the prompts file's line the follower names."""
+    from bench.peers.job import PeerJob
+    from bench.peers.workloads import GROUP_SIZE, multi_turn_epochs, multi_turn_rows, prompts
+
+    job = PeerJob(name="multi_turn", urls=["http://127.0.0.1:1"], model="tiny", prompts_path=tmp_path / "p.jsonl",
+                  group_size=GROUP_SIZE, max_tokens=32, groups=groups, out_path=tmp_path / "out.jsonl",
+                  work_dir=tmp_path, seed=0)
+    env = beam_rl_peer.job_config(job, "direct").envs[0]
+    assert env.epochs * env.limit == groups
+    lines, rows = prompts("multi_turn", groups, seed=0), multi_turn_rows()
+    for epoch in range(env.epochs):
+        for row in range(env.limit):
+            line = beam_rl_peer._prompt_line(f"guess_number/e{epoch}-i{row}", multi_turn_epochs(groups)[1])
+            assert lines[line]["prompt_ids"] == rows[row]["prompt_ids"]
