@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import heapq
 import itertools
 import logging
@@ -262,7 +263,8 @@ class Dispatcher:
 
     def _schedule_group_rollout(self, group: OpenGroup) -> int:
         request = group.request
-        # Rule: permits. A rollout-mode launch holds one; a group-mode call of n holds n.
+        # Rule: permits. A rollout-mode launch holds one; a group-mode call of n holds n, and when its
+        # environment makes that one call, each comes back as the server ends its choice (_choice_ended).
         needed = group.rollouts_to_schedule if group.mode == "group" else 1
         if self._permits.available < needed:
             return 0
@@ -283,6 +285,8 @@ class Dispatcher:
             if point is None
             else self._resumed_launch(group, point, server)
         )
+        if needed > 1 and group.env.group_is_one_call():
+            launch.progress.on_choice_end = functools.partial(self._choice_ended, launch)
         client = LaunchClient(launch, self.pool, self.max_redispatches, self._moved)
         task = asyncio.create_task(
             _run_env(group.env, group.mode, client, request.row, group.prompt_ids, sampling, needed),
@@ -337,10 +341,21 @@ class Dispatcher:
             group.server = self.pool.select()
         return group.server
 
+    def _choice_ended(self, launch: Launch, choice: int) -> None:
+        # A group call's choice that the server finished is a finished rollout: its permit comes back now,
+        # so its slot takes other work while the group's longer ones generate. The last comes back with the
+        # call (_on_finished).
+        if launch.held <= 1:
+            return
+        launch.released += 1
+        self._permits.give_back(1)
+        self.pool.finished(launch.server, 1)
+        self._wakeup.set()
+
     def _moved(self, launch: Launch, failed: Server, target: Server) -> None:
         # Group affinity (_pin_server) follows a re-dispatched launch: the group's later attempts go there too.
-        self.pool.finished(failed, launch.permits)
-        self.pool.started(target, launch.permits)
+        self.pool.finished(failed, launch.held)
+        self.pool.started(target, launch.held)
         launch.server = launch.group.server = target
         self.counters.redispatched += launch.permits
 
@@ -354,8 +369,9 @@ class Dispatcher:
             return
         group, request = launch.group, launch.group.request
         group.tasks.discard(task)
-        self._permits.give_back(launch.permits)
-        self.pool.finished(launch.server, launch.permits)
+        self._permits.give_back(launch.held)
+        self.pool.finished(launch.server, launch.held)
+        launch.released = launch.permits
         if launch.regenerate_requested and not (launch.cancel_requested or group.cancelled):
             self._requeue(launch)
             if self.concurrency.counts_trained_tokens:

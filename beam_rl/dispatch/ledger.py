@@ -95,6 +95,7 @@ class Launch:
     # put it past the bound), or "server_failure" (its server restarted under it, on the wrong weights).
     discard_fate: str = "cancelled"
     redispatches: int = 0
+    released: int = 0  # permits given back before it ended: its choices the server finished (group calls)
     progress: Progress = field(default_factory=Progress)  # its tokens as they arrive, over every server
     completions: list[Completion] = field(default_factory=list)  # what the environment got, in call order
     # A checkpoint's view of it (dispatch/resume.py): its finished calls, the digest of the one in flight
@@ -112,7 +113,13 @@ class Launch:
 
     @property
     def permits(self) -> int:
+        """Its rollouts: the permits it took."""
         return len(self.attempts)
+
+    @property
+    def held(self) -> int:
+        """The permits it holds now."""
+        return self.permits - self.released
 
     def resume_point(self) -> ResumePoint | None:
         """What a checkpoint taken now keeps of it; None when it holds no token yet. Its finished calls are

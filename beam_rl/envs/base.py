@@ -141,6 +141,13 @@ class Environment(abc.ABC):
         (completion,) = await client.complete(prompt_ids, sampling, n=1)
         return self._single_turn(row, completion)
 
+    def group_is_one_call(self) -> bool:
+        """Whether `run_group` makes one completion call of n choices and nothing after it, so that a choice
+        the server finishes is a finished rollout: the dispatcher then gives its permit back as it ends,
+        not when the group's longest one does. An environment that overrides `run_group` is not, unless it
+        says so by overriding this too."""
+        return getattr(type(self).run_group, "one_call", False) and not self.multi_turn
+
     async def run_group(
         self,
         client: CompletionClient,
@@ -154,6 +161,8 @@ class Environment(abc.ABC):
             raise NotImplementedError(f"{self.name} is multi-turn: run it one rollout per call")
         completions = await client.complete(prompt_ids, sampling, n=n)
         return [self._single_turn(row, c) for c in completions]
+
+    run_group.one_call = True  # type: ignore[attr-defined]
 
     def _single_turn(self, row: dict[str, Any], completion: Completion) -> Trajectory:
         return Trajectory(
@@ -259,6 +268,8 @@ class DatasetEnvironment(Environment):
         n: int,
     ) -> list[Trajectory]:
         return await super().run_group(client, row, prompt_ids, self._fit_sampling(prompt_ids, sampling), n)
+
+    run_group.one_call = True  # type: ignore[attr-defined]
 
     def select_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Hook for a subset of the validated rows (a curriculum level); all of them by default."""

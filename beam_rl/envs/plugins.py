@@ -202,6 +202,9 @@ class PluginEnvironment(Environment):
     def multi_turn(self) -> bool:  # type: ignore[override]
         return self.inner.multi_turn
 
+    def group_is_one_call(self) -> bool:
+        return self.inner.group_is_one_call()
+
     @property
     def tokenizer(self) -> Any:
         return self.inner.tokenizer

@@ -73,6 +73,9 @@ class Verifiers(Environment):
     def load_rows(self, split: str = "train") -> list[dict[str, Any]]:
         return self.impl.load_rows(split)
 
+    def group_is_one_call(self) -> bool:
+        return self.impl.group_is_one_call()
+
     def render_prompt(self, row: dict[str, Any]) -> list[int]:
         return self.impl.render_prompt(row)
 

@@ -30,6 +30,10 @@ class Progress:
     # The choices of the call in flight, as its tokens arrive (InferenceClient.complete sets them): what a
     # checkpoint of the rollout takes (dispatch/resume.py). Read them; never change them.
     live: list[Completion] | None = None
+    # Called once a choice, the first time a server ends it (stop or length, not a pause's abort): a group
+    # call's finished choice frees its permit while the others generate (Dispatcher._choice_ended).
+    on_choice_end: Callable[[int], None] | None = None
+    ended: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.tokens = [0] * self.choices
@@ -41,6 +45,13 @@ class Progress:
     def may_hold(self, version: int) -> None:
         """Some token of this rollout may have been sampled by `version` (a lower bound)."""
         self.oldest_version = version if self.oldest_version is None else min(self.oldest_version, version)
+
+    def choice_ended(self, choice: int) -> None:
+        if choice in self.ended:
+            return
+        self.ended.add(choice)
+        if self.on_choice_end is not None:
+            self.on_choice_end(choice)
 
     def received(self, choice: int, count: int, version_floor: int) -> None:
         if count <= 0:
@@ -115,6 +126,8 @@ class LiveRequest:
         if self.progress is not None:
             floor = self.version if self.version != UNKNOWN_VERSION else self.floor
             self.progress.received(self.targets[index], len(token_ids), floor)
+            if finish_reason is not None and finish_reason != ABORT:
+                self.progress.choice_ended(self.targets[index])
 
     def add_chunk(self, chunk: Any, bad: Any) -> None:
         """One server-sent event of a streamed answer, or a whole generate answer (read by

@@ -652,6 +652,54 @@ def test_group_mode_runs_one_call_holding_group_size_permits():
     asyncio.run(main())
 
 
+def test_a_group_calls_finished_choices_give_their_permits_back_while_its_longest_generates():
+    """A slot whose rollout the server finished takes other work (the next group's call) while the group's
+    longest rollout still generates; the call's last permit comes back when the call ends."""
+
+    async def main() -> None:
+        dispatcher, tracker = make(1, 6, groups(2, 4), gated, modes={"math": "group"})
+        dispatcher.fill()
+        await settle()
+        first = tracker.calls[0]
+        assert [c.n for c in tracker.calls] == [4] and dispatcher.inflight == 4  # 2 free: group 1 waits
+        for choice in (0, 1, 2, 1):  # three of its four end (one of them told twice); the fourth generates on
+            first.progress.choice_ended(choice)
+        assert dispatcher.inflight == 1 and dispatcher.pool.servers[0].inflight == 1
+        dispatcher.fill()
+        await settle()
+        assert [c.n for c in tracker.calls] == [4, 4] and dispatcher.inflight == 5
+        first.progress.choice_ended(3)  # its last: it comes back with the call
+        assert dispatcher.inflight == 5
+        first.release.set()
+        assert sorted(r.attempt for r in await completed(dispatcher, 5)) == [0, 1, 2, 3]
+        assert dispatcher.inflight == 4 and dispatcher.pool.servers[0].inflight == 4
+        tracker.calls[1].release.set()
+        assert len(await collect(dispatcher, 4)) == 4
+        assert dispatcher.inflight == 0 and dispatcher.pool.servers[0].inflight == 0
+
+    asyncio.run(main())
+
+
+def test_a_group_call_of_an_environment_that_calls_again_keeps_its_permits_to_the_end():
+    class TwoCalls(FakeEnv):
+        async def run_group(self, client, row, prompt_ids, sampling, n):  # type: ignore[override]
+            await client.complete(prompt_ids, sampling, n=n)  # a first pass, then the answers
+            return [self._single_turn(row, c) for c in await client.complete(prompt_ids, sampling, n=n)]
+
+    async def main() -> None:
+        dispatcher, tracker = make(1, 6, groups(2, 4), gated, modes={"math": "group"})
+        dispatcher.envs["math"] = TwoCalls()
+        dispatcher.fill()
+        await settle()
+        for choice in range(3):
+            tracker.calls[0].progress.choice_ended(choice)
+        dispatcher.fill()
+        await settle()
+        assert len(tracker.calls) == 1 and dispatcher.inflight == 4
+
+    asyncio.run(main())
+
+
 def test_group_mode_failure_emits_one_errored_placeholder_per_permit():
     async def fail(call: Call) -> None:
         raise InferenceConnectionError("http://s0/v1/completions: connection failed", "http://s0")

@@ -818,3 +818,21 @@ def test_tails_read_after_a_continue_update_keep_the_version_that_sampled_them(m
     assert long_truth.count(0) >= 4 and long_truth.count(1) > 0 and long_truth == sorted(long_truth), long_truth
     assert short_truth == [0] * 6
     assert (long_recorded, short_recorded) == (long_truth, short_truth)
+
+
+def test_a_choice_the_server_ends_is_told_once_and_one_a_pause_aborts_is_not():
+    """What frees a group call's permit early (Dispatcher._choice_ended): each choice's first stop or length,
+    by its index in the caller's choices; an abort (a continue-mode pause: the choice will be sent again) is
+    not an end."""
+    from beam_rl.inference.inflight import ABORT, Progress
+
+    ended: list[int] = []
+    progress = Progress(3, on_choice_end=ended.append)
+    request = LiveRequest([Completion([], [], None), Completion([], [], None)], [2, 0], 0, 0, True, progress=progress)
+    request.add(0, [5], [-0.1], None)
+    request.add(1, [6], [-0.1], ABORT)
+    assert ended == []
+    request.add(0, [7], [-0.1], "stop")
+    request.add(1, [8], [-0.1], "length")
+    request.add(0, [], [], "stop")  # told again: not a second end
+    assert ended == [2, 0]
