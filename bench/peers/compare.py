@@ -225,7 +225,7 @@ def length_stats(tokens: list[int]) -> dict[str, float] | None:
         return None
     values = np.array(tokens, dtype=float)
     return {"mean": round(float(values.mean()), 2), "min": float(values.min()),
-            **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}, "max": float(values.max())}
+            **{f"p{p}": round(float(np.percentile(values, p)), 2) for p in PERCENTILES}, "max": float(values.max())}
 
 
 def _answers(url: str) -> bool:
