@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from bench.peers.report import benchmark_report, export
 
-RESULTS = Path(__file__).resolve().parents[3] / "bench/peers/results-peers-2dd4692.json"
+RESULTS = Path(__file__).resolve().parents[3] / "bench/peers/results-peers-9191698.json"
 
 
 def test_every_measured_cell_loads_back_with_its_figures(tmp_path: Path) -> None:
@@ -33,6 +33,10 @@ def test_every_measured_cell_loads_back_with_its_figures(tmp_path: Path) -> None
         assert aggregate.requests.total == cell["rollouts_delivered"]
         assert aggregate.throughput.request_rate.mean == cell["rollouts_per_s"]
         assert aggregate.throughput.output_token_rate.mean == cell["tokens_per_s"]
+        assert (aggregate.requests.output_length.p50, aggregate.requests.output_length.max) == (
+            cell["output_length"]["p50"],
+            cell["output_length"]["max"],
+        )
         engines = next(s for s in loaded.scenario.stack if s.standardized.kind == "inference_engine")
         assert engines.standardized.replicas == int(cell_key.split("/")[1])
         running = loaded.results.observability.components[0].aggregate.running_requests.mean
