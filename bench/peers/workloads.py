@@ -3,6 +3,7 @@ prompts, the same for every system (the prompts from one seed), and how many gro
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -63,8 +64,10 @@ WORKLOADS = {
 MULTI_TURN_MAX_TURNS = WORKLOADS["multi_turn"].turns
 
 
+@functools.cache
 def multi_turn_rows() -> list[dict[str, Any]]:
-    """`guess_number`'s own rows in its order, rendered: the multi-turn workload's prompts (row k % len)."""
+    """`guess_number`'s own rows in its order, rendered: the multi-turn workload's prompts (row k % len). Read
+    them; never change them (one list for every caller)."""
     env = GuessNumber(load_tokenizer("tiny"), MULTI_TURN_MAX_TURNS)
     rows = env.load_rows("train")
     return [{"prompt_ids": env.render_prompt(r), "prompt": env.PROMPT.format(**r)} for r in rows]

@@ -57,8 +57,8 @@ def test_the_multi_turn_run_offers_exactly_the_jobs_groups_and_each_lands_on_its
                   work_dir=tmp_path, seed=0)
     env = beam_rl_peer.job_config(job, "direct").envs[0]
     assert env.epochs * env.limit == groups
-    lines, rows = prompts("multi_turn", groups, seed=0), multi_turn_rows()
+    lines, rows, per_epoch = prompts("multi_turn", groups, seed=0), multi_turn_rows(), multi_turn_epochs(groups)[1]
     for epoch in range(env.epochs):
         for row in range(env.limit):
-            line = beam_rl_peer._prompt_line(f"guess_number/e{epoch}-i{row}", multi_turn_epochs(groups)[1])
+            line = beam_rl_peer._prompt_line(f"guess_number/e{epoch}-i{row}", per_epoch)
             assert lines[line]["prompt_ids"] == rows[row]["prompt_ids"]
