@@ -218,7 +218,7 @@ class Dispatcher:
             self._reject(request, f"GroupTooLarge: group_size {request.group_size} > max_inflight {self.max_inflight}")
             return None
         if mode == "group" and request.group_size > self._cap_floor:
-            self._cap_floor = request.group_size  # a group-mode call holds all its permits at once
+            self._cap_floor = request.group_size  # a group-mode call takes all its permits at once
             self._apply_cap()
         try:
             prompt_ids = list(env.render_prompt(request.row))

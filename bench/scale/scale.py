@@ -60,8 +60,8 @@ from bench.common.procs import cpu_s
 
 GROUP_SIZE = 4
 # Permits per slot: a finished sequence's slot is refilled from the server's own queue at once. One request per
-# rollout (env mode "rollout"), so that a permit is a sequence (a group request holds its n permits until its
-# longest choice ends: with these long tails that left a third of the slots empty). 8 slots x 1.5 = 12 permits a
+# rollout (env mode "rollout"), so that a permit is a sequence from its request to its end (the measurements here
+# were made so, before a group request gave each choice's permit back as it ended). 8 slots x 1.5 = 12 permits a
 # server, three groups of 4, so that group affinity spreads the first fill evenly (10 left half the servers a
 # group short, and a thousand servers' slow steps take minutes to even that out).
 QUEUE = 1.5
