@@ -3,8 +3,9 @@ one report per system, workload and fleet size, validated by that package's own 
 
     python -m bench.peers.report bench/peers/results.json --out-dir bench/peers/reports
 
-What the format has a field for goes there: the rollouts delivered and their completion lengths (in results measured since the harness records them), rollouts/s
-(`request_rate`, a rollout being one request's answer), tokens/s, the prompts' lengths, the fleet (a
+What the format has a field for goes there: the rollouts delivered and their completion lengths (in results
+measured since the harness records them), rollouts/s (`request_rate`, a rollout being one request's answer),
+tokens/s, the prompts' lengths, the fleet (a
 `inference_engine` component, its replicas) and the orchestrator (a `generic` component), the engines' mean running
 requests (their slot occupancy x slots a server). The columns it has none for (CPU per rollout, tokens thrown away
 at updates, seconds back after an update, tokens lost on a kill, RSS growth) go under
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import json
 import uuid
@@ -88,12 +90,18 @@ def _stack(key: str, system: dict[str, Any], servers: int, server_args: list[str
     ]
 
 
+@functools.cache
+def _prompt_lengths(workload_name: str, groups: int, seed: int) -> dict[str, float]:
+    """The prompts are a function of the workload, the run's size and the seed: every system of a results file
+    had these, so they are made once for all of its cells."""
+    stats = length_stats([len(g["prompt_ids"]) for g in prompts(workload_name, groups, seed)])
+    assert stats is not None
+    return stats
+
+
 def _load(report: dict[str, Any], workload_name: str, servers: int, cell: dict[str, Any]) -> dict[str, Any]:
     workload = WORKLOADS[workload_name]
-    # The prompts are a function of the workload, the run's size and the seed: every system had these.
-    groups = workload.groups_for(servers, report["schedule"]["seconds"])
-    prompt = length_stats([len(g["prompt_ids"]) for g in prompts(workload_name, groups, report["seed"])])
-    assert prompt is not None
+    prompt = _prompt_lengths(workload_name, workload.groups_for(servers, report["schedule"]["seconds"]), report["seed"])
     standardized: dict[str, Any] = {
         "tool": "bench.peers.compare",
         "tool_version": "1",
