@@ -382,7 +382,7 @@ class ConcurrencySection(_Section):
     # inference.max_inflight; "goodput" chooses the cap that trains the most tokens per second, "kv" keeps
     # the servers' KV-cache usage under kv_soft_cap; both stay under inference.max_inflight.
     mode: Literal["fixed", "goodput", "kv"] = "fixed"
-    start: int | None = Field(None, gt=0)  # goodput and kv: the first cap (None: half the ceiling)
+    start: int | None = Field(None, gt=0)  # goodput and kv: the first cap (None: a quarter of the ceiling, kv half)
     kv_soft_cap: float = Field(0.9, gt=0, le=1)
 
 

@@ -5,8 +5,10 @@
   inside the off-policy bound, per second. More in flight raises generated tokens/s until the engines
   saturate; past that it only makes each rollout slower, so more of its tokens come from policies the
   bound throws away (regenerated or cancelled: they never finish) and the trained rate falls. The
-  controller starts at half the ceiling and grows by half while the rate improves (slow start), then
-  probes one step up and one step down at a time, keeping a probe only when it measured better; probes
+  controller starts at a quarter of the ceiling and grows by half while the rate is no worse (slow start),
+  then steps down from the best cap by the same factor while the rate is no worse (descent: the start can be
+  past the peak, when the KV caches hold fewer sequences than that), then probes one step up and one step
+  down at a time, keeping a probe only when it measured better; probes
   get closer and rarer while they lose, so it settles near the peak, and open up again when the rate
   moves, so it follows a change of lengths or step times; a measurement far below the last accepted one
   (a collapse: the step time rose, or servers went away) halves the cap at once. Measurements span whole
@@ -64,6 +66,7 @@ class FixedConcurrency:
 class _Measurement:
     cap: int
     warmup_left: int  # rollouts to let finish before measuring: those started under the previous cap
+    set_at_step: int = 0  # the controller's count of policy steps when the cap was set
     version: int | None = None  # the policy when the measured span began
     steps: int = 0  # the controller's count of policy steps then
     started_at: float | None = None
@@ -85,10 +88,11 @@ class GoodputController:
     """Hill-climbs the in-flight cap on trained tokens per second (see the module docstring).
 
     A measurement under a cap begins at the first policy step after as many rollouts as the previous cap or
-    this one (the larger) have finished since it was set: the pool turned over. It ends at the first policy
-    step after `max(min_rollouts, measure_turns * cap)` more have finished and the rate is known to
-    `precision` (its relative standard error, twice it in slow start: a long tail of lengths needs more
-    rollouts), or once it spans `max_span_steps` policy steps or 16x the rollouts. Whole policy steps,
+    this one (the larger) have finished since it was set, or `max_span_steps` policy steps after it: the pool
+    turned over. It ends at the first policy step after `max(min_rollouts, measure_turns * cap)` more have
+    finished and the rate is known to `precision` (its relative standard error, twice it in slow start and
+    descent: a long tail of lengths needs more rollouts), or once it spans `max_span_steps` policy steps (and
+    `min_rollouts`) or 16x the rollouts: past the peak, a cap's worth of rollouts can take minutes. Whole policy steps,
     because that is when work goes stale: a span cut mid-step would count a step's stale rollouts or not
     by chance. The first measurement waits for `fill_steps` policy steps: until then a pool that filled
     from empty has no stale work. Without policy versions (or when the policy does not move within 4x the
@@ -125,7 +129,7 @@ class GoodputController:
         probe_step: float = 1 / 8,
     ) -> None:
         self.ceiling, self.floor = ceiling, floor
-        self.cap = _first_cap(ceiling, floor, start)
+        self.cap = _first_cap(ceiling, floor, start, ceiling // 4)
         self.min_rollouts, self.measure_turns, self.precision = min_rollouts, measure_turns, precision
         # A probe up must win by `tolerance`, one down by `down_tolerance`: at equal rates fewer in flight
         # risk less (less KV, less work going stale).
@@ -133,11 +137,10 @@ class GoodputController:
         self.collapse, self.shift = collapse, shift
         self.min_step, self.max_hold = min_step, max_hold
         self.fill_steps, self.max_span_steps = fill_steps, max_span_steps
-        # Slow start's factor: short of doubling, because the step past the peak is measured at its rate
-        # (a doubling past a full KV cache ran at half the best rate), and a start at half the ceiling
-        # reaches the ceiling in two steps anyway.
+        # Slow start's (and descent's) factor: short of doubling, because the step past the peak is measured
+        # at its rate (a doubling past a full KV cache ran at half the best rate).
         self.growth, self.probe_step = growth, probe_step
-        self.phase: Literal["slow_start", "probing"] = "slow_start"
+        self.phase: Literal["slow_start", "descent", "probing"] = "slow_start"
         self.accepted_cap, self.accepted_rate = self.cap, 0.0
         self.step = probe_step
         self._probe_up = True
@@ -164,17 +167,21 @@ class GoodputController:
             filled = (
                 version is None or self._steps >= self.fill_steps or (self._steps == 0 and m.warmup_left <= -4 * m.cap)
             )
-            if m.warmup_left <= 0 and filled and (moved or m.warmup_left <= -4 * m.cap):
+            # At a cap past the peak rollouts finish slowly: the pool has turned over after a few policy steps too.
+            turned = m.warmup_left <= 0 or self._steps - m.set_at_step >= self.max_span_steps
+            if turned and filled and (moved or m.warmup_left <= -4 * m.cap):
                 m.started_at, m.version, m.steps = now, version, self._steps  # the span begins
             return
         m.finished += 1
         m.tokens += trained_tokens
         m.squares += trained_tokens**2
         enough = max(self.min_rollouts, self.measure_turns * m.cap)
-        # Slow start compares caps half again apart: a coarser rate tells them apart, in a quarter of the rollouts.
-        precision = self.precision * (2 if self.phase == "slow_start" else 1)
+        # Slow start and descent compare caps half again apart: a coarser rate tells them apart, in a quarter of the
+        # rollouts.
+        precision = self.precision * (2 if self.phase != "probing" else 1)
         long_enough = self._steps - m.steps >= self.max_span_steps or m.finished >= 16 * enough
-        if m.finished < enough or not (m.precise_to(precision) or long_enough):
+        precise = m.finished >= enough and m.precise_to(precision)
+        if m.finished < self.min_rollouts or not (precise or long_enough):
             return
         if moved or (m.version == version and m.finished >= 4 * enough):
             self._decide(m.rate(now), now)
@@ -185,15 +192,22 @@ class GoodputController:
     def _decide(self, rate: float, now: float) -> None:
         self.history.append((now, self.cap, rate))
         if self.phase == "slow_start":
-            if rate > self.accepted_rate * (1 + self.tolerance) and self.cap < self.ceiling:
-                self.accepted_cap, self.accepted_rate = self.cap, rate
+            # Growing goes on while a cap is not clearly worse than the best so far: one measurement varies.
+            if rate > self.accepted_rate * (1 - self.tolerance) and self.cap < self.ceiling:
+                if rate > self.accepted_rate * (1 + self.tolerance):
+                    self.accepted_cap, self.accepted_rate = self.cap, rate
                 self._set(max(self.cap + 1, round(self.cap * self.growth)))
                 return
             if rate > self.accepted_rate * (1 + self.down_tolerance):  # at equal rates, the smaller cap
                 self.accepted_cap, self.accepted_rate = self.cap, rate
-            self.phase = "probing"
-            self._reopen()
-            self._set(self.accepted_cap)
+            self._descend()
+            return
+        if self.phase == "descent":  # down while no worse than the best so far: at equal rates, the smaller cap
+            if rate >= self.accepted_rate * (1 - self.down_tolerance):
+                self.accepted_cap, self.accepted_rate = self.cap, max(rate, self.accepted_rate)
+                self._descend()
+                return
+            self._start_probing()
             return
         if self.cap == self.accepted_cap:  # a re-measurement of the accepted cap: conditions may have changed
             if rate < self.accepted_rate * self.collapse:
@@ -236,6 +250,20 @@ class GoodputController:
         self._holds_left = self._hold
         self._set(self.accepted_cap)
 
+    def _descend(self) -> None:
+        """A step below the accepted cap by slow start's factor; probing once there is none (the floor)."""
+        below = max(self.floor, min(self.accepted_cap - 1, round(self.accepted_cap / self.growth)))
+        if below >= self.accepted_cap:
+            self._start_probing()
+            return
+        self.phase = "descent"
+        self._set(below)
+
+    def _start_probing(self) -> None:
+        self.phase = "probing"
+        self._reopen()
+        self._set(self.accepted_cap)
+
     def _reopen(self, step: float | None = None) -> None:
         self.step = min(self.probe_step, step or self.probe_step)
         self._lost, self._hold, self._holds_left = 0, 0, 0
@@ -253,7 +281,7 @@ class GoodputController:
     def _set(self, cap: int) -> None:
         # The warm-up lets the rollouts in flight under the previous cap finish: as many as the larger cap.
         previous, self.cap = self.cap, min(self.ceiling, max(self.floor, cap))
-        self._measure = _Measurement(self.cap, warmup_left=max(previous, self.cap))
+        self._measure = _Measurement(self.cap, warmup_left=max(previous, self.cap), set_at_step=self._steps)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -287,7 +315,7 @@ class KvController:
         if not 0 < soft_cap <= 1:
             raise ValueError(f"the KV soft cap must be in (0, 1], got {soft_cap}")
         self.ceiling, self.floor = ceiling, floor
-        self.cap = _first_cap(ceiling, floor, start)
+        self.cap = _first_cap(ceiling, floor, start, ceiling // 2)
         self.soft_cap, self.headroom, self.decrease = soft_cap, headroom, decrease
         self.step = step if step is not None else max(1, ceiling // 32)
         self.last_usage: float | None = None
@@ -308,13 +336,14 @@ class KvController:
         return {"mode": "kv", "cap": self.cap, "kv_cache_usage": self.last_usage}
 
 
-def _first_cap(ceiling: int, floor: int, start: int | None) -> int:
-    """`start` (default: half the ceiling) within [floor, ceiling]. The ceiling is the fleet's slots in a run
-    that sizes `max_inflight` to them (the fixed mode's best guess), and the best cap is rarely under half
-    of them: a start lower than that spends its first measurements growing toward it."""
+def _first_cap(ceiling: int, floor: int, start: int | None, default: int) -> int:
+    """`start` (else the mode's `default`) within [floor, ceiling]. The ceiling is the fleet's slots in a run
+    that sizes `max_inflight` to them (the fixed mode's best guess). goodput starts at a quarter of them:
+    with long completions the KV caches hold about that many sequences (bench/throughput/concurrency.json),
+    and a cap past the peak is measured at its collapsed rate; kv at half, growing from its caches' usage."""
     if not 1 <= floor <= ceiling:
         raise ValueError(f"the in-flight floor ({floor}) must be between 1 and the ceiling ({ceiling})")
-    return min(ceiling, max(floor, start if start is not None else ceiling // 2))
+    return min(ceiling, max(floor, start if start is not None else default))
 
 
 def committed_concurrency(windows: Sequence[Any], servers: Collection[str]) -> int | None:

@@ -41,11 +41,13 @@ def test_goodput_mode_from_the_config_slow_starts_the_shards_dispatcher(start_em
 
 def test_goodput_against_the_simulated_engine_holds_a_cap_near_the_best_fixed_cap(tmp_path):
     """bench/throughput/concurrency.py --size small: one simulated server of 256 slots whose KV cache holds ~90 of the
-    workload's sequences (beyond, it preempts and work goes stale), a policy step every 1.2 s. Told nothing,
-    goodput starts at half the ceiling (128); in its second half (slow start behind it) it trains near the
-    best of a sweep of fixed caps and holds a cap within a factor of 2 of the best one, well below the
-    ceiling. Ratios within one run: 0.976 and 0.964 of the best fixed cap (128) in two runs here, holding 124, so 0.75
-    leaves room for a shared machine."""
+    workload's sequences (beyond, they wait and go stale), a policy step every 1.2 s. Told nothing, goodput starts
+    at a quarter of the ceiling (64); in its second half (slow start and descent behind it) it trains near the
+    best of a sweep of fixed caps, holding a cap no lower than half the caps that train near the best and short
+    of the ceiling. A group's permits count its running sequences, so the top of the curve is flat from the KV
+    cache's edge to past twice it and which fixed cap comes out best is a draw (64 and 128 at 10.1k-10.3k and
+    8.9k-10.0k tokens/s in three runs, 128 at 3.1k in a fourth). With the controller as it is, one run held 65
+    and trained 1.18 of the best fixed cap in its second half; 0.75 leaves room for a shared machine."""
     from bench.throughput.concurrency import SIZES, run_workload, sweep
 
     weights = tmp_path / "weights"
@@ -59,14 +61,15 @@ def test_goodput_against_the_simulated_engine_holds_a_cap_near_the_best_fixed_ca
         pytest.skip(f"no fixed cap trained anything ({fixed}): the machine is too busy to run the simulated engine")
     goodput = results["goodput"]
     assert goodput["trained_tokens_per_s_second_half"] >= 0.75 * fixed[best], (fixed, goodput)
-    assert best / 2 <= goodput["cap_second_half_mean"] <= min(2 * best, 0.8 * 256), (fixed, goodput)
+    near_best = [cap for cap, rate in fixed.items() if rate >= 0.9 * fixed[best]]  # one cap's runs vary by ~5%
+    assert min(near_best) / 2 <= goodput["cap_second_half_mean"] <= 0.85 * 256, (fixed, goodput)
 
 
 def test_goodput_on_a_model_of_the_benchmarks_measured_curves_stays_near_the_best_cap():
     """bench/throughput/concurrency_model.py: the benchmark's measured sweeps (bench/throughput/concurrency.json),
     each policy step's rate drawn with the spread of one real measurement. Over 180 s including its start, the
-    controller trains 0.96 to 0.98 of the best cap there (seeded: the same every run); a controller that let one
-    lucky measurement move it would wander off the peak."""
+    controller trains 0.96 to 0.98 of the best cap there, 0.91 to 0.96 at the 10th percentile (seeded: the same every
+    run); a controller that let one lucky measurement move it would wander off the peak."""
     import json
 
     from bench.throughput.concurrency import WORKLOADS, sweep

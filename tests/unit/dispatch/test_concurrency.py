@@ -36,11 +36,11 @@ class Fleet:
 
 @pytest.mark.parametrize("start", [None, 8], ids=["default-above-the-knee", "below-the-knee"])
 def test_goodput_finds_the_knee_and_stays_near_it(start):
-    """From the default start (half the ceiling, past this fleet's knee: probes come down to it) and from a
+    """From the default start (a quarter of the ceiling, past this fleet's knee: it comes down to it) and from a
     start below the knee (slow start grows up to it)."""
     fleet = Fleet(knee=48)
     controller = GoodputController(ceiling=256, start=start)
-    assert controller.cap == (128 if start is None else start)  # by default, half the ceiling
+    assert controller.cap == (64 if start is None else start)  # by default, a quarter of the ceiling
     caps = fleet.run(controller, 20_000)
     settled = caps[len(caps) // 2:]
     assert controller.phase == "probing"
@@ -71,6 +71,32 @@ def test_a_probe_is_kept_only_when_it_wins_twice_in_a_row():
     lucky_wins = [(cap, rate) for _, cap, rate in controller.history if cap != 64 and rate > 1.1 * fleet.peak]
     assert len(lucky_wins) >= 4, list(controller.history)  # probes up and down won once
     assert set(accepted) == {64}, sorted(set(accepted))
+
+
+def test_a_peak_far_below_the_start_is_reached_by_steps_of_slow_starts_factor():
+    """A KV cache that holds a small share of the slots' sequences: the knee lies far below the start. Once a step
+    up loses, the cap steps down by slow start's factor while the rate is no worse, in a handful of
+    measurements (probes of an eighth would take dozens), and probing starts near the knee."""
+    fleet = Fleet(knee=12)
+    controller = GoodputController(ceiling=256)
+    assert controller.cap == 64  # 5x the knee: the rate is at its floor there
+    phases = []
+    while controller.phase != "probing":
+        fleet.run(controller, 1)
+        phases.append(controller.phase)
+    assert "descent" in phases
+    assert 8 <= controller.accepted_cap <= 18, list(controller.history)
+    assert len(controller.history) <= 10, list(controller.history)
+
+
+def test_a_measurement_under_a_cap_far_past_the_peak_waits_a_few_policy_steps_not_a_pool_of_rollouts():
+    """Past the peak rollouts finish slowly: the pool has turned over after `max_span_steps` policy steps, and a
+    measurement that long decides with `min_rollouts`, not a cap's worth of rollouts (1,024 at a few a second)."""
+    controller = GoodputController(ceiling=1024, start=1024)
+    for i in range(200):  # a new policy every 10 rollouts: 20 steps, far fewer rollouts than the cap
+        controller.finished(100, float(i), version=i // 10)
+    assert controller.history, "no decision in 20 policy steps"
+    assert controller.history[0][1] == 1024
 
 
 def test_goodput_follows_the_knee_when_it_moves():
