@@ -61,8 +61,10 @@ setup(
         # pyarrow<19 pin fsspec<=2025.3.0; tests/ecosystem/test_wheel.py installs it in a venv of its own.
         # ruff, mypy, types-PyYAML: scripts/check.sh, pinned so that a new release's rules do not fail CI.
         # llmd-benchmark-report: the side-by-side's results in llm-d's Benchmark Report format (bench/peers/report.py).
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "cryptography>=42", "openai>=1.40", "polars>=1", "duckdb>=1.1",
-                 "ruff==0.17.5", "mypy==2.4.1", "types-PyYAML==6.0.12.20261113", "llmd-benchmark-report>=0.2.1,<0.3"],
+        # pytest-xdist: the fast tier runs on every core (scripts/test.sh --fast).
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "cryptography>=42", "openai>=1.40",
+                 "polars>=1", "duckdb>=1.1", "ruff==0.17.5", "mypy==2.4.1", "types-PyYAML==6.0.12.20261113",
+                 "llmd-benchmark-report>=0.2.1,<0.3"],
     },
     entry_points={"console_scripts": ["beam-rl=beam_rl.cli:main"]},
 )
