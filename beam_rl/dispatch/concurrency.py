@@ -8,11 +8,10 @@
   controller starts at a quarter of the ceiling and grows by half while the rate is no worse (slow start),
   then steps down from the best cap by the same factor while the rate is no worse (descent: the start can be
   past the peak, when the KV caches hold fewer sequences than that), then probes one step up and one step
-  down at a time, keeping a probe only when it measured better; probes
-  get closer and rarer while they lose, so it settles near the peak, and open up again when the rate
-  moves, so it follows a change of lengths or step times; a measurement far below the last accepted one
-  (a collapse: the step time rose, or servers went away) halves the cap at once. Measurements span whole
-  policy steps.
+  down at a time, keeping a probe only when it measured better; probes get closer and rarer while they
+  lose, so it settles near the peak, and open up again when the rate moves, so it follows a change of
+  lengths or step times; a measurement far below the last accepted one (a collapse: the step time rose,
+  or servers went away) halves the cap at once. Measurements span whole policy steps.
 - `kv`: each server's KV-cache usage (vLLM's `vllm:kv_cache_usage_perc`) kept under a soft cap, additive
   increase and multiplicative decrease, on the loads the server pool polls.
 
@@ -92,10 +91,10 @@ class GoodputController:
     turned over. It ends at the first policy step after `max(min_rollouts, measure_turns * cap)` more have
     finished and the rate is known to `precision` (its relative standard error, twice it in slow start and
     descent: a long tail of lengths needs more rollouts), or once it spans `max_span_steps` policy steps (and
-    `min_rollouts`) or 16x the rollouts: past the peak, a cap's worth of rollouts can take minutes. Whole policy steps,
-    because that is when work goes stale: a span cut mid-step would count a step's stale rollouts or not
-    by chance. The first measurement waits for `fill_steps` policy steps: until then a pool that filled
-    from empty has no stale work. Without policy versions (or when the policy does not move within 4x the
+    `min_rollouts`) or 16x the rollouts: past the peak, a cap's worth of rollouts can take minutes. Whole
+    policy steps, because that is when work goes stale: a span cut mid-step would count a step's stale
+    rollouts or not by chance. The first measurement waits for `fill_steps` policy steps: until then a pool
+    that filled from empty has no stale work. Without policy versions (or when the policy does not move within 4x the
     rollouts), the counts alone decide.
 
     Probing: a probe moves the accepted cap by `step` (an eighth of it at first: past the peak, a probe is paid
